@@ -1,0 +1,41 @@
+# Two commands set up everything on a fresh machine:
+#   make demo   -- builds .venv, makes a small real checkpoint, inspects / converts / reshards it
+#   make test   -- builds .venv, runs ruff and the whole test suite (what CI runs)
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed-stamp
+
+# DeepSpeed builds no C++ ops on these CPU machines.
+export DS_BUILD_OPS := 0
+export DS_ACCELERATOR := cpu
+export DS_SKIP_CUDA_CHECK := 1
+export OMP_NUM_THREADS ?= 1
+
+.PHONY: venv test test-fast demo lint bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev,torch,jax,deepspeed]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+lint: venv
+	$(VENV)/bin/ruff check .
+
+test: venv lint
+	$(PY) -m pytest -q
+
+test-fast: venv
+	$(PY) -m pytest -q -m "not heavy"
+
+demo: venv
+	$(PY) examples/demo.py demo_out
+
+bench: venv
+	$(PY) bench/bench_core.py
+
+clean:
+	rm -rf $(VENV) demo_out bench/out .pytest_cache .ruff_cache

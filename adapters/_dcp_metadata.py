@@ -1,0 +1,265 @@
+"""torch.distributed.checkpoint (DCP) directories, read without torch and without running code.
+
+A DCP directory (``FileSystemWriter``) holds ``.metadata`` (a pickle of
+torch dataclasses: ``Metadata(state_dict_metadata, storage_data, ...)``) and
+``__{rank}_{k}.distcp`` data files. ``state_dict_metadata`` maps each key to
+``TensorStorageMetadata(properties, size, chunks)`` (global shape, one
+``ChunkStorageMetadata(offsets, sizes)`` per saved box) or
+``BytesStorageMetadata``; ``storage_data`` maps ``MetadataIndex(fqn, offset)``
+to ``_StorageInfo(relative_path, offset, length)``. Each tensor item is itself
+a small ``torch.save`` zip archive stored at that byte range (the default
+``SerializationFormat.TORCH_SAVE``), so a chunk is found in place: parse the
+embedded zip's headers, unpickle its ``data.pkl`` with the safe loader and
+point a :class:`~ckptbridge._model.FileRegion` at its storage bytes::
+
+    meta = read_metadata("ckpt/iter_0000005")
+    t = meta.tensors["embedding.word_embeddings.weight"]
+    state = tensor_state(meta, "embedding.word_embeddings.weight")   # zero copy
+    obj = read_object(meta, "optimizer.distributed.dp_group_idx_0.optimizer/shard_0_1")
+
+Generic (any DCP checkpoint, not only Megatron's), so the torch/DCP adapter can reuse it.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import struct
+import zipfile
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ckptbridge._errors import FormatError, MissingShardError, TruncatedError
+from ckptbridge._model import Box, FileRegion, Fragment, TensorState
+from ckptbridge._pickle import Opaque, StorageRef, StorageType, TensorRef, TorchDtype, safe_loads
+
+_LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")
+_MAX_METADATA = 1 << 31
+
+
+@dataclass(frozen=True)
+class DcpChunk:
+    """One saved box of a tensor and the byte range of its item in a data file."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    file: str  # absolute path
+    offset: int
+    length: int
+
+
+@dataclass(frozen=True)
+class DcpTensor:
+    fqn: str
+    dtype: str
+    size: tuple[int, ...]
+    chunks: tuple[DcpChunk, ...]
+
+
+@dataclass(frozen=True)
+class DcpMetadata:
+    """What a DCP ``.metadata`` says: tensors (with chunk locations) and byte objects."""
+
+    path: str
+    tensors: Mapping[str, DcpTensor]
+    objects: Mapping[str, tuple[str, int, int]]  # fqn -> (file, offset, length)
+    raw: Any  # the Opaque Metadata record (planner_data, storage_meta ...)
+
+
+def is_dcp_dir(path: str) -> bool:
+    return os.path.isdir(path) and os.path.isfile(os.path.join(path, ".metadata"))
+
+
+def _fields(obj: Any) -> dict[str, Any]:
+    return obj.fields if isinstance(obj, Opaque) else {}
+
+
+def _dtype_of(props: Any, where: str) -> str:
+    """``TensorProperties`` pickles its state as a tuple (dtype, layout, requires_grad, ...)."""
+    if isinstance(props, Opaque):
+        state = props.__dict__["state_"]
+        if isinstance(state, tuple) and state and isinstance(state[0], TorchDtype):
+            return state[0].name
+        dt = props.fields.get("dtype")
+        if isinstance(dt, TorchDtype):
+            return dt.name
+    raise FormatError(f"{where}: tensor properties without a dtype ({props!r})")
+
+
+def read_metadata(path: str) -> DcpMetadata:
+    """Parse ``path/.metadata`` with the safe unpickler (no torch, no code execution)."""
+    path = os.fspath(path)
+    meta_file = os.path.join(path, ".metadata")
+    if not os.path.isfile(meta_file):
+        raise MissingShardError(f"{meta_file}: DCP metadata file not found (not a finished checkpoint?)")
+    if os.path.getsize(meta_file) > _MAX_METADATA:
+        raise FormatError(f"{meta_file}: implausibly large metadata file")
+    with open(meta_file, "rb") as fh:
+        raw = safe_loads(fh.read(), source=meta_file)
+    f = _fields(raw)
+    sdm, storage = f.get("state_dict_metadata"), f.get("storage_data")
+    if not isinstance(sdm, Mapping) or not isinstance(storage, Mapping):
+        raise FormatError(f"{meta_file}: not a torch.distributed.checkpoint Metadata pickle")
+    where: dict[tuple[str, tuple[int, ...] | None], tuple[str, int, int]] = {}
+    for idx, info in storage.items():
+        fi, ii = _fields(idx), _fields(info)
+        if ii.get("transform_descriptors"):
+            raise FormatError(
+                f"{meta_file}: item {fi.get('fqn')!r} is stored with transforms "
+                f"{ii['transform_descriptors']!r} (compressed?); not readable in place"
+            )
+        off = fi.get("offset")
+        key = (str(fi.get("fqn")), tuple(int(x) for x in off) if off is not None else None)
+        rel = str(ii.get("relative_path"))
+        if os.path.isabs(rel) or ".." in rel.split("/"):
+            raise FormatError(f"{meta_file}: data file {rel!r} escapes the checkpoint directory")
+        where[key] = (os.path.join(path, rel), int(ii.get("offset", 0)), int(ii.get("length", -1)))
+    tensors: dict[str, DcpTensor] = {}
+    objects: dict[str, tuple[str, int, int]] = {}
+    for fqn, md in sdm.items():
+        fqn = str(fqn)
+        kind = getattr(md, "_qualname", "")
+        mf = _fields(md)
+        if kind == "TensorStorageMetadata":
+            dtype = _dtype_of(mf.get("properties"), f"{meta_file}: {fqn}")
+            chunks = []
+            for c in mf.get("chunks") or ():
+                cf = _fields(c)
+                offs = tuple(int(x) for x in cf["offsets"])
+                sizes = tuple(int(x) for x in cf["sizes"])
+                loc = where.get((fqn, offs))
+                if loc is None:
+                    raise FormatError(f"{meta_file}: no storage entry for {fqn!r} chunk at {offs}")
+                chunks.append(DcpChunk(offs, sizes, *loc))
+            tensors[fqn] = DcpTensor(fqn, dtype, tuple(int(x) for x in mf["size"]), tuple(chunks))
+        elif kind == "BytesStorageMetadata":
+            loc = where.get((fqn, None)) or where.get((fqn, ()))
+            if loc is None:
+                loc = next((v for (k, _), v in where.items() if k == fqn), None)
+            if loc is not None:
+                objects[fqn] = loc
+        else:
+            raise FormatError(f"{meta_file}: unknown storage metadata {kind!r} for {fqn!r}")
+    return DcpMetadata(path, tensors, objects, raw)
+
+
+class _Slice(io.RawIOBase):
+    """A read-only window ``[start, start+length)`` of a file, for zipfile."""
+
+    def __init__(self, fh: Any, start: int, length: int) -> None:
+        self._fh, self._start, self._len, self._pos = fh, start, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        base = {0: 0, 1: self._pos, 2: self._len}[whence]
+        self._pos = max(0, base + pos)
+        return self._pos
+
+    def readinto(self, b: Any) -> int:
+        n = max(0, min(len(b), self._len - self._pos))
+        self._fh.seek(self._start + self._pos)
+        data = self._fh.read(n)
+        b[: len(data)] = data
+        self._pos += len(data)
+        return len(data)
+
+
+def _embedded_archive(file: str, start: int, length: int, what: str) -> tuple[Any, dict[str, tuple[int, int]]]:
+    """Unpickle the ``torch.save`` zip at ``file[start:start+length]``; storage key -> absolute (offset, size)."""
+    try:
+        fh = open(file, "rb")
+    except FileNotFoundError:
+        raise MissingShardError(f"{file}: data file not found (needed for {what})") from None
+    with fh:
+        size = os.fstat(fh.fileno()).st_size
+        if start + length > size:
+            raise TruncatedError(f"{file}: {what} needs bytes up to {start + length}, the file has {size}")
+        try:
+            with zipfile.ZipFile(_Slice(fh, start, length)) as zf:
+                infos = zf.infolist()
+                pkl = [i for i in infos if i.filename.endswith("data.pkl")]
+                if not pkl:
+                    raise FormatError(f"{file}@{start}: {what} is not a torch.save archive")
+                prefix = pkl[0].filename[: -len("data.pkl")]
+                offsets: dict[str, tuple[int, int]] = {}
+                for info in infos:
+                    if not info.filename.startswith(prefix + "data/"):
+                        continue
+                    if info.compress_type != zipfile.ZIP_STORED:
+                        raise FormatError(f"{file}: {what}: storage {info.filename} is compressed")
+                    fh.seek(start + info.header_offset)
+                    head = fh.read(_LOCAL_HEADER.size)
+                    if len(head) < _LOCAL_HEADER.size or head[:4] != b"PK\x03\x04":
+                        raise TruncatedError(f"{file}: {what}: broken zip entry {info.filename}")
+                    fl = _LOCAL_HEADER.unpack(head)
+                    data_start = start + info.header_offset + _LOCAL_HEADER.size + fl[9] + fl[10]
+                    offsets[info.filename[len(prefix) + 5 :]] = (data_start, info.file_size)
+                data = zf.read(pkl[0])
+        except zipfile.BadZipFile as err:
+            raise TruncatedError(f"{file}@{start}: {what}: damaged embedded archive ({err})") from None
+
+    def persistent_load(pid: Any) -> StorageRef:
+        if not (isinstance(pid, tuple) and len(pid) >= 5 and pid[0] == "storage"):
+            raise FormatError(f"unknown persistent id {pid!r}")
+        stype, key = pid[1], str(pid[2])
+        if not isinstance(stype, StorageType) or key not in offsets:
+            raise FormatError(f"storage {key} of type {stype!r} is missing")
+        return StorageRef(key, stype.dtype, int(pid[4]))
+
+    return safe_loads(data, persistent_load, source=f"{file}@{start} ({what})"), offsets
+
+
+def chunk_fragment(tensor: DcpTensor, chunk: DcpChunk) -> Fragment:
+    """The in-place fragment of one saved chunk (box = the chunk's global offsets/sizes)."""
+    what = f"tensor {tensor.fqn!r} chunk {chunk.offsets}"
+    obj, offsets = _embedded_archive(chunk.file, chunk.offset, chunk.length, what)
+    if not isinstance(obj, TensorRef):
+        raise FormatError(f"{chunk.file}@{chunk.offset}: {what} holds {type(obj).__name__}, not a tensor")
+    if obj.shape != chunk.sizes or obj.dtype != tensor.dtype:
+        raise FormatError(
+            f"{chunk.file}: {what}: stored {obj.shape}/{obj.dtype}, metadata says {chunk.sizes}/{tensor.dtype}"
+        )
+    start, length = offsets[obj.storage.key]
+    region = FileRegion(chunk.file, start + obj.offset * _itemsize(obj.dtype), obj.dtype, obj.stride)
+    if obj.offset * _itemsize(obj.dtype) + region.extent(obj.shape) > length:
+        raise FormatError(f"{chunk.file}: {what} reaches past its storage")
+    return Fragment(Box(chunk.offsets, chunk.sizes), region)
+
+
+def _itemsize(dtype: str) -> int:
+    from ckptbridge import _dtypes
+
+    return _dtypes.itemsize(dtype)
+
+
+def tensor_state(meta: DcpMetadata, fqn: str) -> TensorState:
+    """All chunks of ``fqn`` as one :class:`TensorState` over the global shape (no data read)."""
+    t = meta.tensors.get(fqn)
+    if t is None:
+        raise FormatError(f"{meta.path}: no tensor {fqn!r} in the DCP metadata")
+    return TensorState(t.dtype, t.size, tuple(chunk_fragment(t, c) for c in t.chunks))
+
+
+def read_object(meta: DcpMetadata, fqn: str) -> Any:
+    """A bytes entry (``torch.save`` of a Python object, e.g. a Megatron ShardedObject), safely unpickled.
+
+    Tensors inside come back as :class:`~ckptbridge._pickle.TensorRef`; use :func:`object_archive`
+    when their bytes are needed.
+    """
+    return object_archive(meta, fqn)[0]
+
+
+def object_archive(meta: DcpMetadata, fqn: str) -> tuple[Any, dict[str, tuple[int, int]]]:
+    loc = meta.objects.get(fqn)
+    if loc is None:
+        raise FormatError(f"{meta.path}: no object {fqn!r} in the DCP metadata")
+    return _embedded_archive(loc[0], loc[1], loc[2], f"object {fqn!r}")

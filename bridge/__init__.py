@@ -1,0 +1,106 @@
+"""ckptbridge: portable distributed-training checkpoints.
+
+Open any checkpoint lazily, convert it to the universal layout, export or
+reshard it, and compare two of them, across formats::
+
+    import ckptbridge
+
+    ckpt = ckptbridge.open("run/checkpoints/global_step1000")   # DeepSpeed, Megatron, DCP,
+    ckpt.format, ckpt.step                                       # Orbax, torch, safetensors,
+    w = ckpt["blocks.0.qkv.weight"]                              # or universal
+    w.shape, w.dtype, w.states
+    w[:128]                                   # reads only those rows' bytes
+    w.state("exp_avg").read()
+
+    ckptbridge.convert(ckpt, "out/universal")                     # pickle-free, checksummed
+    ckptbridge.export("out/universal", "w.safetensors", state="fp32")
+    ckptbridge.reshard("out/universal", "out/mega", to="megatron", tp=2, pp=2)
+    ckptbridge.diff("a.pt", "out/universal")
+
+Framework adapters live in ``ckptbridge.adapters`` (``.jax``, ``.torch``,
+``.deepspeed``, ``.megatron``, ...) and import their framework lazily;
+``import ckptbridge`` imports neither torch nor jax.
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+from ._checkpoint import Checkpoint, CheckpointIndex, TensorView
+from ._convert import DiffRow, convert, diff, export
+from ._errors import (
+    CheckpointError,
+    CorruptionError,
+    FormatError,
+    IncompleteCheckpointError,
+    MissingShardError,
+    ShapeMismatchError,
+    TensorNotFoundError,
+    TruncatedError,
+    UnknownFormatError,
+    UnsafePickleError,
+)
+from ._model import Box, FileRegion, Fragment, LogicalTensor, TensorState, flat_range_fragments
+from ._open import detect_format, open
+from ._plan import CopyOp, plan
+from ._reshard import reshard
+from ._rules import (
+    Fuse,
+    Pad,
+    Rename,
+    Renumber,
+    Replicate,
+    Rule,
+    Shard,
+    Split,
+    Stack,
+    Transpose,
+    Unstack,
+    apply_rules,
+)
+from ._universal import verify
+
+__all__ = [
+    "Box",
+    "Checkpoint",
+    "CheckpointError",
+    "CheckpointIndex",
+    "CopyOp",
+    "CorruptionError",
+    "DiffRow",
+    "FileRegion",
+    "FormatError",
+    "Fragment",
+    "Fuse",
+    "IncompleteCheckpointError",
+    "LogicalTensor",
+    "MissingShardError",
+    "Pad",
+    "Rename",
+    "Renumber",
+    "Replicate",
+    "Rule",
+    "ShapeMismatchError",
+    "Shard",
+    "Split",
+    "Stack",
+    "TensorNotFoundError",
+    "TensorState",
+    "TensorView",
+    "Transpose",
+    "TruncatedError",
+    "UnknownFormatError",
+    "UnsafePickleError",
+    "Unstack",
+    "__version__",
+    "apply_rules",
+    "convert",
+    "detect_format",
+    "diff",
+    "export",
+    "flat_range_fragments",
+    "open",
+    "plan",
+    "reshard",
+    "verify",
+]

@@ -1,0 +1,157 @@
+"""The lazy ``Checkpoint`` view every format opens into.
+
+An adapter turns native files into a :class:`CheckpointIndex` (pure
+metadata: logical tensors, fragments, rules); :class:`Checkpoint` adds the
+reader. Nothing is read until a tensor is sliced::
+
+    ckpt = ckptbridge.open("run/global_step3")
+    ckpt.format, ckpt.step, len(ckpt)
+    w = ckpt["blocks.0.qkv.weight"]           # TensorView of the weights
+    w.shape, w.dtype, w.states                  # metadata only
+    w[:10]                                      # reads only rows 0..9
+    ckpt["blocks.0.qkv.weight"].state("exp_avg").read()
+    ckpt.stats.bytes_read
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ._errors import TensorNotFoundError
+from ._model import Box, LogicalTensor, TensorState
+from ._plan import normalize_index
+from ._read import FileCache, ReadStats, read_state
+
+
+@dataclass(frozen=True)
+class CheckpointIndex:
+    """What a checkpoint holds, without any tensor data.
+
+    ``rules`` are the Universal Checkpoint Language rules that map the native
+    pieces onto the logical tensors (see ``ckptbridge._rules``), as data.
+    ``extra`` is non-tensor state (optimizer hyper-parameters, scheduler,
+    RNG, data position ...), JSON-able.
+    """
+
+    format: str
+    path: str
+    tensors: Mapping[str, LogicalTensor]
+    step: int | None = None
+    extra: Mapping[str, Any] = field(default_factory=dict)
+    rules: tuple[Mapping[str, Any], ...] = ()
+    provenance: Mapping[str, Any] = field(default_factory=dict)
+
+
+class TensorView:
+    """One state of one logical tensor; slicing reads only what is asked."""
+
+    def __init__(self, ckpt: Checkpoint, tensor: LogicalTensor, state: str | None = None) -> None:
+        self._ckpt = ckpt
+        self.tensor = tensor
+        self.state_name = tensor.weight_state if state is None else state
+        self._state: TensorState = tensor.state(self.state_name)
+
+    name = property(lambda self: self.tensor.name)
+    shape = property(lambda self: self._state.shape)
+    dtype = property(lambda self: self._state.dtype)
+    fragments = property(lambda self: self._state.fragments)
+    states = property(lambda self: tuple(self.tensor.states))
+    scalars = property(lambda self: dict(self.tensor.scalars))
+    ndim = property(lambda self: len(self._state.shape))
+    nbytes = property(lambda self: self._state.nbytes)
+
+    def state(self, name: str) -> TensorView:
+        """The same tensor's state ``name`` (``exp_avg``, ...)."""
+        return TensorView(self._ckpt, self.tensor, name)
+
+    def read(self, box: Box | None = None, dtype: str | None = None) -> np.ndarray:
+        """Read ``box`` (default all) as a numpy array, optionally cast to ``dtype``."""
+        return read_state(self._state, box, self._ckpt.files, dtype, self._label())
+
+    def __getitem__(self, index: object) -> np.ndarray:
+        box, post = normalize_index(index, self.shape)
+        return self.read(box)[post]
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        arr = self.read()
+        return arr if dtype is None else arr.astype(dtype)
+
+    def _label(self) -> str:
+        return f"{self._ckpt.path}: tensor {self.name!r} state {self.state_name!r}"
+
+    def __repr__(self) -> str:
+        return (
+            f"TensorView({self.name!r}, state={self.state_name!r}, shape={self.shape}, "
+            f"dtype={self.dtype}, fragments={len(self.fragments)})"
+        )
+
+
+class Checkpoint(Mapping[str, TensorView]):
+    """A lazily read checkpoint of any supported format (see :func:`ckptbridge.open`)."""
+
+    def __init__(self, index: CheckpointIndex, files: FileCache | None = None) -> None:
+        self.index = index
+        self.files = files or FileCache()
+
+    format = property(lambda self: self.index.format)
+    path = property(lambda self: self.index.path)
+    step = property(lambda self: self.index.step)
+    extra = property(lambda self: self.index.extra)
+    rules = property(lambda self: self.index.rules)
+    provenance = property(lambda self: self.index.provenance)
+    tensors = property(lambda self: self.index.tensors)
+
+    @property
+    def stats(self) -> ReadStats:
+        """Bytes read so far, per file."""
+        return self.files.stats
+
+    def __getitem__(self, name: str) -> TensorView:
+        try:
+            tensor = self.index.tensors[name]
+        except KeyError:
+            raise TensorNotFoundError(f"{self.path}: no tensor {name!r} in this checkpoint") from None
+        return TensorView(self, tensor)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.index.tensors)
+
+    def __len__(self) -> int:
+        return len(self.index.tensors)
+
+    def read(self, name: str, state: str | None = None, box: Box | None = None,
+             dtype: str | None = None) -> np.ndarray:
+        """Shorthand for ``ckpt[name].state(state).read(box, dtype)``."""
+        view = self[name] if state is None else self[name].state(state)
+        return view.read(box, dtype)
+
+    def state_dict(self, state: str | None = None, dtype: str | None = None) -> dict[str, np.ndarray]:
+        """All tensors of one state as numpy arrays (reads everything: for small models)."""
+        out = {}
+        for name, t in self.index.tensors.items():
+            if state is None or state in t.states:
+                out[name] = TensorView(self, t, state).read(dtype=dtype)
+        return out
+
+    def states(self) -> tuple[str, ...]:
+        """Every state name present in any tensor."""
+        seen: dict[str, None] = {}
+        for t in self.index.tensors.values():
+            seen.update(dict.fromkeys(t.states))
+        return tuple(seen)
+
+    def close(self) -> None:
+        self.files.close()
+
+    def __enter__(self) -> Checkpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Checkpoint(format={self.format!r}, path={self.path!r}, step={self.step}, tensors={len(self)})"

@@ -1,0 +1,206 @@
+"""Whole-checkpoint operations: convert to universal, export to safetensors, diff.
+
+All of them stream tensor by tensor (peak memory ~ the largest tensor)::
+
+    ckptbridge.convert("ds_run/global_step3", "out/universal")
+    ckptbridge.export("out/universal", "weights.safetensors", state="fp32")
+    rows = ckptbridge.diff("a.pt", "out/universal")
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from . import __version__
+from ._checkpoint import Checkpoint, TensorView
+from ._errors import TensorNotFoundError
+from ._model import Box
+from ._open import open as open_checkpoint
+from ._rules import Rule, apply_rules, rules_to_json
+from ._safetensors import Entry, write_file
+from ._universal import Piece, save
+
+Source = "str | os.PathLike[str] | Checkpoint"
+
+
+def as_checkpoint(src: Any) -> Checkpoint:
+    return src if isinstance(src, Checkpoint) else open_checkpoint(src)
+
+
+def _pieces(ckpt: Checkpoint, states: Sequence[str] | None) -> list[Piece]:
+    out = []
+    for name, t in ckpt.tensors.items():
+        for sname, st in t.states.items():
+            if states is not None and sname not in states:
+                continue
+            view = TensorView(ckpt, t, sname)
+            out.append(Piece(name, sname, st.dtype, st.shape, Box.full(st.shape), view.read))
+    return out
+
+
+def convert(
+    src: Any,
+    dst: str | os.PathLike[str],
+    *,
+    states: Sequence[str] | None = None,
+    rules: Sequence[Rule] = (),
+    overwrite: bool = False,
+    progress: Callable[[int, int], None] | None = None,
+) -> str:
+    """Write a universal directory from any supported checkpoint.
+
+    ``rules`` are mapping rules applied on the way (rename, transpose, stack...);
+    they are recorded in the manifest with the source's own layout rules.
+    ``progress(done_bytes, total_bytes)`` is called after each tensor.
+    """
+    ckpt = as_checkpoint(src)
+    tensors = apply_rules(ckpt.tensors, rules) if rules else ckpt.tensors
+    view = Checkpoint(type(ckpt.index)(
+        ckpt.format, ckpt.path, tensors, ckpt.step, ckpt.extra, ckpt.rules, ckpt.provenance
+    ), ckpt.files)
+    pieces = _pieces(view, states)
+    total = sum(p.box.size * np.dtype(_np(p.dtype)).itemsize for p in pieces)
+    done = [0]
+
+    def tick(p: Piece) -> None:
+        done[0] += p.box.size * np.dtype(_np(p.dtype)).itemsize
+        if progress:
+            progress(done[0], total)
+
+    return save(
+        os.fspath(dst), pieces, step=ckpt.step, extra=_jsonable(ckpt.extra),
+        rules=[*ckpt.rules, *rules_to_json(rules)],
+        provenance={"source_format": ckpt.format, "source_path": os.path.abspath(ckpt.path),
+                    "ckptbridge_version": __version__, **_provenance(ckpt)},
+        scalars={n: dict(t.scalars) for n, t in tensors.items() if t.scalars},
+        overwrite=overwrite, on_piece=tick,
+    )
+
+
+def _np(dtype: str) -> Any:
+    from ._dtypes import to_numpy
+
+    return to_numpy(dtype)
+
+
+def _provenance(ckpt: Checkpoint) -> dict[str, Any]:
+    return {"source_provenance": dict(ckpt.provenance)} if ckpt.provenance else {}
+
+
+def _jsonable(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    if isinstance(obj, np.generic):
+        return obj.item()
+    return repr(obj)
+
+
+def export(
+    src: Any,
+    out: str | os.PathLike[str],
+    *,
+    state: str | None = None,
+    dtype: str | None = None,
+    overwrite: bool = False,
+) -> str:
+    """One safetensors file of consolidated tensors of one state (keys = logical names).
+
+    ``state=None`` exports each tensor's weights (``fp32`` if present, else
+    ``param``); tensors without the requested state are left out.
+    """
+    ckpt = as_checkpoint(src)
+    out = os.fspath(out)
+    if os.path.exists(out) and not overwrite:
+        raise FileExistsError(f"{out}: already exists; pass overwrite=True to replace it")
+    entries = []
+    for name, t in ckpt.tensors.items():
+        if state is not None and state not in t.states:
+            continue
+        view = TensorView(ckpt, t, state)
+        entries.append(Entry(name, dtype or view.dtype, view.shape,
+                             lambda v=view, d=dtype: v.read(dtype=d)))
+    if not entries:
+        raise TensorNotFoundError(f"{ckpt.path}: no tensor has state {state!r}; states: {ckpt.states()}")
+    tmp = out + ".partial"
+    if os.path.exists(tmp):
+        os.remove(tmp)
+    meta = {"format": "pt", "source_format": ckpt.format}
+    if ckpt.step is not None:
+        meta["step"] = str(ckpt.step)
+    try:
+        write_file(tmp, entries, meta)
+        os.replace(tmp, out)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+    return out
+
+
+@dataclass(frozen=True)
+class DiffRow:
+    """How one tensor compares between two checkpoints."""
+
+    name: str
+    in_a: bool
+    in_b: bool
+    shape_a: tuple[int, ...] | None
+    shape_b: tuple[int, ...] | None
+    dtype_a: str | None
+    dtype_b: str | None
+    max_abs_diff: float | None
+
+    @property
+    def equal(self) -> bool:
+        return self.in_a and self.in_b and self.shape_a == self.shape_b and self.max_abs_diff == 0.0
+
+
+def _max_abs_diff(a: TensorView, b: TensorView, chunk_bytes: int = 64 << 20) -> float:
+    shape = a.shape
+    if not shape:
+        return float(abs(a.read(dtype="float64") - b.read(dtype="float64")))
+    rows = max(1, chunk_bytes // max(1, 8 * math.prod(shape[1:])))
+    worst = 0.0
+    for start in range(0, shape[0], rows):
+        box = Box((start,) + (0,) * (len(shape) - 1), (min(rows, shape[0] - start), *shape[1:]))
+        x = a.read(box, "float64")
+        y = b.read(box, "float64")
+        d = np.abs(x - y)
+        both_nan = np.isnan(x) & np.isnan(y)
+        d[both_nan] = 0.0
+        if d.size:
+            m = float(np.nanmax(np.where(np.isnan(d), np.inf, d)))
+            worst = max(worst, m)
+    return worst
+
+
+def diff(a: Any, b: Any, *, state: str | None = None) -> list[DiffRow]:
+    """Compare two checkpoints of any formats, tensor by tensor (streaming)."""
+    ca, cb = as_checkpoint(a), as_checkpoint(b)
+    rows = []
+    for name in list(dict.fromkeys([*ca.tensors, *cb.tensors])):
+        ta, tb = ca.tensors.get(name), cb.tensors.get(name)
+        va = TensorView(ca, ta, state) if ta is not None and (state is None or state in ta.states) else None
+        vb = TensorView(cb, tb, state) if tb is not None and (state is None or state in tb.states) else None
+        mad = None
+        if va is not None and vb is not None and va.shape == vb.shape:
+            mad = _max_abs_diff(va, vb)
+        rows.append(DiffRow(name, va is not None, vb is not None,
+                            va.shape if va else None, vb.shape if vb else None,
+                            va.dtype if va else None, vb.dtype if vb else None, mad))
+    return rows
+
+
+def remove_tree(path: str) -> None:
+    shutil.rmtree(path, ignore_errors=True)

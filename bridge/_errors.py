@@ -1,0 +1,55 @@
+"""One exception tree for everything ckptbridge raises on bad input.
+
+Every class subclasses a built-in as well, so callers that already catch
+``ValueError`` / ``FileNotFoundError`` / ``KeyError`` keep working::
+
+    try:
+        ckpt = ckptbridge.open("run/ckpt")
+    except ckptbridge.CheckpointError as err:
+        print(err)  # names the file and tensor and says what to do
+"""
+
+from __future__ import annotations
+
+
+class CheckpointError(Exception):
+    """Base class of every error ckptbridge raises about a checkpoint."""
+
+
+class FormatError(CheckpointError, ValueError):
+    """A file is not in the format it claims, or its metadata is inconsistent."""
+
+
+class UnknownFormatError(FormatError):
+    """``open`` found nothing it can read at a path."""
+
+
+class MissingShardError(CheckpointError, FileNotFoundError):
+    """A file that the checkpoint's own metadata names is absent (e.g. a rank file)."""
+
+
+class TruncatedError(FormatError):
+    """A file is shorter than its metadata says: a copy was cut off or is still being written."""
+
+
+class CorruptionError(CheckpointError, ValueError):
+    """Stored bytes do not match the checksum recorded when they were written."""
+
+
+class UnsafePickleError(CheckpointError, ValueError):
+    """A pickle asked to run code that ckptbridge will not run (e.g. ``os.system``)."""
+
+
+class TensorNotFoundError(CheckpointError, KeyError):
+    """A tensor or state name is not in the checkpoint."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else ""
+
+
+class ShapeMismatchError(CheckpointError, ValueError):
+    """Shapes or dtypes disagree (between fragments, or with what a caller asked for)."""
+
+
+class IncompleteCheckpointError(CheckpointError, ValueError):
+    """A universal directory without its commit marker: it was never finished."""

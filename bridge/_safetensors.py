@@ -1,0 +1,222 @@
+"""safetensors files: read in place (also HF sharded ``*.safetensors.index.json``) and stream-write.
+
+Format: 8-byte little-endian header length N, N bytes of JSON
+(``{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}}``),
+then the data; offsets are relative to byte ``8 + N``::
+
+    header, base = read_header("model.safetensors")
+    ckpt = ckptbridge.open("model.safetensors")   # via index()
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+import zlib
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from . import _dtypes
+from ._checkpoint import CheckpointIndex
+from ._errors import FormatError, MissingShardError, TruncatedError
+from ._model import LogicalTensor, TensorState, check_name, contiguous_fragment
+
+_MAX_HEADER = 100 << 20
+
+
+def read_header(path: str) -> tuple[dict[str, Any], int]:
+    """The parsed JSON header of a safetensors file and the byte offset its data starts at.
+
+    Validates every entry against the file size, so a lying header never
+    leads to a huge allocation or a read past the end.
+    """
+    try:
+        with open(path, "rb") as fh:
+            size = os.fstat(fh.fileno()).st_size
+            head = fh.read(8)
+            if len(head) < 8:
+                raise TruncatedError(f"{path}: too short for a safetensors file ({size} bytes)")
+            (n,) = struct.unpack("<Q", head)
+            if n > _MAX_HEADER or 8 + n > size:
+                raise TruncatedError(f"{path}: header claims {n} bytes but the file has {size}")
+            raw = fh.read(n)
+    except FileNotFoundError:
+        raise MissingShardError(f"{path}: file not found") from None
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise FormatError(f"{path}: safetensors header is not valid JSON ({err})") from None
+    if not isinstance(header, dict):
+        raise FormatError(f"{path}: safetensors header is not a JSON object")
+    base = 8 + n
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype = _dtypes.from_safetensors(info["dtype"])
+            shape = [int(s) for s in info["shape"]]
+            begin, end = (int(x) for x in info["data_offsets"])
+        except (KeyError, TypeError, ValueError) as err:
+            raise FormatError(f"{path}: tensor {name!r} has a malformed header entry ({err})") from None
+        if any(s < 0 for s in shape) or begin < 0 or end < begin:
+            raise FormatError(f"{path}: tensor {name!r} has a negative shape or offsets")
+        if (end - begin) != math.prod(shape) * _dtypes.itemsize(dtype):
+            raise FormatError(f"{path}: tensor {name!r} byte range {end - begin} does not match shape {shape} {dtype}")
+        if base + end > size:
+            raise TruncatedError(f"{path}: tensor {name!r} ends at byte {base + end} but the file has {size}")
+    return header, base
+
+
+def _single_file_tensors(path: str) -> dict[str, LogicalTensor]:
+    header, base = read_header(path)
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        check_name(name, path)
+        dtype = _dtypes.from_safetensors(info["dtype"])
+        frag = contiguous_fragment(info["shape"], path, base + int(info["data_offsets"][0]), dtype)
+        out[name] = LogicalTensor(name, {"param": TensorState(dtype, frag.box.shape, (frag,))})
+    return out
+
+
+def _index_files(path: str) -> list[str]:
+    if os.path.isdir(path):
+        idx = [f for f in sorted(os.listdir(path)) if f.endswith(".safetensors.index.json")]
+        if idx:
+            return _index_files(os.path.join(path, idx[0]))
+        return [os.path.join(path, f) for f in sorted(os.listdir(path)) if f.endswith(".safetensors")]
+    if path.endswith(".index.json"):
+        try:
+            with open(path) as fh:
+                weight_map = json.load(fh)["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise FormatError(f"{path}: not a safetensors index ({err})") from None
+        root = os.path.dirname(path)
+        files = []
+        for f in dict.fromkeys(weight_map.values()):
+            full = os.path.normpath(os.path.join(root, f))
+            if os.path.dirname(full) != os.path.normpath(root):
+                raise FormatError(f"{path}: shard name {f!r} points outside the checkpoint directory")
+            files.append(full)
+        return files
+    return [path]
+
+
+def detect(path: str) -> bool:
+    if os.path.isfile(path):
+        return path.endswith((".safetensors", ".safetensors.index.json"))
+    if os.path.isdir(path):
+        return any(f.endswith((".safetensors", ".safetensors.index.json")) for f in os.listdir(path))
+    return False
+
+
+def index(path: str) -> CheckpointIndex:
+    """Open a safetensors file, an HF ``*.safetensors.index.json`` or a folder of shards."""
+    tensors: dict[str, LogicalTensor] = {}
+    files = _index_files(path)
+    for f in files:
+        if not os.path.exists(f):
+            raise MissingShardError(f"{f}: shard listed by {path} is missing")
+        for name, t in _single_file_tensors(f).items():
+            if name in tensors:
+                raise FormatError(f"{f}: tensor {name!r} appears in two shards")
+            tensors[name] = t
+    meta = {}
+    if len(files) == 1:
+        meta = read_header(files[0])[0].get("__metadata__") or {}
+    return CheckpointIndex("safetensors", path, tensors, extra={"metadata": meta} if meta else {})
+
+
+# ------------------------------------------------------------------ writing
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One tensor to write: its key, dtype, shape and how to get its data (array or callable)."""
+
+    key: str
+    dtype: str
+    shape: tuple[int, ...]
+    data: np.ndarray | Callable[[], np.ndarray]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * _dtypes.itemsize(self.dtype)
+
+
+@dataclass(frozen=True)
+class Written:
+    """Where an entry landed: absolute byte offset in the file and its CRC32."""
+
+    key: str
+    offset: int
+    nbytes: int
+    checksum: str
+
+
+def _header_bytes(entries: Iterable[Entry], metadata: Mapping[str, str] | None) -> tuple[bytes, list[int]]:
+    header: dict[str, Any] = {}
+    if metadata:
+        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    offsets, at = [], 0
+    for e in entries:
+        header[e.key] = {"dtype": _dtypes.to_safetensors(e.dtype), "shape": list(e.shape),
+                         "data_offsets": [at, at + e.nbytes]}
+        offsets.append(at)
+        at += e.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return raw, offsets
+
+
+def as_bytes(arr: np.ndarray) -> memoryview:
+    """The bytes of an array in row-major order (no copy when already contiguous)."""
+    return memoryview(np.ascontiguousarray(arr).reshape(-1).view(np.uint8))
+
+
+def write_file(path: str, entries: list[Entry], metadata: Mapping[str, str] | None = None,
+               on_entry: Callable[[Entry], None] | None = None) -> list[Written]:
+    """Stream ``entries`` into a new safetensors file at ``path`` and fsync it.
+
+    The header is computed from shapes first, so data is produced one entry at
+    a time (callables are called lazily, the next one while the previous is
+    written): peak memory is about two entries, not the file.
+    """
+    keys = [e.key for e in entries]
+    if len(set(keys)) != len(keys):
+        raise FormatError(f"{path}: duplicate keys in one safetensors file")
+    raw, offsets = _header_bytes(entries, metadata)
+    base = 8 + len(raw)
+
+    def produce(e: Entry) -> np.ndarray:
+        arr = e.data() if callable(e.data) else e.data
+        arr = np.asarray(arr)
+        if tuple(arr.shape) != tuple(e.shape):
+            raise FormatError(f"{path}: tensor {e.key!r} has shape {arr.shape}, declared {e.shape}")
+        want = _dtypes.to_numpy(e.dtype)
+        return arr if arr.dtype == want else arr.astype(want)
+
+    out: list[Written] = []
+    with open(path, "xb") as fh, ThreadPoolExecutor(1) as pool:
+        fh.write(struct.pack("<Q", len(raw)))
+        fh.write(raw)
+        pending = pool.submit(produce, entries[0]) if entries else None
+        for i, e in enumerate(entries):
+            arr = pending.result()
+            pending = pool.submit(produce, entries[i + 1]) if i + 1 < len(entries) else None
+            buf = as_bytes(arr)
+            fh.write(buf)
+            out.append(Written(e.key, base + offsets[i], e.nbytes, f"crc32:{zlib.crc32(buf):08x}"))
+            del arr, buf
+            if on_entry:
+                on_entry(e)
+        fh.flush()
+        os.fsync(fh.fileno())
+    return out

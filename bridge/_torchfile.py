@@ -1,0 +1,96 @@
+"""Plain ``torch.save`` files (``.pt``/``.bin``/``.pth``), read in place without torch.
+
+Nested dicts are flattened with dots (``{"model": {"w": t}}`` -> ``model.w``);
+non-tensor values go to ``extra``. HF sharded ``pytorch_model.bin.index.json``
+folders are read too::
+
+    ckpt = ckptbridge.open("model.pt")
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from ._checkpoint import CheckpointIndex
+from ._errors import FormatError, MissingShardError
+from ._model import LogicalTensor, TensorState, check_name
+from ._torchzip import TorchArchive, is_torch_zip, iter_tensors, strip_tensors
+
+_STEP_KEYS = ("step", "iteration", "global_step", "global_steps", "epoch_step")
+
+
+def _files(path: str) -> list[str]:
+    if os.path.isdir(path):
+        idx = [f for f in os.listdir(path) if f.endswith(".bin.index.json")]
+        if idx:
+            path = os.path.join(path, sorted(idx)[0])
+        else:
+            return [os.path.join(path, f) for f in sorted(os.listdir(path))
+                    if f.endswith((".pt", ".bin", ".pth")) and is_torch_zip(os.path.join(path, f))]
+    if path.endswith(".index.json"):
+        try:
+            with open(path) as fh:
+                weight_map = json.load(fh)["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise FormatError(f"{path}: not a torch shard index ({err})") from None
+        root = os.path.dirname(path)
+        out = []
+        for f in dict.fromkeys(weight_map.values()):
+            full = os.path.normpath(os.path.join(root, f))
+            if os.path.dirname(full) != os.path.normpath(root):
+                raise FormatError(f"{path}: shard name {f!r} points outside the checkpoint directory")
+            out.append(full)
+        return out
+    return [path]
+
+
+def detect(path: str) -> bool:
+    if os.path.isfile(path):
+        return path.endswith(".bin.index.json") or is_torch_zip(path)
+    if os.path.isdir(path):
+        return any(f.endswith(".bin.index.json") for f in os.listdir(path))
+    return False
+
+
+def _find_step(obj: Any) -> int | None:
+    if isinstance(obj, dict):
+        for k in _STEP_KEYS:
+            v = obj.get(k)
+            if isinstance(v, int) and not isinstance(v, bool):
+                return v
+    return None
+
+
+def index(path: str) -> CheckpointIndex:
+    tensors: dict[str, LogicalTensor] = {}
+    extra: dict[str, Any] = {}
+    step = None
+    for f in _files(path):
+        if not os.path.exists(f):
+            raise MissingShardError(f"{f}: shard listed by {path} is missing")
+        archive = TorchArchive.open(f)
+        for name, ref in iter_tensors(archive.obj):
+            check_name(name or "<root>", f)
+            if name in tensors:
+                raise FormatError(f"{f}: tensor {name!r} appears twice")
+            frag = archive.fragment(ref, name)
+            tensors[name or "tensor"] = LogicalTensor(
+                name or "tensor", {"param": TensorState(ref.dtype, ref.shape, (frag,))}
+            )
+        step = step if step is not None else _find_step(archive.obj)
+        if isinstance(archive.obj, dict):
+            rest = {k: strip_tensors(v) for k, v in archive.obj.items() if not _all_tensors(v)}
+            extra.update(rest)
+    return CheckpointIndex("torch", path, tensors, step, extra)
+
+
+def _all_tensors(v: Any) -> bool:
+    from ._pickle import TensorRef
+
+    if isinstance(v, TensorRef):
+        return True
+    if isinstance(v, dict):
+        return bool(v) and all(_all_tensors(x) for x in v.values())
+    return False

@@ -1,0 +1,190 @@
+"""Read ``torch.save`` files in place, without torch and without running code.
+
+A torch zip archive stores the pickled object tree in ``<prefix>/data.pkl``
+and every storage uncompressed in ``<prefix>/data/<key>``. We unpickle the
+tree with the safe loader (tensors become :class:`TensorRef`) and compute
+each storage's byte offset in the archive, so a tensor becomes a
+:class:`~ckptbridge._model.Fragment` whose slices read only their bytes::
+
+    archive = TorchArchive.open("model.pt")
+    for name, ref in iter_tensors(archive.obj):
+        frag = archive.fragment(ref)
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import struct
+import zipfile
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from . import _dtypes
+from ._errors import FormatError, MissingShardError, TruncatedError
+from ._model import Box, FileRegion, Fragment
+from ._pickle import StorageRef, StorageType, TensorRef, safe_loads
+
+_LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")
+_MAX_PICKLE = 1 << 31
+
+
+def is_torch_zip(path: str, offset: int = 0) -> bool:
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(offset)
+            return fh.read(4) == b"PK\x03\x04"
+    except OSError:
+        return False
+
+
+class _Window(io.RawIOBase):
+    """Bytes ``[base, base + length)`` of an open file, seen as a file of their own."""
+
+    def __init__(self, fh: Any, base: int, length: int) -> None:
+        self._fh, self._base, self._length, self._pos = fh, base, length, 0
+
+    def seekable(self) -> bool:
+        return True
+
+    def readable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        anchor = (0, self._pos, self._length)[whence]
+        self._pos = max(0, min(anchor + pos, self._length))
+        return self._pos
+
+    def read(self, n: int = -1) -> bytes:
+        n = self._length - self._pos if n is None or n < 0 else min(n, self._length - self._pos)
+        self._fh.seek(self._base + self._pos)
+        data = self._fh.read(n)
+        self._pos += len(data)
+        return data
+
+    def readinto(self, b: Any) -> int:
+        data = self.read(len(b))
+        b[: len(data)] = data
+        return len(data)
+
+
+@dataclass(frozen=True)
+class TorchArchive:
+    """A ``torch.save`` archive: its object tree and where each storage's bytes are."""
+
+    path: str
+    obj: Any
+    storage_offsets: Mapping[str, tuple[int, int]]  # key -> (byte offset, byte length)
+
+    @staticmethod
+    def open(path: str, offset: int = 0, length: int | None = None) -> TorchArchive:
+        """Open the archive in ``path``, or the one embedded at bytes
+        ``[offset, offset + length)`` of it (torch DCP appends one ``torch.save``
+        archive per item to its ``.distcp`` files); storage offsets are file offsets."""
+        path = os.fspath(path)
+        if not os.path.exists(path):
+            raise MissingShardError(f"{path}: file not found")
+        if not is_torch_zip(path, offset):
+            raise FormatError(
+                f"{path}: not a torch zip archive (legacy pre-1.6 torch.save files and plain "
+                "pickles are not read; re-save with a current torch)"
+            )
+        try:
+            with open(path, "rb") as whole:
+                total = os.fstat(whole.fileno()).st_size
+                if length is None:
+                    length = total - offset
+                if offset < 0 or length < 0 or offset + length > total:
+                    raise TruncatedError(
+                        f"{path}: archive at bytes {offset}..{offset + length} but the file has {total}"
+                    )
+                raw = _Window(whole, offset, length)
+                zf = zipfile.ZipFile(raw)
+                size = length
+                infos = zf.infolist()
+                pkl = [i for i in infos if i.filename.endswith("data.pkl") and i.filename.count("/") == 1]
+                if not pkl:
+                    raise FormatError(f"{path}: torch archive without data.pkl")
+                prefix = pkl[0].filename[: -len("data.pkl")]
+                offsets: dict[str, tuple[int, int]] = {}
+                for info in infos:
+                    if not info.filename.startswith(prefix + "data/"):
+                        continue
+                    if info.compress_type != zipfile.ZIP_STORED:
+                        raise FormatError(f"{path}: storage {info.filename} is compressed")
+                    raw.seek(info.header_offset)
+                    head = raw.read(_LOCAL_HEADER.size)
+                    if len(head) < _LOCAL_HEADER.size or head[:4] != b"PK\x03\x04":
+                        raise TruncatedError(f"{path}: broken zip entry {info.filename}")
+                    fields = _LOCAL_HEADER.unpack(head)
+                    start = info.header_offset + _LOCAL_HEADER.size + fields[9] + fields[10]
+                    if start + info.file_size > size:
+                        raise TruncatedError(
+                            f"{path}: storage {info.filename} ends at byte {start + info.file_size} "
+                            f"but the file has {size} (truncated copy?)"
+                        )
+                    offsets[info.filename[len(prefix) + 5 :]] = (offset + start, info.file_size)
+                if pkl[0].file_size > _MAX_PICKLE:
+                    raise FormatError(f"{path}: data.pkl claims {pkl[0].file_size} bytes")
+                data = zf.read(pkl[0])
+        except zipfile.BadZipFile as err:
+            raise TruncatedError(f"{path}: damaged zip archive ({err})") from None
+        except (OSError, EOFError, struct.error) as err:
+            raise TruncatedError(f"{path}: unreadable archive ({err})") from None
+
+        def persistent_load(pid: Any) -> StorageRef:
+            if not (isinstance(pid, tuple) and len(pid) >= 5 and pid[0] == "storage"):
+                raise FormatError(f"unknown persistent id {pid!r}")
+            stype, key, numel = pid[1], str(pid[2]), pid[4]
+            dtype = stype.dtype if isinstance(stype, StorageType) else None
+            if dtype is None:
+                raise FormatError(f"storage {key} has unknown type {stype!r}")
+            if key not in offsets:
+                raise TruncatedError(f"storage record data/{key} is missing from the archive")
+            return StorageRef(key, dtype, int(numel))
+
+        obj = safe_loads(data, persistent_load, source=path)
+        return TorchArchive(path, obj, offsets)
+
+    def fragment(self, ref: TensorRef, name: str = "tensor") -> Fragment:
+        """The fragment of a whole tensor (any strides) in this archive."""
+        start, length = self.storage_offsets[ref.storage.key]
+        size = _dtypes.itemsize(ref.dtype)
+        region = FileRegion(self.path, start + ref.offset * size, ref.dtype, ref.stride)
+        if ref.offset < 0 or any(s < 0 for s in ref.stride) or (
+            ref.offset * size + region.extent(ref.shape) > length
+        ):
+            raise FormatError(
+                f"{self.path}: tensor {name!r} (shape {ref.shape}, offset {ref.offset}) "
+                f"reaches past its storage of {length} bytes"
+            )
+        return Fragment(Box.full(ref.shape), region)
+
+
+def iter_tensors(obj: Any, prefix: str = "") -> Iterator[tuple[str, TensorRef]]:
+    """All tensors in a nested dict/list tree, with dotted names (``model.layers.0.weight``)."""
+    if isinstance(obj, TensorRef):
+        yield prefix, obj
+    elif isinstance(obj, Mapping):
+        for k, v in obj.items():
+            yield from iter_tensors(v, f"{prefix}.{k}" if prefix else str(k))
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            yield from iter_tensors(v, f"{prefix}.{i}" if prefix else str(i))
+
+
+def strip_tensors(obj: Any) -> Any:
+    """The tree with tensors replaced by short descriptions, as JSON-able as possible."""
+    if isinstance(obj, TensorRef):
+        return {"tensor": list(obj.shape), "dtype": obj.dtype}
+    if isinstance(obj, Mapping):
+        return {str(k): strip_tensors(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [strip_tensors(v) for v in obj]
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    return repr(obj)

@@ -1,0 +1,386 @@
+"""The universal directory: ckptbridge's own pickle-free checkpoint format.
+
+Layout (format version 1; the README has the full spec)::
+
+    DIR/
+      manifest.json         logical tensors, states, fragments, checksums, rules, provenance, step
+      extra.json            non-tensor state (optimizer hyper-parameters, scheduler, RNG, data position)
+      data/<state>-r<rank>-<part>.safetensors   one state per file: weights open with any safetensors tool
+      COMMITTED             written last; a directory without it is not a checkpoint
+
+Writing is two steps so that many processes can write one checkpoint:
+every rank calls :func:`write_rank` with the pieces it owns (into
+``DIR.partial/``), then one rank calls :func:`commit`, which merges the
+per-rank manifests, writes the marker and renames ``DIR.partial`` to
+``DIR``. :func:`save` does both for a single process::
+
+    save("out/ckpt", [Piece("w", "fp32", "float32", (4, 6), Box.full((4, 6)), arr)], step=3)
+    ckpt = ckptbridge.open("out/ckpt")
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+import uuid
+import zlib
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from . import _dtypes
+from ._checkpoint import CheckpointIndex
+from ._errors import (
+    CorruptionError,
+    FormatError,
+    IncompleteCheckpointError,
+    MissingShardError,
+    TruncatedError,
+)
+from ._model import Box, FileRegion, Fragment, LogicalTensor, TensorState, c_strides, check_name
+from ._safetensors import Entry, read_header, write_file
+
+FORMAT = "ckptbridge-universal"
+VERSION = 1
+MANIFEST = "manifest.json"
+EXTRA = "extra.json"
+MARKER = "COMMITTED"
+PARTIAL = ".partial"
+DEFAULT_FILE_BYTES = 4 << 30
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A box of one state of one logical tensor, to be written.
+
+    ``data`` is the array for ``box`` or a callable producing it (called
+    lazily, once, while writing, so conversion streams).
+    """
+
+    tensor: str
+    state: str
+    dtype: str
+    global_shape: tuple[int, ...]
+    box: Box
+    data: np.ndarray | Callable[[], np.ndarray]
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_json(path: str, obj: Any) -> None:
+    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+    with open(tmp, "w") as fh:
+        json.dump(obj, fh, indent=1, sort_keys=False, default=_json_default)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def _json_default(obj: Any) -> Any:
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, np.ndarray):
+        return obj.tolist()
+    return repr(obj)
+
+
+def _safe_component(text: str) -> str:
+    return "".join(c if c.isalnum() or c in "._-" else "_" for c in text)[:64] or "x"
+
+
+def _key(piece: Piece) -> str:
+    if piece.box.shape == piece.global_shape:
+        return piece.tensor
+    return f"{piece.tensor}@{','.join(str(o) for o in piece.box.offset)}"
+
+
+def write_rank(
+    path: str,
+    pieces: Iterable[Piece],
+    rank: int = 0,
+    scalars: Mapping[str, Mapping[str, float | int]] | None = None,
+    max_file_bytes: int = DEFAULT_FILE_BYTES,
+    on_piece: Callable[[Piece], None] | None = None,
+) -> str:
+    """Write this rank's pieces into ``path.partial/`` and its partial manifest; returns the staging dir."""
+    stage = os.fspath(path) + PARTIAL
+    os.makedirs(os.path.join(stage, "data"), exist_ok=True)
+    by_state: dict[str, list[Piece]] = {}
+    for p in pieces:
+        check_name(p.tensor, path)
+        _dtypes.to_numpy(p.dtype)
+        by_state.setdefault(p.state, []).append(p)
+    frags: list[dict[str, Any]] = []
+    shapes: dict[tuple[str, str], tuple[tuple[int, ...], str]] = {}
+    for state, plist in by_state.items():
+        files: list[list[Piece]] = [[]]
+        size = 0
+        for p in plist:
+            nb = p.box.size * _dtypes.itemsize(p.dtype)
+            if files[-1] and size + nb > max_file_bytes:
+                files.append([])
+                size = 0
+            files[-1].append(p)
+            size += nb
+        for part, group in enumerate(files):
+            rel = f"data/{_safe_component(state)}-r{rank:05d}-{part:05d}.safetensors"
+            entries = [Entry(_key(p), p.dtype, p.box.shape, p.data) for p in group]
+            lookup = {e.key: p for e, p in zip(entries, group)}
+            written = write_file(
+                os.path.join(stage, rel), entries, {"format": FORMAT, "state": state},
+                on_entry=(lambda e, lk=lookup: on_piece(lk[e.key])) if on_piece else None,
+            )
+            for w, p in zip(written, group):
+                shapes[(p.tensor, p.state)] = (p.global_shape, p.dtype)
+                frags.append({
+                    "tensor": p.tensor, "state": p.state, "dtype": p.dtype,
+                    "global_shape": list(p.global_shape), "offset": list(p.box.offset),
+                    "shape": list(p.box.shape), "file": rel, "key": w.key,
+                    "byte_offset": w.offset, "checksum": w.checksum,
+                })
+    _write_json(os.path.join(stage, f"manifest.r{rank:05d}.json"),
+                {"rank": rank, "fragments": frags, "scalars": dict(scalars or {})})
+    return stage
+
+
+def commit(
+    path: str,
+    world_size: int = 1,
+    step: int | None = None,
+    extra: Mapping[str, Any] | None = None,
+    rules: Sequence[Mapping[str, Any]] = (),
+    provenance: Mapping[str, Any] | None = None,
+    overwrite: bool = False,
+) -> str:
+    """Merge the ranks' manifests, write the commit marker last and move the directory into place.
+
+    Call on one rank after every rank's :func:`write_rank` returned. An
+    existing ``path`` is kept unless ``overwrite``; even then it is replaced
+    only after the new checkpoint is complete.
+    """
+    path = os.fspath(path)
+    stage = path + PARTIAL
+    if os.path.exists(path) and not overwrite:
+        raise FileExistsError(f"{path}: already exists; pass overwrite=True to replace it")
+    tensors: dict[str, dict[str, Any]] = {}
+    for rank in range(world_size):
+        part = os.path.join(stage, f"manifest.r{rank:05d}.json")
+        if not os.path.exists(part):
+            raise MissingShardError(f"{part}: rank {rank} did not finish writing; not committing")
+        with open(part) as fh:
+            data = json.load(fh)
+        for name, sc in data.get("scalars", {}).items():
+            tensors.setdefault(name, {"states": {}, "scalars": {}})["scalars"].update(sc)
+        for f in data["fragments"]:
+            t = tensors.setdefault(f["tensor"], {"states": {}, "scalars": {}})
+            st = t["states"].setdefault(
+                f["state"], {"dtype": f["dtype"], "shape": f["global_shape"], "fragments": []}
+            )
+            st["fragments"].append({k: f[k] for k in ("offset", "shape", "file", "key", "byte_offset", "checksum")})
+    manifest = {
+        "format": FORMAT,
+        "version": VERSION,
+        "step": step,
+        "provenance": {"writer": "ckptbridge", "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                       **dict(provenance or {})},
+        "rules": list(rules),
+        "tensors": tensors,
+    }
+    _parse_tensors(manifest, stage)  # validates coverage before anything is committed
+    _write_json(os.path.join(stage, EXTRA), dict(extra or {}))
+    _write_json(os.path.join(stage, MANIFEST), manifest)
+    for rank in range(world_size):
+        os.remove(os.path.join(stage, f"manifest.r{rank:05d}.json"))
+    with open(os.path.join(stage, MARKER), "w") as fh:
+        json.dump({"format": FORMAT, "version": VERSION, "tensors": len(tensors)}, fh)
+        fh.flush()
+        os.fsync(fh.fileno())
+    _fsync_dir(stage)
+    if os.path.exists(path):
+        old = f"{path}.old-{uuid.uuid4().hex[:8]}"
+        os.rename(path, old)
+        os.rename(stage, path)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(stage, path)
+    _fsync_dir(os.path.dirname(os.path.abspath(path)))
+    return path
+
+
+def save(path: str, pieces: Iterable[Piece], *, step: int | None = None,
+         extra: Mapping[str, Any] | None = None, rules: Sequence[Mapping[str, Any]] = (),
+         provenance: Mapping[str, Any] | None = None,
+         scalars: Mapping[str, Mapping[str, float | int]] | None = None,
+         overwrite: bool = False, on_piece: Callable[[Piece], None] | None = None,
+         max_file_bytes: int = DEFAULT_FILE_BYTES) -> str:
+    """Write a complete universal directory from one process."""
+    path = os.fspath(path)
+    if os.path.exists(path) and not overwrite:
+        raise FileExistsError(f"{path}: already exists; pass overwrite=True to replace it")
+    stage = path + PARTIAL
+    if os.path.exists(stage):
+        shutil.rmtree(stage)
+    try:
+        write_rank(path, pieces, 0, scalars, max_file_bytes, on_piece)
+        return commit(path, 1, step, extra, rules, provenance, overwrite)
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
+
+
+# ------------------------------------------------------------------ reading
+
+
+def detect(path: str) -> bool:
+    return os.path.isdir(path) and (
+        os.path.exists(os.path.join(path, MANIFEST)) or os.path.basename(os.path.normpath(path)).endswith(PARTIAL)
+    )
+
+
+def _load_manifest(path: str) -> dict[str, Any]:
+    mpath = os.path.join(path, MANIFEST)
+    if not os.path.exists(os.path.join(path, MARKER)):
+        raise IncompleteCheckpointError(
+            f"{path}: no {MARKER} marker, so this checkpoint was never finished (crashed or still "
+            "being written); use the previous checkpoint"
+        )
+    try:
+        with open(mpath) as fh:
+            manifest = json.load(fh)
+    except FileNotFoundError:
+        raise MissingShardError(f"{mpath}: manifest missing") from None
+    except (ValueError, UnicodeDecodeError) as err:
+        raise FormatError(f"{mpath}: not valid JSON ({err})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise FormatError(f"{mpath}: not a {FORMAT} manifest")
+    if manifest.get("version") != VERSION:
+        raise FormatError(f"{mpath}: format version {manifest.get('version')!r}; this ckptbridge reads {VERSION}")
+    return manifest
+
+
+def _resolve(root: str, rel: str, where: str) -> str:
+    if not isinstance(rel, str) or "\x00" in rel or os.path.isabs(rel):
+        raise FormatError(f"{where}: bad data file name {rel!r}")
+    full = os.path.normpath(os.path.join(root, rel))
+    if not full.startswith(os.path.normpath(root) + os.sep):
+        raise FormatError(f"{where}: data file {rel!r} points outside the checkpoint")
+    return full
+
+
+def _parse_tensors(manifest: Mapping[str, Any], root: str) -> dict[str, LogicalTensor]:
+    out: dict[str, LogicalTensor] = {}
+    sizes: dict[str, int] = {}
+    mpath = os.path.join(root, MANIFEST)
+    try:
+        items = manifest["tensors"].items()
+    except (KeyError, AttributeError):
+        raise FormatError(f"{mpath}: no tensors table") from None
+    for name, t in items:
+        check_name(name, mpath)
+        states = {}
+        try:
+            for sname, st in t["states"].items():
+                dtype, shape = st["dtype"], tuple(int(s) for s in st["shape"])
+                frags = []
+                for f in st["fragments"]:
+                    file = _resolve(root, f["file"], f"{mpath}: tensor {name!r}")
+                    box = Box(tuple(int(x) for x in f["offset"]), tuple(int(x) for x in f["shape"]))
+                    region = FileRegion(file, int(f["byte_offset"]), dtype, c_strides(box.shape))
+                    if file not in sizes:
+                        try:
+                            sizes[file] = os.path.getsize(file)
+                        except OSError:
+                            raise MissingShardError(f"{file}: data file of tensor {name!r} is missing") from None
+                    if region.offset + region.extent(box.shape) > sizes[file]:
+                        raise TruncatedError(
+                            f"{file}: tensor {name!r} state {sname!r} needs bytes up to "
+                            f"{region.offset + region.extent(box.shape)} but the file has {sizes[file]}"
+                        )
+                    frags.append(Fragment(box, region, f.get("checksum")))
+                states[sname] = TensorState(dtype, shape, tuple(frags))
+            scalars = dict(t.get("scalars", {}))
+        except (KeyError, TypeError, ValueError) as err:
+            if isinstance(err, FormatError):
+                raise
+            raise FormatError(f"{mpath}: tensor {name!r} has a malformed entry ({err})") from None
+        out[name] = LogicalTensor(name, states, scalars)
+    return out
+
+
+def index(path: str) -> CheckpointIndex:
+    """Open a committed universal directory (metadata only)."""
+    path = os.fspath(path)
+    if os.path.basename(os.path.normpath(path)).endswith(PARTIAL):
+        raise IncompleteCheckpointError(f"{path}: a checkpoint still being written (or abandoned)")
+    manifest = _load_manifest(path)
+    tensors = _parse_tensors(manifest, path)
+    extra: dict[str, Any] = {}
+    epath = os.path.join(path, EXTRA)
+    if os.path.exists(epath):
+        try:
+            with open(epath) as fh:
+                extra = json.load(fh)
+        except ValueError as err:
+            raise FormatError(f"{epath}: not valid JSON ({err})") from None
+    return CheckpointIndex(
+        "universal", path, tensors, manifest.get("step"), extra,
+        tuple(manifest.get("rules") or ()), manifest.get("provenance") or {},
+    )
+
+
+def fragment_bytes(frag: Fragment) -> bytes:
+    """The stored bytes of a contiguous fragment (for checksums)."""
+    loc = frag.location
+    with open(loc.file, "rb") as fh:
+        fh.seek(loc.offset)
+        return fh.read(loc.extent(frag.box.shape))
+
+
+def verify(path: str) -> list[str]:
+    """Every problem found in a universal directory: missing marker or files, bad
+    headers, checksum mismatches (naming file, tensor and state). Empty = good."""
+    problems: list[str] = []
+    try:
+        idx = index(path)
+    except (FormatError, MissingShardError, IncompleteCheckpointError) as err:
+        return [str(err)]
+    headers: dict[str, dict[str, Any]] = {}
+    for name, t in idx.tensors.items():
+        for sname, st in t.states.items():
+            for frag in st.fragments:
+                loc = frag.location
+                try:
+                    if loc.file not in headers:
+                        header, _ = read_header(loc.file)
+                        headers[loc.file] = header
+                except (FormatError, MissingShardError) as err:
+                    problems.append(str(err))
+                    headers[loc.file] = {}
+                    continue
+                if frag.checksum is None:
+                    problems.append(f"{loc.file}: tensor {name!r} state {sname!r} has no checksum")
+                    continue
+                got = f"crc32:{zlib.crc32(fragment_bytes(frag)):08x}"
+                if got != frag.checksum:
+                    problems.append(
+                        f"{loc.file}: tensor {name!r} state {sname!r} at {frag.box.offset}: "
+                        f"checksum {got} != recorded {frag.checksum} (corrupted data)"
+                    )
+    return problems
+
+
+def check(path: str) -> None:
+    """Raise :class:`CorruptionError` listing the problems :func:`verify` finds."""
+    problems = verify(path)
+    if problems:
+        raise CorruptionError(f"{path}: {len(problems)} problem(s):\n  " + "\n  ".join(problems[:20]))

@@ -1,0 +1,120 @@
+"""torch.save files read in place, without torch and without running code from the pickle."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pickle
+import zipfile
+
+import numpy as np
+import pytest
+import torch
+
+import ckptbridge
+from ckptbridge._pickle import Opaque, safe_loads
+from ckptbridge._torchzip import TorchArchive
+
+
+def test_module_and_optimizer_state_read_in_place(tmp_path):
+    model = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.LayerNorm(5), torch.nn.Linear(5, 3))
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 7)).sum().backward()
+    opt.step()
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "iteration": 42,
+                "args": argparse.Namespace(lr=0.1, layers=3)}, tmp_path / "ckpt.pt")
+    c = ckptbridge.open(tmp_path / "ckpt.pt")
+    assert c.format == "torch" and c.step == 42
+    for k, v in model.state_dict().items():
+        np.testing.assert_array_equal(c[f"model.{k}"].read(), v.numpy())
+    np.testing.assert_array_equal(c["optimizer.state.0.exp_avg"].read(), opt.state[model[0].weight]["exp_avg"].numpy())
+    assert "<argparse.Namespace" in str(c.extra["args"])
+    # a slice reads only its bytes
+    c.stats.reset()
+    c["model.0.weight"][1:3]
+    assert c.stats.bytes_read == 2 * 7 * 4
+
+
+def test_views_and_shared_storages(tmp_path):
+    base = torch.arange(60, dtype=torch.float32).reshape(6, 10)
+    sd = {"t": base.t(), "row": base[2], "col": base[:, 3], "same": base, "narrow": base[1:4, 2:7],
+          "half": torch.randn(3, 4).half(), "bf": torch.randn(5).bfloat16(), "i64": torch.arange(7),
+          "b": torch.tensor([True, False]), "p": torch.nn.Parameter(torch.ones(2, 2)), "s": torch.tensor(2.5)}
+    torch.save(sd, tmp_path / "v.pt")
+    c = ckptbridge.open(tmp_path / "v.pt")
+    for k, v in sd.items():
+        got = c[k].read()
+        want = v.detach()
+        if want.dtype == torch.bfloat16:
+            assert got.tobytes() == want.contiguous().view(torch.int16).numpy().tobytes()
+        else:
+            np.testing.assert_array_equal(got, want.numpy())
+    assert c["t"].fragments[0].location.strides == (1, 10)
+
+
+class Boom:
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+class EvalBoom:
+    def __reduce__(self):
+        return (eval, (f"__import__('os').system('touch ' + {self.marker!r})",))
+
+
+@pytest.mark.parametrize("payload_cls", [Boom, EvalBoom])
+def test_code_execution_payload_is_refused_and_never_runs(tmp_path, payload_cls):
+    marker = tmp_path / "pwned"
+    payload = payload_cls()
+    payload.marker = str(marker)
+    torch.save({"w": torch.ones(2), "evil": payload}, tmp_path / "evil.pt")
+    with pytest.raises(ckptbridge.UnsafePickleError, match="evil.pt"):
+        ckptbridge.open(tmp_path / "evil.pt")
+    with pytest.raises(ckptbridge.UnsafePickleError):
+        safe_loads(pickle.dumps(payload))
+    assert not marker.exists(), "the payload ran"
+
+
+def test_unknown_classes_become_inert_records():
+    class Config:
+        def __init__(self):
+            self.hidden = 64
+            self.name = "gpt"
+
+    Config.__module__ = "somelib.config"
+    Config.__qualname__ = "Config"
+    import sys
+    import types
+
+    sys.modules["somelib"] = types.ModuleType("somelib")
+    sys.modules["somelib.config"] = mod = types.ModuleType("somelib.config")
+    mod.Config = Config
+    try:
+        data = pickle.dumps({"cfg": Config()})
+    finally:
+        del sys.modules["somelib"], sys.modules["somelib.config"]
+    obj = safe_loads(data)
+    assert isinstance(obj["cfg"], Opaque) and obj["cfg"].hidden == 64 and obj["cfg"].name == "gpt"
+
+
+def test_legacy_and_damaged_files_give_clear_errors(tmp_path):
+    (tmp_path / "legacy.pt").write_bytes(pickle.dumps({"a": 1}))
+    with pytest.raises(ckptbridge.CheckpointError):
+        ckptbridge.open(tmp_path / "legacy.pt", format="torch")
+    torch.save({"w": torch.randn(100, 100)}, tmp_path / "ok.pt")
+    raw = (tmp_path / "ok.pt").read_bytes()
+    (tmp_path / "cut.pt").write_bytes(raw[: len(raw) // 2])
+    with pytest.raises(ckptbridge.CheckpointError, match="cut.pt"):
+        ckptbridge.open(tmp_path / "cut.pt")
+    with pytest.raises(ckptbridge.MissingShardError, match="nope.pt"):
+        ckptbridge.open(tmp_path / "nope.pt")
+
+
+def test_archive_offsets_point_at_storage_bytes(tmp_path):
+    t = torch.arange(12, dtype=torch.int32)
+    torch.save({"t": t}, tmp_path / "a.pt")
+    arch = TorchArchive.open(str(tmp_path / "a.pt"))
+    (key, (off, length)), = arch.storage_offsets.items()
+    with zipfile.ZipFile(tmp_path / "a.pt") as zf:
+        name = next(n for n in zf.namelist() if n.endswith(f"data/{key}"))
+        assert zf.read(name) == (tmp_path / "a.pt").read_bytes()[off : off + length]
