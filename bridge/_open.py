@@ -45,13 +45,19 @@ def detect_format(path: str) -> str:
     """Name of the format at ``path``; raises ``UnknownFormatError`` naming the path."""
     if not os.path.exists(path):
         raise MissingShardError(f"{path}: no such file or directory")
+    broken = []
     for name, detect_ref, _ in FORMATS:
-        detect = _load(detect_ref)
+        try:
+            detect = _load(detect_ref)
+        except ImportError as err:  # one broken adapter must not stop the others
+            broken.append(f"{name} ({err})")
+            continue
         if detect is not None and detect(path):
             return name
+    hint = f"; adapters that failed to import: {', '.join(broken)}" if broken else ""
     raise UnknownFormatError(
         f"{path}: not a checkpoint ckptbridge can read (looked for: "
-        f"{', '.join(n for n, _, _ in FORMATS)})"
+        f"{', '.join(n for n, _, _ in FORMATS)}){hint}"
     )
 
 

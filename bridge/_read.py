@@ -28,6 +28,9 @@ from ._model import Box, FileRegion, TensorState
 from ._plan import CopyOp, plan
 
 
+_RELEASE_BYTES = 4 << 20
+
+
 class ReadStats:
     """Bytes read per file, updated from worker threads."""
 
@@ -90,6 +93,11 @@ class FileCache:
         )
         np.copyto(out, view, casting="unsafe")
         nbytes = box.size * dtype.itemsize
+        if nbytes >= _RELEASE_BYTES and isinstance(buf, mmap.mmap):
+            # the pages stay in the page cache; dropping them from this process keeps RSS near
+            # the size of what the caller holds, so streaming a model never looks like loading it
+            lo = start - start % mmap.PAGESIZE
+            buf.madvise(mmap.MADV_DONTNEED, lo, min(end, len(buf)) - lo)
         self.stats.add(region.file, nbytes)
         return nbytes
 

@@ -18,6 +18,7 @@ from ._errors import FormatError
 WRITERS: dict[str, str] = {
     "universal": "ckptbridge._reshard:write_universal",
     "safetensors": "ckptbridge._reshard:write_safetensors",
+    "deepspeed-universal": "ckptbridge.adapters.deepspeed_universal:write",
 }
 
 

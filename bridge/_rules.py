@@ -281,9 +281,19 @@ class Split(Rule):
     groups: int = 1
 
 
+@dataclass(frozen=True)
+class State(Rule):
+    """Layout: native tensors matching ``pattern`` are state ``state`` of the logical tensor
+    ``re.sub(pattern, to, name)`` (optax ``opt_state/0/mu/...`` -> ``exp_avg``); descriptive."""
+
+    to: str = ""
+    state: str = "fp32"
+
+
 RULES: dict[str, type[Rule]] = {
     c.__name__: c
-    for c in (Shard, Replicate, Fuse, Pad, Renumber, FlatPartition, Rename, Transpose, Stack, Unstack, Split)
+    for c in (Shard, Replicate, Fuse, Pad, Renumber, FlatPartition, Rename, Transpose, Stack, Unstack, Split,
+              State)
 }
 
 

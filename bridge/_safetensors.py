@@ -195,13 +195,14 @@ def write_file(path: str, entries: list[Entry], metadata: Mapping[str, str] | No
     raw, offsets = _header_bytes(entries, metadata)
     base = 8 + len(raw)
 
-    def produce(e: Entry) -> np.ndarray:
+    def produce(e: Entry) -> tuple[memoryview, str]:
         arr = e.data() if callable(e.data) else e.data
         arr = np.asarray(arr)
         if tuple(arr.shape) != tuple(e.shape):
             raise FormatError(f"{path}: tensor {e.key!r} has shape {arr.shape}, declared {e.shape}")
         want = _dtypes.to_numpy(e.dtype)
-        return arr if arr.dtype == want else arr.astype(want)
+        buf = as_bytes(arr if arr.dtype == want else arr.astype(want))
+        return buf, f"crc32:{zlib.crc32(buf):08x}"  # checksummed here, overlapping the previous write
 
     out: list[Written] = []
     with open(path, "xb") as fh, ThreadPoolExecutor(1) as pool:
@@ -209,12 +210,11 @@ def write_file(path: str, entries: list[Entry], metadata: Mapping[str, str] | No
         fh.write(raw)
         pending = pool.submit(produce, entries[0]) if entries else None
         for i, e in enumerate(entries):
-            arr = pending.result()
+            buf, crc = pending.result()
             pending = pool.submit(produce, entries[i + 1]) if i + 1 < len(entries) else None
-            buf = as_bytes(arr)
             fh.write(buf)
-            out.append(Written(e.key, base + offsets[i], e.nbytes, f"crc32:{zlib.crc32(buf):08x}"))
-            del arr, buf
+            out.append(Written(e.key, base + offsets[i], e.nbytes, crc))
+            del buf
             if on_entry:
                 on_entry(e)
         fh.flush()
