@@ -1,0 +1,44 @@
+"""JAX pieces of the asynchronous checkpointer: one leaf per addressable shard with replica id 0.
+
+JAX arrays are immutable, but a train step with ``donate_argnums`` deletes
+their buffers; so they are copied eagerly unless the caller wrapped its train
+step with ``Checkpointer.guard`` (which waits for pending snapshots first).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ckptbridge import _dtypes
+from ckptbridge._async import Leaf
+from ckptbridge._model import Box
+
+
+def index_box(index: tuple[slice, ...], shape: tuple[int, ...]) -> Box:
+    """The box of a shard's ``index`` (a tuple of slices) in an array of ``shape``."""
+    offset, extent = [], []
+    for sl, n in zip(index, shape):
+        start, stop, _ = sl.indices(n)
+        offset.append(start)
+        extent.append(stop - start)
+    return Box(tuple(offset), tuple(extent))
+
+
+def jax_leaves(name: str, value: Any, lazy: bool) -> list[Leaf]:
+    import jax
+
+    if not isinstance(value, jax.Array):
+        return [Leaf(name, _dtypes.name_of(np.asarray(value).dtype), tuple(np.shape(value)),
+                     Box.full(tuple(np.shape(value))), lambda out, v=value: np.copyto(out, np.asarray(v)))]
+    shape = tuple(value.shape)
+    dtype = _dtypes.name_of(value.dtype)
+    leaves = []
+    for shard in value.addressable_shards:
+        if shard.replica_id != 0:
+            continue
+        box = index_box(shard.index, shape)
+        leaves.append(Leaf(name, dtype, shape, box,
+                           lambda out, d=shard.data: np.copyto(out, np.asarray(d)), lazy=lazy))
+    return leaves

@@ -1,0 +1,205 @@
+"""Asynchronous multi-level checkpointing: every restored step is bitwise the state at save()."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import ckptbridge
+from ckptbridge._async import Checkpointer, committed_steps, step_dir
+
+
+def _tiny_model(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 8))
+
+
+def _snapshot(sd):
+    out = {}
+    for k, v in sd.items():
+        if isinstance(v, dict):
+            out.update({f"{k}.{kk}": vv for kk, vv in _snapshot(v).items()})
+        elif isinstance(v, torch.Tensor):
+            out[k] = v.detach().clone().numpy()
+    return out
+
+
+def _optim_flat(opt):
+    sd = opt.state_dict()
+    return {"state": {str(i): s for i, s in sd["state"].items()}}
+
+
+def test_torch_loop_async_saves_are_bitwise_the_state_at_save(tmp_path):
+    model = _tiny_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    refs = {}
+    with Checkpointer(tmp_path / "ck", keep_last=None) as ck:
+        for step in range(6):
+            x = torch.randn(16, 32)
+            loss = model(x).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            state = {"model": model.state_dict(), "optim": _optim_flat(opt), "loss": float(loss.detach())}
+            refs[step] = _snapshot({"model": state["model"], "optim": state["optim"]})
+            ck.save(step, state, optimizer=opt)  # params and moments captured lazily
+            opt.step()  # blocks only until the snapshot is in host memory
+        ck.wait()
+        assert [s.step for s in ck.stats] == list(range(6))
+        assert all(s.committed and s.stall_seconds >= 0 and s.flush_seconds > 0 for s in ck.stats)
+    assert committed_steps(str(tmp_path / "ck")) == list(range(6))
+    fresh = Checkpointer(tmp_path / "ck", keep_last=None, host_tier=False)
+    for step, ref in refs.items():
+        got = fresh.restore(step)
+        assert set(ref) <= set(got)
+        for k, v in ref.items():
+            assert got[k].tobytes() == v.tobytes(), (step, k)
+        assert isinstance(got["loss"], float)
+    fresh.close()
+    # the checkpoint is an ordinary universal directory
+    c = ckptbridge.open(step_dir(str(tmp_path / "ck"), 5))
+    assert c.step == 5 and "model.0.weight" in c
+
+
+def test_unguarded_state_may_change_the_moment_save_returns(tmp_path):
+    t = torch.arange(1000, dtype=torch.float32)
+    with Checkpointer(tmp_path / "ck") as ck:
+        ck.save(1, {"t": t, "bf": t.to(torch.bfloat16)})
+        t.add_(1.0)  # in-place change right after save returns
+        ck.wait()
+        got = ck.restore(1)
+    np.testing.assert_array_equal(got["t"], np.arange(1000, dtype=np.float32))
+    assert got["bf"].astype(np.float32).tolist() == torch.arange(1000.0).bfloat16().float().tolist()
+
+
+def test_host_tier_serves_the_latest_snapshot(tmp_path):
+    with Checkpointer(tmp_path / "ck") as ck:
+        ck.save(7, {"w": np.ones((4, 4), np.float32)})
+        ck.wait()
+        os.rename(step_dir(str(tmp_path / "ck"), 7), tmp_path / "moved")  # disk copy gone
+        np.testing.assert_array_equal(ck.restore(7)["w"], np.ones((4, 4), np.float32))
+
+
+def test_retention_and_persistent_level(tmp_path):
+    persistent = tmp_path / "remote"
+    with Checkpointer(tmp_path / "ck", keep_last=2, keep_every=3, persistent=str(persistent)) as ck:
+        for step in range(1, 8):
+            ck.save(step, {"w": np.full(3, step, np.float32)})
+        ck.wait()
+        assert all(s.persist_seconds is not None for s in ck.stats)
+    assert committed_steps(str(tmp_path / "ck")) == [3, 6, 7]
+    assert committed_steps(str(persistent)) == list(range(1, 8))
+    assert ckptbridge.verify(step_dir(str(persistent), 5)) == []
+
+
+def test_fsspec_url_as_persistent_level(tmp_path):
+    url = f"file://{tmp_path / 'bucket'}"
+    with Checkpointer(tmp_path / "ck", persistent=url) as ck:
+        ck.save(2, {"w": np.arange(6, dtype=np.int64)})
+        ck.wait()
+    c = ckptbridge.open(step_dir(str(tmp_path / "bucket"), 2))
+    np.testing.assert_array_equal(c["w"].read(), np.arange(6))
+
+
+CRASH = textwrap.dedent("""
+    import os, sys, time, numpy as np
+    import ckptbridge._safetensors as st
+    from ckptbridge._async import Checkpointer
+    root = sys.argv[1]
+    ck = Checkpointer(root)
+    ck.save(1, {"w": np.full(1000, 1.0, np.float32)}); ck.wait()
+    real = st.write_file
+    def slow(*a, **k):
+        out = real(*a, **k)
+        print("FLUSHING", flush=True); time.sleep(60)
+        return out
+    st.write_file = slow
+    import ckptbridge._universal as u; u.write_file = slow
+    ck.save(2, {"w": np.full(1000, 2.0, np.float32)})
+    time.sleep(60)
+""")
+
+
+def test_a_crash_mid_flush_leaves_the_previous_checkpoint_intact(tmp_path):
+    root = str(tmp_path / "ck")
+    proc = subprocess.Popen([sys.executable, "-c", CRASH, root], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "FLUSHING"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert os.path.exists(step_dir(root, 2) + ".partial")
+    assert committed_steps(root) == [1]
+    with pytest.raises(ckptbridge.IncompleteCheckpointError):
+        ckptbridge.open(step_dir(root, 2) + ".partial")
+    ck = Checkpointer(root)  # a restart: the abandoned step is cleaned up
+    assert ck.latest() == 1 and not os.path.exists(step_dir(root, 2) + ".partial")
+    np.testing.assert_array_equal(ck.restore()["w"], np.full(1000, 1.0, np.float32))
+    ck.close()
+
+
+def test_two_writers_never_see_a_half_written_step(tmp_path):
+    """A reader polling the root while a writer saves sees only complete steps."""
+    root = str(tmp_path / "ck")
+    writer = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import numpy as np
+        from ckptbridge._async import Checkpointer
+        with Checkpointer({root!r}, keep_last=None) as ck:
+            for s in range(15):
+                ck.save(s, {{"w": np.full((256, 256), s, np.float32)}})
+    """)])
+    seen = set()
+    while writer.poll() is None or len(seen) < 15:
+        for s in committed_steps(root):
+            if s not in seen:
+                c = ckptbridge.open(step_dir(root, s))
+                assert float(c["w"][0, 0]) == s and ckptbridge.verify(step_dir(root, s)) == []
+                seen.add(s)
+        if writer.poll() is not None and len(committed_steps(root)) == len(seen):
+            break
+        time.sleep(0.01)
+    assert writer.returncode == 0 and seen == set(range(15))
+
+
+KILL_LOOP = textwrap.dedent("""
+    import sys, numpy as np
+    from ckptbridge._async import Checkpointer
+    ck = Checkpointer(sys.argv[1], keep_last=2)
+    start = (ck.latest() or 0) + 1
+    for step in range(start, start + 400):
+        ck.save(step, {"w": np.full((64, 1024), step, np.float32), "b": np.arange(step, step + 7)})
+        if step % 2:
+            ck.wait()
+            print(step, flush=True)
+""")
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_sigkill_at_random_points_never_loses_the_last_committed_step(tmp_path, seed):
+    """20 kills at random moments over 50+ saves: latest() is always a complete, verifiable step."""
+    rng = np.random.default_rng(seed)
+    root = str(tmp_path / "ck")
+    reported = 0
+    for _ in range(2):  # kill, restart, kill again in the same root
+        proc = subprocess.Popen([sys.executable, "-c", KILL_LOOP, root], stdout=subprocess.PIPE, text=True)
+        lines = []
+        deadline = time.monotonic() + float(rng.uniform(0.3, 0.9))
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(int(line))
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        reported = max([reported, *lines])
+        latest = Checkpointer(root, keep_last=2).latest()
+        assert latest is not None and latest >= reported
+        path = step_dir(root, latest)
+        assert ckptbridge.verify(path) == []
+        c = ckptbridge.open(path)
+        assert float(c["w"][3, 5]) == latest and int(c["b"][0]) == latest
