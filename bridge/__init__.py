@@ -17,6 +17,9 @@ reshard it, and compare two of them, across formats::
     ckptbridge.reshard("out/universal", "out/mega", to="megatron", tp=2, pp=2)
     ckptbridge.diff("a.pt", "out/universal")
 
+    ck = ckptbridge.Checkpointer("ckpts", keep_last=3)            # asynchronous saves
+    ck.save(step, {"model": model.state_dict()}, optimizer=opt)   # returns at once
+
 Framework adapters live in ``ckptbridge.adapters`` (``.jax``, ``.torch``,
 ``.deepspeed``, ``.megatron``, ...) and import their framework lazily;
 ``import ckptbridge`` imports neither torch nor jax.
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
+from ._async import Checkpointer, SaveStats
 from ._checkpoint import Checkpoint, CheckpointIndex, TensorView
 from ._convert import DiffRow, convert, diff, export
 from ._errors import (
@@ -63,6 +67,7 @@ from ._universal import verify
 __all__ = [
     "Box",
     "Checkpoint",
+    "Checkpointer",
     "CheckpointError",
     "CheckpointIndex",
     "CopyOp",
@@ -80,6 +85,7 @@ __all__ = [
     "Renumber",
     "Replicate",
     "Rule",
+    "SaveStats",
     "ShapeMismatchError",
     "Shard",
     "Split",

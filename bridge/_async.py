@@ -284,6 +284,17 @@ class Checkpointer:
         job.stall = time.perf_counter() - t0
         self._snapshots.put(job)
 
+    def reserve(self, state: Any) -> None:
+        """Allocate and touch the host buffers for ``state`` now, outside the training loop.
+
+        Optional: without it the first two saves pay for fresh memory (slow
+        on virtual machines that return freed memory to the host).
+        """
+        leaves, _ = leaves_of(state)
+        for b in self._buffers:
+            for leaf in leaves:
+                leaf.copy(b.get(leaf))
+
     def guard(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         """Wrap a JAX train step (e.g. one with ``donate_argnums``): each call first waits
         for pending snapshots, so donated buffers are never read after donation, and
