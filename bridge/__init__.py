@@ -67,9 +67,9 @@ from ._universal import verify
 __all__ = [
     "Box",
     "Checkpoint",
-    "Checkpointer",
     "CheckpointError",
     "CheckpointIndex",
+    "Checkpointer",
     "CopyOp",
     "CorruptionError",
     "DiffRow",

@@ -17,6 +17,7 @@ from typing import Any
 
 from ._checkpoint import Checkpoint, CheckpointIndex
 from ._errors import MissingShardError, UnknownFormatError
+from ._read import FileCache
 
 # Order matters: the most specific detectors first.
 FORMATS: tuple[tuple[str, str, str], ...] = (
@@ -73,11 +74,15 @@ def open_index(path: str | os.PathLike[str], format: str | None = None, **option
     raise UnknownFormatError(f"{path}: unknown format {name!r}")
 
 
-def open(path: str | os.PathLike[str], format: str | None = None, **options: Any) -> Checkpoint:
+def open(
+    path: str | os.PathLike[str], format: str | None = None, *, verify: bool = True, **options: Any
+) -> Checkpoint:
     """Open any supported checkpoint as a lazy :class:`Checkpoint` (reads metadata only).
 
     ``format`` skips detection (``"universal"``, ``"deepspeed"``, ``"megatron"``,
     ``"dcp"``, ``"orbax"``, ``"safetensors"``, ``"torch"``); ``options`` go to
-    the format's reader.
+    the format's reader. ``verify`` checks recorded checksums whenever a whole
+    fragment is read (universal checkpoints record them), refusing corrupted
+    data with :class:`~ckptbridge.CorruptionError`.
     """
-    return Checkpoint(open_index(path, format, **options))
+    return Checkpoint(open_index(path, format, **options), FileCache(verify=verify))

@@ -20,6 +20,7 @@ from __future__ import annotations
 import collections
 import io
 import pickle
+import reprlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -46,11 +47,28 @@ _INERT_IN_DANGEROUS = {("signal", "Signals"), ("signal", "Handlers"), ("signal",
     # torch DCP's ``.metadata`` records ``StorageMeta.checkpoint_id`` as a path object.
     ("pathlib", n) for n in ("Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath")
 }
+
+
+def _no_size(kind: type) -> Any:
+    """``bytes``/``bytearray`` from data only: ``bytearray(10**12)`` would allocate a terabyte."""
+
+    def build(*args: Any) -> Any:
+        if args and isinstance(args[0], int):
+            raise FormatError(f"pickle asks for a {kind.__name__} of {args[0]} zero bytes")
+        return kind(*args)
+
+    return build
+
+
 _SAFE_BUILTINS = {
     "set": set, "frozenset": frozenset, "slice": slice, "complex": complex, "range": range,
-    "bytearray": bytearray, "bytes": bytes, "list": list, "dict": dict, "tuple": tuple,
-    "int": int, "float": float, "bool": bool, "str": str,
+    "bytearray": _no_size(bytearray), "bytes": _no_size(bytes), "list": list, "dict": dict,
+    "tuple": tuple, "int": int, "float": float, "bool": bool, "str": str,
 }
+
+
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxdict, _REPR.maxlist, _REPR.maxstring, _REPR.maxother = 4, 30, 30, 200, 200
 
 
 class Opaque:
@@ -106,7 +124,7 @@ class Opaque:
 
     def __repr__(self) -> str:
         inner = self.fields or self.__dict__["args_"]
-        return f"<{self._module}.{self._qualname} {inner!r}>"
+        return f"<{self._module}.{self._qualname} {_REPR.repr(inner)}>"
 
 
 _OPAQUE_CLASSES: dict[tuple[str, str], type[Opaque]] = {}
@@ -220,7 +238,12 @@ _TORCH_FUNCS: dict[tuple[str, str], Any] = {
 
 
 def _numpy_reconstruct(*args: Any) -> Any:
-    return np.ndarray.__new__(np.ndarray, *args[1:]) if args else np.ndarray(0)
+    # numpy pickles call _reconstruct(ndarray, (0,), b"b") and then __setstate__ with the real
+    # shape and bytes (which numpy checks against each other); any other shape would allocate
+    # whatever the file claims, so it is refused.
+    if len(args) < 3 or tuple(args[1]) != (0,):
+        raise FormatError(f"unexpected numpy array reconstruction {args[1:2]!r}")
+    return np.ndarray.__new__(np.ndarray, (0,), args[2])
 
 
 _NUMPY_FUNCS = {

@@ -16,6 +16,7 @@ from __future__ import annotations
 import mmap
 import os
 import threading
+import zlib
 from collections import Counter
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -23,10 +24,9 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from . import _dtypes
-from ._errors import MissingShardError, TruncatedError
-from ._model import Box, FileRegion, TensorState
+from ._errors import CorruptionError, MissingShardError, TruncatedError
+from ._model import Box, FileRegion, Fragment, TensorState, c_strides
 from ._plan import CopyOp, plan
-
 
 _RELEASE_BYTES = 4 << 20
 
@@ -52,12 +52,19 @@ class ReadStats:
 
 
 class FileCache:
-    """Open read-only memory maps, keyed by path; closed together."""
+    """Open read-only memory maps, keyed by path; closed together.
 
-    def __init__(self, max_workers: int | None = None) -> None:
+    With ``verify`` (the default), reading a whole fragment that carries a
+    checksum (universal checkpoints) checks it and raises
+    :class:`CorruptionError` on a mismatch; partial reads cannot be checked
+    without reading the whole fragment (``ckptbridge verify`` does that).
+    """
+
+    def __init__(self, max_workers: int | None = None, verify: bool = True) -> None:
         self._lock = threading.Lock()
         self._maps: dict[str, mmap.mmap | bytes] = {}
         self.stats = ReadStats()
+        self.verify = verify
         self.max_workers = max_workers or min(8, (os.cpu_count() or 1) * 2)
 
     def buffer(self, path: str) -> mmap.mmap | bytes:
@@ -101,6 +108,19 @@ class FileCache:
         self.stats.add(region.file, nbytes)
         return nbytes
 
+    def check(self, frag: Fragment, label: str) -> None:
+        """Compare a contiguous fragment's stored bytes with its recorded checksum."""
+        loc = frag.location
+        if not isinstance(loc, FileRegion) or loc.strides != c_strides(frag.box.shape):
+            return
+        buf = self.buffer(loc.file)
+        got = f"crc32:{zlib.crc32(memoryview(buf)[loc.offset : loc.offset + loc.extent(frag.box.shape)]):08x}"
+        if got != frag.checksum:
+            raise CorruptionError(
+                f"{loc.file}: {label} at {frag.box.offset}: checksum {got} != recorded {frag.checksum}; "
+                "the data is corrupted (restore the file, or open with verify=False to read it anyway)"
+            )
+
     def close(self) -> None:
         with self._lock:
             for buf in self._maps.values():
@@ -118,11 +138,14 @@ class FileCache:
         self.close()
 
 
-def execute(ops: Sequence[CopyOp], out: np.ndarray, files: FileCache) -> int:
+def execute(ops: Sequence[CopyOp], out: np.ndarray, files: FileCache, label: str = "tensor") -> int:
     """Run copy ops into ``out`` (whose box is the request); return bytes read."""
 
     def one(op: CopyOp) -> int:
-        return op.fragment.location.read_into(op.src, out[(*op.dst.slices(), Ellipsis)], files)
+        n = op.fragment.location.read_into(op.src, out[(*op.dst.slices(), Ellipsis)], files)
+        if files.verify and op.fragment.checksum and op.src.shape == op.fragment.box.shape:
+            files.check(op.fragment, label)
+        return n
 
     if len(ops) <= 1 or sum(op.src.size for op in ops) < (1 << 16):
         return sum(one(op) for op in ops)
@@ -145,5 +168,5 @@ def read_state(
         out = np.empty(box.shape, dtype=np_dtype)
     elif out.shape != box.shape:
         raise ValueError(f"{name}: out has shape {out.shape}, request is {box.shape}")
-    execute(plan(state.fragments, box, name), out, files)
+    execute(plan(state.fragments, box, name), out, files, name)
     return out

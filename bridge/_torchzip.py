@@ -13,7 +13,6 @@ each storage's byte offset in the archive, so a tensor becomes a
 
 from __future__ import annotations
 
-import io
 import os
 import struct
 import zipfile
@@ -30,46 +29,12 @@ _LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")
 _MAX_PICKLE = 1 << 31
 
 
-def is_torch_zip(path: str, offset: int = 0) -> bool:
+def is_torch_zip(path: str) -> bool:
     try:
         with open(path, "rb") as fh:
-            fh.seek(offset)
             return fh.read(4) == b"PK\x03\x04"
     except OSError:
         return False
-
-
-class _Window(io.RawIOBase):
-    """Bytes ``[base, base + length)`` of an open file, seen as a file of their own."""
-
-    def __init__(self, fh: Any, base: int, length: int) -> None:
-        self._fh, self._base, self._length, self._pos = fh, base, length, 0
-
-    def seekable(self) -> bool:
-        return True
-
-    def readable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, pos: int, whence: int = 0) -> int:
-        anchor = (0, self._pos, self._length)[whence]
-        self._pos = max(0, min(anchor + pos, self._length))
-        return self._pos
-
-    def read(self, n: int = -1) -> bytes:
-        n = self._length - self._pos if n is None or n < 0 else min(n, self._length - self._pos)
-        self._fh.seek(self._base + self._pos)
-        data = self._fh.read(n)
-        self._pos += len(data)
-        return data
-
-    def readinto(self, b: Any) -> int:
-        data = self.read(len(b))
-        b[: len(data)] = data
-        return len(data)
 
 
 @dataclass(frozen=True)
@@ -81,30 +46,18 @@ class TorchArchive:
     storage_offsets: Mapping[str, tuple[int, int]]  # key -> (byte offset, byte length)
 
     @staticmethod
-    def open(path: str, offset: int = 0, length: int | None = None) -> TorchArchive:
-        """Open the archive in ``path``, or the one embedded at bytes
-        ``[offset, offset + length)`` of it (torch DCP appends one ``torch.save``
-        archive per item to its ``.distcp`` files); storage offsets are file offsets."""
+    def open(path: str) -> TorchArchive:
         path = os.fspath(path)
         if not os.path.exists(path):
             raise MissingShardError(f"{path}: file not found")
-        if not is_torch_zip(path, offset):
+        if not is_torch_zip(path):
             raise FormatError(
                 f"{path}: not a torch zip archive (legacy pre-1.6 torch.save files and plain "
                 "pickles are not read; re-save with a current torch)"
             )
         try:
-            with open(path, "rb") as whole:
-                total = os.fstat(whole.fileno()).st_size
-                if length is None:
-                    length = total - offset
-                if offset < 0 or length < 0 or offset + length > total:
-                    raise TruncatedError(
-                        f"{path}: archive at bytes {offset}..{offset + length} but the file has {total}"
-                    )
-                raw = _Window(whole, offset, length)
-                zf = zipfile.ZipFile(raw)
-                size = length
+            with zipfile.ZipFile(path) as zf, open(path, "rb") as raw:
+                size = os.fstat(raw.fileno()).st_size
                 infos = zf.infolist()
                 pkl = [i for i in infos if i.filename.endswith("data.pkl") and i.filename.count("/") == 1]
                 if not pkl:
@@ -127,7 +80,7 @@ class TorchArchive:
                             f"{path}: storage {info.filename} ends at byte {start + info.file_size} "
                             f"but the file has {size} (truncated copy?)"
                         )
-                    offsets[info.filename[len(prefix) + 5 :]] = (offset + start, info.file_size)
+                    offsets[info.filename[len(prefix) + 5 :]] = (start, info.file_size)
                 if pkl[0].file_size > _MAX_PICKLE:
                     raise FormatError(f"{path}: data.pkl claims {pkl[0].file_size} bytes")
                 data = zf.read(pkl[0])
@@ -165,26 +118,52 @@ class TorchArchive:
         return Fragment(Box.full(ref.shape), region)
 
 
-def iter_tensors(obj: Any, prefix: str = "") -> Iterator[tuple[str, TensorRef]]:
+# A pickle can reference one object many times (memo), so a small file can describe a tree
+# whose walk is exponential, or a cycle. Walks count nodes and refuse to go on past this.
+MAX_NODES = 5_000_000
+
+
+class _Budget:
+    def __init__(self) -> None:
+        self.left = MAX_NODES
+        self.path: set[int] = set()
+
+    def enter(self, obj: Any) -> None:
+        self.left -= 1
+        if self.left < 0:
+            raise FormatError(f"object tree has more than {MAX_NODES} nodes (a pickle bomb?)")
+        if id(obj) in self.path:
+            raise FormatError("object tree contains a cycle")
+        self.path.add(id(obj))
+
+
+def iter_tensors(obj: Any, prefix: str = "", _budget: _Budget | None = None) -> Iterator[tuple[str, TensorRef]]:
     """All tensors in a nested dict/list tree, with dotted names (``model.layers.0.weight``)."""
+    budget = _budget or _Budget()
     if isinstance(obj, TensorRef):
         yield prefix, obj
-    elif isinstance(obj, Mapping):
-        for k, v in obj.items():
-            yield from iter_tensors(v, f"{prefix}.{k}" if prefix else str(k))
-    elif isinstance(obj, (list, tuple)):
-        for i, v in enumerate(obj):
-            yield from iter_tensors(v, f"{prefix}.{i}" if prefix else str(i))
+    elif isinstance(obj, (Mapping, list, tuple)):
+        budget.enter(obj)
+        items = obj.items() if isinstance(obj, Mapping) else enumerate(obj)
+        for k, v in items:
+            yield from iter_tensors(v, f"{prefix}.{k}" if prefix else str(k), budget)
+        budget.path.discard(id(obj))
 
 
-def strip_tensors(obj: Any) -> Any:
+def strip_tensors(obj: Any, _budget: _Budget | None = None) -> Any:
     """The tree with tensors replaced by short descriptions, as JSON-able as possible."""
+    budget = _budget or _Budget()
     if isinstance(obj, TensorRef):
         return {"tensor": list(obj.shape), "dtype": obj.dtype}
-    if isinstance(obj, Mapping):
-        return {str(k): strip_tensors(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [strip_tensors(v) for v in obj]
+    if isinstance(obj, (Mapping, list, tuple)):
+        budget.enter(obj)
+        if isinstance(obj, Mapping):
+            out: Any = {str(k): strip_tensors(v, budget) for k, v in obj.items()}
+        else:
+            out = [strip_tensors(v, budget) for v in obj]
+        budget.path.discard(id(obj))
+        return out
     if obj is None or isinstance(obj, (bool, int, float, str)):
         return obj
-    return repr(obj)
+    text = repr(obj)
+    return text if len(text) <= 10_000 else text[:10_000] + "..."

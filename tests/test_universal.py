@@ -176,3 +176,16 @@ def test_conversion_streams_tensor_by_tensor(tmp_path):
     # two tensors in flight (16 MiB each) + mmap'd pages of the source; never the whole 128 MiB model
     # plus its copy. RSS counts touched file pages of the mmap, so allow the source's pages once.
     assert grown_mib < 128 + 2 * 16 + 24, grown_mib
+
+
+def test_loading_refuses_corrupted_data_by_default(tmp_path):
+    torch.save({"w": torch.randn(32, 8)}, tmp_path / "a.pt")
+    ckptbridge.convert(tmp_path / "a.pt", tmp_path / "u")
+    f = _data_file(tmp_path / "u")
+    raw = bytearray(f.read_bytes())
+    raw[-5] ^= 0x10
+    f.write_bytes(raw)
+    with pytest.raises(ckptbridge.CorruptionError, match=r"'w'.*checksum"):
+        ckptbridge.open(tmp_path / "u")["w"].read()
+    got = ckptbridge.open(tmp_path / "u", verify=False)["w"].read()  # explicitly asked for
+    assert got.shape == (32, 8)
