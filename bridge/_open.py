@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ._checkpoint import Checkpoint, CheckpointIndex
-from ._errors import MissingShardError, UnknownFormatError
+from ._errors import CheckpointError, MissingShardError, UnknownFormatError
 from ._read import FileCache
 
 # Order matters: the most specific detectors first.
@@ -70,7 +70,12 @@ def open_index(path: str | os.PathLike[str], format: str | None = None, **option
             index = _load(index_ref)
             if index is None:
                 break
-            return index(path, **options)
+            try:
+                return index(path, **options)
+            except CheckpointError as err:  # every error names the checkpoint it is about
+                if path not in str(err):
+                    raise type(err)(f"{path}: {err}") from err
+                raise
     raise UnknownFormatError(f"{path}: unknown format {name!r}")
 
 

@@ -61,7 +61,7 @@ def _no_size(kind: type) -> Any:
 
 
 _SAFE_BUILTINS = {
-    "set": set, "frozenset": frozenset, "slice": slice, "complex": complex, "range": range,
+    "set": set, "frozenset": frozenset, "slice": slice, "complex": complex,
     "bytearray": _no_size(bytearray), "bytes": _no_size(bytes), "list": list, "dict": dict,
     "tuple": tuple, "int": int, "float": float, "bool": bool, "str": str,
 }

@@ -18,7 +18,10 @@ from ._errors import FormatError
 WRITERS: dict[str, str] = {
     "universal": "ckptbridge._reshard:write_universal",
     "safetensors": "ckptbridge._reshard:write_safetensors",
+    "dcp": "ckptbridge.adapters.dcp:write",
     "deepspeed-universal": "ckptbridge.adapters.deepspeed_universal:write",
+    "orbax": "ckptbridge.adapters.orbax:write",
+    "megatron": "ckptbridge.adapters.megatron:write",
 }
 
 

@@ -282,6 +282,21 @@ class Split(Rule):
 
 
 @dataclass(frozen=True)
+class Join(Rule):
+    """Mapping: the inverse of :class:`Split`: fuse the named parts into one tensor.
+
+    ``pattern`` holds ``{part}`` where each part's name goes; ``to`` names the fused tensor::
+
+        Join(r"^blocks\\.(\\d+)\\.{part}\\.weight$", r"blocks.\\1.qkv.weight", parts=("q", "k", "v"))
+    """
+
+    to: str = ""
+    dim: int = 0
+    parts: tuple[str, ...] = ()
+    groups: int = 1
+
+
+@dataclass(frozen=True)
 class State(Rule):
     """Layout: native tensors matching ``pattern`` are state ``state`` of the logical tensor
     ``re.sub(pattern, to, name)`` (optax ``opt_state/0/mu/...`` -> ``exp_avg``); descriptive."""
@@ -293,7 +308,7 @@ class State(Rule):
 RULES: dict[str, type[Rule]] = {
     c.__name__: c
     for c in (Shard, Replicate, Fuse, Pad, Renumber, FlatPartition, Rename, Transpose, Stack, Unstack, Split,
-              State)
+              State, Join)
 }
 
 
@@ -346,6 +361,8 @@ def apply_rules(
             out = _apply_unstack(out, rule)
         elif isinstance(rule, Split):
             out = _apply_split(out, rule)
+        elif isinstance(rule, Join):
+            out = _apply_join(out, rule)
     return out
 
 
@@ -397,4 +414,29 @@ def _apply_split(tensors: dict[str, LogicalTensor], rule: Split) -> dict[str, Lo
         for k, part in enumerate(rule.parts):
             new = re.sub(rule.pattern, rule.to, name).replace("{part}", part)
             out[new] = LogicalTensor(new, {s: ps[k] for s, ps in per_state.items()}, dict(t.scalars))
+    return out
+
+
+def _apply_join(tensors: dict[str, LogicalTensor], rule: Join) -> dict[str, LogicalTensor]:
+    out: dict[str, LogicalTensor] = {}
+    found: dict[str, dict[int, LogicalTensor]] = {}
+    patterns = [rule.pattern.replace("{part}", re.escape(p)) for p in rule.parts]
+    for name, t in tensors.items():
+        for k, pat in enumerate(patterns):
+            if re.search(pat, name):
+                found.setdefault(re.sub(pat, rule.to, name), {})[k] = t
+                break
+        else:
+            out[name] = t
+    for target, members in found.items():
+        if sorted(members) != list(range(len(rule.parts))):
+            have = [rule.parts[k] for k in sorted(members)]
+            raise FormatError(f"join {target!r}: found parts {have} of {list(rule.parts)}")
+        items = [members[k] for k in range(len(rule.parts))]
+        states = {
+            s: fuse([it.states[s] for it in items], rule.dim, rule.groups)
+            for s in items[0].states
+            if all(s in it.states for it in items)
+        }
+        out[target] = LogicalTensor(target, states, dict(items[0].scalars))
     return out

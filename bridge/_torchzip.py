@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import _dtypes
-from ._errors import FormatError, MissingShardError, TruncatedError
+from ._errors import CheckpointError, FormatError, MissingShardError, TruncatedError
 from ._model import Box, FileRegion, Fragment
 from ._pickle import StorageRef, StorageType, TensorRef, safe_loads
 
@@ -84,10 +84,12 @@ class TorchArchive:
                 if pkl[0].file_size > _MAX_PICKLE:
                     raise FormatError(f"{path}: data.pkl claims {pkl[0].file_size} bytes")
                 data = zf.read(pkl[0])
+        except CheckpointError:
+            raise
         except zipfile.BadZipFile as err:
             raise TruncatedError(f"{path}: damaged zip archive ({err})") from None
-        except (OSError, EOFError, struct.error) as err:
-            raise TruncatedError(f"{path}: unreadable archive ({err})") from None
+        except Exception as err:  # zipfile raises many kinds on damaged input
+            raise TruncatedError(f"{path}: unreadable archive ({type(err).__name__}: {err})") from None
 
         def persistent_load(pid: Any) -> StorageRef:
             if not (isinstance(pid, tuple) and len(pid) >= 5 and pid[0] == "storage"):
