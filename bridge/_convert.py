@@ -41,8 +41,50 @@ def _pieces(ckpt: Checkpoint, states: Sequence[str] | None) -> list[Piece]:
             if states is not None and sname not in states:
                 continue
             view = TensorView(ckpt, t, sname)
-            out.append(Piece(name, sname, st.dtype, st.shape, Box.full(st.shape), view.read))
+            out.append(Piece(name, sname, st.dtype, st.shape, Box.full(st.shape), view.read,
+                             tuple(lineage(f) for f in st.fragments)))
     return out
+
+
+def lineage(frag: Any) -> dict[str, Any]:
+    """Where a source fragment's bytes were: its box, location and checksum (for manifests)."""
+    entry = {"offset": list(frag.box.offset), "shape": list(frag.box.shape),
+             "location": frag.location.describe(), "dtype": frag.location.dtype}
+    if frag.checksum:
+        entry["checksum"] = frag.checksum
+    return entry
+
+
+def trace(ckpt: Any, name: str, index: tuple[int, ...], state: str | None = None) -> dict[str, Any]:
+    """Which stored fragment holds element ``index`` of a tensor, and where that came from.
+
+    For a universal checkpoint written by ``convert`` the answer includes the
+    source fragment (file and offset in the original checkpoint) and its checksum.
+    """
+    ckpt = as_checkpoint(ckpt)
+    view = ckpt[name] if state is None else ckpt[name].state(state)
+    for frag in view.fragments:
+        if all(o <= i < o + s for i, o, s in zip(index, frag.box.offset, frag.box.shape)):
+            out: dict[str, Any] = {"fragment": lineage(frag)}
+            entry = _manifest_fragment(ckpt, name, view.state_name, frag)
+            for src in (entry or {}).get("sources", []):
+                if all(o <= i < o + s for i, o, s in zip(index, src["offset"], src["shape"])):
+                    out["source"] = src
+            return out
+    raise TensorNotFoundError(f"{ckpt.path}: tensor {name!r} has no element {index}")
+
+
+def _manifest_fragment(ckpt: Checkpoint, name: str, state: str, frag: Any) -> dict[str, Any] | None:
+    if ckpt.format != "universal":
+        return None
+    import json
+
+    with open(os.path.join(ckpt.path, "manifest.json")) as fh:
+        frags = json.load(fh)["tensors"][name]["states"][state]["fragments"]
+    for f in frags:
+        if f["offset"] == list(frag.box.offset):
+            return f
+    return None
 
 
 def convert(

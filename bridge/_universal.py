@@ -67,6 +67,7 @@ class Piece:
     global_shape: tuple[int, ...]
     box: Box
     data: np.ndarray | Callable[[], np.ndarray]
+    sources: tuple[Mapping[str, Any], ...] = ()  # where the bytes came from (lineage, for audits)
 
 
 def _fsync_dir(path: str) -> None:
@@ -95,7 +96,10 @@ def _json_default(obj: Any) -> Any:
 
 
 def _safe_component(text: str) -> str:
-    return "".join(c if c.isalnum() or c in "._-" else "_" for c in text)[:64] or "x"
+    """A file-name-safe spelling of a state name; names that had to change get a hash
+    suffix, so two states never share a file (``a/b`` and ``a_b`` stay apart)."""
+    safe = "".join(c if c.isalnum() or c in "_-" else "_" for c in text)[:64] or "x"
+    return safe if safe == text else f"{safe}-{zlib.crc32(text.encode('utf-8', 'replace')):08x}"
 
 
 def _key(piece: Piece) -> str:
@@ -147,6 +151,7 @@ def write_rank(
                     "global_shape": list(p.global_shape), "offset": list(p.box.offset),
                     "shape": list(p.box.shape), "file": rel, "key": w.key,
                     "byte_offset": w.offset, "checksum": w.checksum,
+                    **({"sources": list(p.sources)} if p.sources else {}),
                 })
     _write_json(os.path.join(stage, f"manifest.r{rank:05d}.json"),
                 {"rank": rank, "fragments": frags, "scalars": dict(scalars or {})})
@@ -186,7 +191,8 @@ def commit(
             st = t["states"].setdefault(
                 f["state"], {"dtype": f["dtype"], "shape": f["global_shape"], "fragments": []}
             )
-            st["fragments"].append({k: f[k] for k in ("offset", "shape", "file", "key", "byte_offset", "checksum")})
+            st["fragments"].append({k: f[k] for k in ("offset", "shape", "file", "key", "byte_offset", "checksum",
+                                                      "sources") if k in f})
     manifest = {
         "format": FORMAT,
         "version": VERSION,

@@ -189,3 +189,16 @@ def test_loading_refuses_corrupted_data_by_default(tmp_path):
         ckptbridge.open(tmp_path / "u")["w"].read()
     got = ckptbridge.open(tmp_path / "u", verify=False)["w"].read()  # explicitly asked for
     assert got.shape == (32, 8)
+
+
+def test_manifest_records_where_each_target_byte_came_from(tmp_path):
+    from ckptbridge._convert import trace
+
+    torch.save({"w": torch.randn(6, 4)}, tmp_path / "a.pt")
+    ckptbridge.convert(tmp_path / "a.pt", tmp_path / "u")
+    ckptbridge.convert(tmp_path / "u", tmp_path / "u2")  # a second hop keeps the checksum chain
+    t = trace(tmp_path / "u", "w", (3, 2))
+    assert t["source"]["location"].startswith(str(tmp_path / "a.pt"))
+    t2 = trace(tmp_path / "u2", "w", (3, 2))
+    assert t2["source"]["checksum"] == t["fragment"]["checksum"]
+    assert t2["source"]["location"].startswith(str(tmp_path / "u" / "data"))
