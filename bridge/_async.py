@@ -120,11 +120,15 @@ def committed_steps(root: str) -> list[int]:
 
 
 def flatten(state: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
-    """Leaves of nested dicts/lists/tuples with dotted names."""
+    """Leaves of nested dicts/lists/tuples/NamedTuples with dotted names
+    (``{"opt": (ScaleByAdamState(count, mu, nu),)}`` -> ``opt.0.mu.w`` ...)."""
     if isinstance(state, Mapping):
         for k, v in state.items():
             yield from flatten(v, f"{prefix}.{k}" if prefix else str(k))
-    elif isinstance(state, (list, tuple)) and not hasattr(state, "_fields"):
+    elif isinstance(state, tuple) and hasattr(state, "_fields"):  # NamedTuple (optax states)
+        for k in state._fields:
+            yield from flatten(getattr(state, k), f"{prefix}.{k}" if prefix else k)
+    elif isinstance(state, (list, tuple)):
         for i, v in enumerate(state):
             yield from flatten(v, f"{prefix}.{i}" if prefix else str(i))
     else:
