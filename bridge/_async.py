@@ -40,13 +40,16 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
 import os
 import queue
 import re
 import shutil
+import socket
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -56,7 +59,7 @@ import numpy as np
 from . import _dtypes
 from ._errors import CheckpointError, IncompleteCheckpointError, MissingShardError
 from ._model import Box
-from ._universal import MARKER, PARTIAL, Piece, commit, write_rank
+from ._universal import MARKER, PARTIAL, Piece, commit, staging, write_rank
 
 log = logging.getLogger("ckptbridge.checkpointer")
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
@@ -229,6 +232,7 @@ class Checkpointer:
         world_size: int | None = None,
         commit_timeout: float = 600.0,
         host_tier: bool = True,
+        job_id: str | None = None,
     ) -> None:
         self.root = os.fspath(root)
         self.keep_last, self.keep_every = keep_last, keep_every
@@ -236,6 +240,9 @@ class Checkpointer:
         self.rank, self.world_size = _dist_info(rank, world_size)
         self.commit_timeout = commit_timeout
         self.host_tier = host_tier
+        # every rank of one job must agree on the token; separate jobs must not
+        self.token = job_id or os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("SLURM_JOB_ID") or (
+            uuid.uuid4().hex[:12] if self.world_size == 1 else "job")
         self.stats: list[SaveStats] = []
         self._buffers = [_BufferSet(), _BufferSet()]
         self._next_buffer = 0
@@ -485,13 +492,22 @@ class Checkpointer:
         nbytes = sum(p.box.size * _dtypes.itemsize(p.dtype) for p in pieces)
         if os.path.exists(dst) and self.rank == 0 and os.path.exists(os.path.join(dst, MARKER)):
             raise FileExistsError(f"{dst}: step {job.step} is already checkpointed")
-        write_rank(dst, pieces, self.rank)
+        stage = staging(dst, self.token)
+        os.makedirs(stage, exist_ok=True)
+        with open(os.path.join(stage, f"owner.r{self.rank:05d}.json"), "w") as fh:
+            json.dump({"host": socket.gethostname(), "pid": os.getpid()}, fh)
+        write_rank(dst, pieces, self.rank, token=self.token)
         committed = False
         if self.rank == 0:
-            self._await_ranks(dst + PARTIAL)
-            commit(dst, self.world_size, step=job.step, extra={"values": job.extra},
-                   provenance={"writer": "ckptbridge.Checkpointer", "world_size": self.world_size})
-            committed = True
+            self._await_ranks(staging(dst, self.token))
+            try:
+                commit(dst, self.world_size, step=job.step, extra={"values": job.extra},
+                       provenance={"writer": "ckptbridge.Checkpointer", "world_size": self.world_size},
+                       token=self.token)
+                committed = True
+            except FileExistsError:  # another job committed this step first: theirs stays
+                log.warning("step %d was committed by another writer; discarding ours", job.step)
+                shutil.rmtree(staging(dst, self.token), ignore_errors=True)
         flush_s = time.perf_counter() - t0
         job.buffers.step, job.buffers.leaves, job.buffers.extra = job.step, job.leaves, job.extra
         job.buffers.busy.clear()
@@ -535,13 +551,16 @@ class Checkpointer:
                 _remove_checkpoint(step_dir(self.root, s))
 
     def _clean_incomplete(self, before: int | None) -> None:
-        """Remove abandoned ``.partial`` steps (older than ``before``; all at start-up)."""
+        """Remove abandoned staging directories: those of steps older than ``before``, and at
+        start-up those whose writers (recorded in ``owner.r*.json``) are dead processes of
+        this host. A live writer's staging directory (another job sharing the root) stays."""
         for name in os.listdir(self.root):
-            if not name.endswith(PARTIAL):
+            if PARTIAL not in name:
                 continue
-            m = _STEP_DIR.match(name[: -len(PARTIAL)])
-            if m and (before is None or int(m.group(1)) < before):
-                shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
+            m = _STEP_DIR.match(name.split(PARTIAL, 1)[0])
+            full = os.path.join(self.root, name)
+            if m and ((before is not None and int(m.group(1)) < before) or (before is None and _abandoned(full))):
+                shutil.rmtree(full, ignore_errors=True)
         for name in os.listdir(self.root):  # committed-less step dirs left by a crash mid-rename
             m = _STEP_DIR.match(name)
             full = os.path.join(self.root, name)
@@ -553,6 +572,29 @@ class Checkpointer:
             if self._errors:
                 err = self._errors.pop(0)
                 raise CheckpointError(f"a background checkpoint failed: {err}") from err
+
+
+def _abandoned(stage: str) -> bool:
+    """True when every writer of a staging directory was a process of this host that is gone."""
+    owners = [n for n in os.listdir(stage) if n.startswith("owner.r")] if os.path.isdir(stage) else []
+    if not owners:
+        return False
+    for name in owners:
+        try:
+            with open(os.path.join(stage, name)) as fh:
+                rec = json.load(fh)
+        except (OSError, ValueError):
+            return False
+        if rec.get("host") != socket.gethostname():
+            return False
+        try:
+            os.kill(int(rec["pid"]), 0)
+            return False  # still running
+        except ProcessLookupError:
+            continue
+        except (PermissionError, KeyError, ValueError, TypeError):
+            return False
+    return True
 
 
 def _remove_checkpoint(path: str) -> None:

@@ -108,6 +108,18 @@ def _key(piece: Piece) -> str:
     return f"{piece.tensor}@{','.join(str(o) for o in piece.box.offset)}"
 
 
+def staging(path: str, token: str = "") -> str:
+    """The directory a checkpoint is built in before its commit: ``path.partial[.token]``.
+
+    ``token`` names one writing job (all its ranks share it), so two jobs writing
+    the same step into one root never mix their pieces."""
+    return os.fspath(path) + PARTIAL + (f".{token}" if token else "")
+
+
+def is_staging(path: str) -> bool:
+    return PARTIAL in os.path.basename(os.path.normpath(path))
+
+
 def write_rank(
     path: str,
     pieces: Iterable[Piece],
@@ -115,9 +127,10 @@ def write_rank(
     scalars: Mapping[str, Mapping[str, float | int]] | None = None,
     max_file_bytes: int = DEFAULT_FILE_BYTES,
     on_piece: Callable[[Piece], None] | None = None,
+    token: str = "",
 ) -> str:
-    """Write this rank's pieces into ``path.partial/`` and its partial manifest; returns the staging dir."""
-    stage = os.fspath(path) + PARTIAL
+    """Write this rank's pieces into the staging dir and its partial manifest; returns the staging dir."""
+    stage = staging(path, token)
     os.makedirs(os.path.join(stage, "data"), exist_ok=True)
     by_state: dict[str, list[Piece]] = {}
     for p in pieces:
@@ -166,15 +179,17 @@ def commit(
     rules: Sequence[Mapping[str, Any]] = (),
     provenance: Mapping[str, Any] | None = None,
     overwrite: bool = False,
+    token: str = "",
 ) -> str:
     """Merge the ranks' manifests, write the commit marker last and move the directory into place.
 
     Call on one rank after every rank's :func:`write_rank` returned. An
     existing ``path`` is kept unless ``overwrite``; even then it is replaced
-    only after the new checkpoint is complete.
+    only after the new checkpoint is complete. If another writer commits
+    ``path`` first, this raises ``FileExistsError`` and leaves theirs intact.
     """
     path = os.fspath(path)
-    stage = path + PARTIAL
+    stage = staging(path, token)
     if os.path.exists(path) and not overwrite:
         raise FileExistsError(f"{path}: already exists; pass overwrite=True to replace it")
     tensors: dict[str, dict[str, Any]] = {}
@@ -207,18 +222,26 @@ def commit(
     _write_json(os.path.join(stage, MANIFEST), manifest)
     for rank in range(world_size):
         os.remove(os.path.join(stage, f"manifest.r{rank:05d}.json"))
+    for name in os.listdir(stage):  # writers' liveness records (see ckptbridge._async)
+        if name.startswith("owner.r"):
+            os.remove(os.path.join(stage, name))
     with open(os.path.join(stage, MARKER), "w") as fh:
         json.dump({"format": FORMAT, "version": VERSION, "tensors": len(tensors)}, fh)
         fh.flush()
         os.fsync(fh.fileno())
     _fsync_dir(stage)
     if os.path.exists(path):
+        if not overwrite:
+            raise FileExistsError(f"{path}: another writer committed this checkpoint first")
         old = f"{path}.old-{uuid.uuid4().hex[:8]}"
         os.rename(path, old)
         os.rename(stage, path)
         shutil.rmtree(old, ignore_errors=True)
     else:
-        os.rename(stage, path)
+        try:
+            os.rename(stage, path)  # atomic; fails if a concurrent writer's directory appeared
+        except OSError as err:
+            raise FileExistsError(f"{path}: another writer committed this checkpoint first ({err})") from None
     _fsync_dir(os.path.dirname(os.path.abspath(path)))
     return path
 
@@ -233,12 +256,11 @@ def save(path: str, pieces: Iterable[Piece], *, step: int | None = None,
     path = os.fspath(path)
     if os.path.exists(path) and not overwrite:
         raise FileExistsError(f"{path}: already exists; pass overwrite=True to replace it")
-    stage = path + PARTIAL
-    if os.path.exists(stage):
-        shutil.rmtree(stage)
+    token = uuid.uuid4().hex[:12]  # private staging: a concurrent writer of the same path cannot interfere
+    stage = staging(path, token)
     try:
-        write_rank(path, pieces, 0, scalars, max_file_bytes, on_piece)
-        return commit(path, 1, step, extra, rules, provenance, overwrite)
+        write_rank(path, pieces, 0, scalars, max_file_bytes, on_piece, token)
+        return commit(path, 1, step, extra, rules, provenance, overwrite, token)
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
         raise
@@ -248,9 +270,7 @@ def save(path: str, pieces: Iterable[Piece], *, step: int | None = None,
 
 
 def detect(path: str) -> bool:
-    return os.path.isdir(path) and (
-        os.path.exists(os.path.join(path, MANIFEST)) or os.path.basename(os.path.normpath(path)).endswith(PARTIAL)
-    )
+    return os.path.isdir(path) and (os.path.exists(os.path.join(path, MANIFEST)) or is_staging(path))
 
 
 def _load_manifest(path: str) -> dict[str, Any]:
@@ -326,7 +346,7 @@ def _parse_tensors(manifest: Mapping[str, Any], root: str) -> dict[str, LogicalT
 def index(path: str) -> CheckpointIndex:
     """Open a committed universal directory (metadata only)."""
     path = os.fspath(path)
-    if os.path.basename(os.path.normpath(path)).endswith(PARTIAL):
+    if is_staging(path):
         raise IncompleteCheckpointError(f"{path}: a checkpoint still being written (or abandoned)")
     manifest = _load_manifest(path)
     tensors = _parse_tensors(manifest, path)

@@ -133,12 +133,12 @@ def test_a_crash_mid_flush_leaves_the_previous_checkpoint_intact(tmp_path):
     assert proc.stdout.readline().strip() == "FLUSHING"
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    assert os.path.exists(step_dir(root, 2) + ".partial")
+    (partial,) = [p for p in os.listdir(root) if p.startswith("step_00000002.partial")]
     assert committed_steps(root) == [1]
     with pytest.raises(ckptbridge.IncompleteCheckpointError):
-        ckptbridge.open(step_dir(root, 2) + ".partial")
+        ckptbridge.open(os.path.join(root, partial))
     ck = Checkpointer(root)  # a restart: the abandoned step is cleaned up
-    assert ck.latest() == 1 and not os.path.exists(step_dir(root, 2) + ".partial")
+    assert ck.latest() == 1 and not os.path.exists(os.path.join(root, partial))
     np.testing.assert_array_equal(ck.restore()["w"], np.full(1000, 1.0, np.float32))
     ck.close()
 
@@ -203,3 +203,28 @@ def test_sigkill_at_random_points_never_loses_the_last_committed_step(tmp_path, 
         assert ckptbridge.verify(path) == []
         c = ckptbridge.open(path)
         assert float(c["w"][3, 5]) == latest and int(c["b"][0]) == latest
+
+
+TWO_JOBS = textwrap.dedent("""
+    import sys, numpy as np
+    from ckptbridge._async import Checkpointer
+    root, value = sys.argv[1], float(sys.argv[2])
+    with Checkpointer(root, keep_last=None) as ck:
+        for s in range(12):
+            ck.save(s, {"w": np.full((128, 256), value + s, np.float32), "tag": value})
+""")
+
+
+def test_two_jobs_writing_the_same_steps_into_one_root_never_mix(tmp_path):
+    """Both jobs race for every step; each committed step is wholly one job's."""
+    root = str(tmp_path / "ck")
+    jobs = [subprocess.Popen([sys.executable, "-c", TWO_JOBS, root, v]) for v in ("100", "200")]
+    assert [j.wait(timeout=300) for j in jobs] == [0, 0]
+    assert committed_steps(root) == list(range(12))
+    for s in range(12):
+        c = ckptbridge.open(step_dir(root, s))
+        w = c["w"].read()
+        assert ckptbridge.verify(step_dir(root, s)) == []
+        assert (w == w[0, 0]).all() and float(w[0, 0]) - s in (100.0, 200.0)
+        assert c.extra["values"]["tag"] == float(w[0, 0]) - s
+    assert not [p for p in os.listdir(root) if ".partial" in p]
