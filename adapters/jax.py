@@ -29,6 +29,7 @@ import os
 import shutil
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -98,6 +99,10 @@ def _as_checkpoint(source: Any) -> tuple[Checkpoint, bool]:
     return open_checkpoint(source), True
 
 
+def _is_float(dtype: str) -> bool:
+    return dtype.startswith(("float", "bfloat"))
+
+
 def _tensor_state(ckpt: Checkpoint, name: str, state: str | None) -> TensorState:
     tensor = ckpt.index.tensors.get(name)
     if tensor is None:
@@ -110,48 +115,84 @@ def _tensor_state(ckpt: Checkpoint, name: str, state: str | None) -> TensorState
 # ------------------------------------------------------------------ load
 
 
+@dataclass(frozen=True)
+class _Planned:
+    name: str
+    state: TensorState
+    sharding: Any
+    dtype: str
+    boxes: tuple[Box, ...]  # distinct boxes of the addressable devices
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.size for b in self.boxes) * _dtypes.itemsize(self.dtype)
+
+
+def _plan_request(ckpt: Checkpoint, req: Sequence[Any], state: str | None) -> _Planned:
+    name, sharding, dtype, expected = req[:4]
+    tstate = _tensor_state(ckpt, name, req[4] if len(req) > 4 else state)
+    shape = tstate.shape
+    label = f"{ckpt.path}: tensor {name!r}"
+    if expected is not None and tuple(expected) != shape:
+        raise ShapeMismatchError(f"{label} has shape {shape}, the target expects {tuple(expected)}")
+    dt_name = tstate.dtype
+    if dtype is not None and (len(req) > 4 or expected is not None or _is_float(tstate.dtype)):
+        dt_name = _dtypes.name_of(np.dtype(dtype))  # a bare cast leaves integer tensors alone
+    try:
+        indices = sharding.addressable_devices_indices_map(shape)
+    except ValueError as err:  # e.g. jax's IndivisibleError for uneven NamedShardings
+        raise ShapeMismatchError(f"{label}: shape {shape} does not fit sharding {sharding}: {err}") from None
+    boxes = tuple(dict.fromkeys(box_of_index(index, shape) for index in indices.values()))
+    return _Planned(name, tstate, sharding, dt_name, boxes)
+
+
 def load_arrays(
     ckpt: Checkpoint,
-    requests: Sequence[tuple[str, Any, str | None, Any]],
+    requests: Sequence[tuple[Any, ...]],
     state: str | None = None,
     max_workers: int | None = None,
+    window_bytes: int = 512 << 20,
 ) -> list[Any]:
-    """Build one ``jax.Array`` per ``(name, sharding, dtype, expected_shape)`` request.
+    """Build one ``jax.Array`` per ``(name, sharding, dtype, expected_shape[, state])`` request.
 
-    The distinct index boxes of each array's addressable devices are read in
-    parallel (replicas share one read), then handed to
-    ``jax.make_array_from_callback``.
+    Every request is planned (and checked) before anything is read. The
+    distinct index boxes of each array's addressable devices are then read on
+    a thread pool (replicas share one read), tensors ahead of the one being
+    assembled are prefetched up to ``window_bytes``, and each array is built
+    with ``jax.make_array_from_callback`` from its boxes.
     """
     import jax
 
+    plans = [_plan_request(ckpt, req, state) for req in requests]
     workers = max_workers or min(8, (os.cpu_count() or 1) * 2)
     out = []
     with ThreadPoolExecutor(workers) as pool:
-        for name, sharding, dtype, expected in requests:
-            tstate = _tensor_state(ckpt, name, state)
-            shape = tstate.shape
-            if expected is not None and tuple(expected) != shape:
-                raise ShapeMismatchError(
-                    f"{ckpt.path}: tensor {name!r} has shape {shape}, the target expects {tuple(expected)}"
-                )
-            dt_name = _dtypes.name_of(np.dtype(dtype)) if dtype is not None else tstate.dtype
-            np_dtype = _dtypes.to_numpy(dt_name)
-            label = f"{ckpt.path}: tensor {name!r}"
-            boxes = {
-                dev: box_of_index(index, shape)
-                for dev, index in sharding.addressable_devices_indices_map(shape).items()
-            }
-            distinct = list(dict.fromkeys(boxes.values()))
-            chunks = dict(zip(distinct, pool.map(
-                lambda b, ts=tstate, lb=label, dt=dt_name: read_state(ts, b, ckpt.files, dt, lb),
-                distinct,
-            ), strict=True))
+        futures: dict[int, dict[Box, Any]] = {}
+        ahead, in_flight = 0, 0
+
+        def submit_more() -> None:
+            nonlocal ahead, in_flight
+            while ahead < len(plans) and (not futures or in_flight + plans[ahead].nbytes <= window_bytes):
+                p = plans[ahead]
+                label = f"{ckpt.path}: tensor {p.name!r}"
+                futures[ahead] = {
+                    b: pool.submit(read_state, p.state, b, ckpt.files, p.dtype, label) for b in p.boxes
+                }
+                in_flight += p.nbytes
+                ahead += 1
+
+        for i, p in enumerate(plans):
+            submit_more()
+            chunks = {b: f.result() for b, f in futures.pop(i).items()}
+            shape = p.state.shape
 
             def callback(index: Any, shape: tuple[int, ...] = shape, chunks: dict[Box, np.ndarray] = chunks) -> np.ndarray:
                 return chunks[box_of_index(index, shape)]
 
-            out.append(jax.make_array_from_callback(shape, sharding, callback, dtype=np_dtype))
+            out.append(jax.make_array_from_callback(shape, p.sharding, callback,
+                                                    dtype=_dtypes.to_numpy(p.dtype)))
             chunks.clear()
+            in_flight -= p.nbytes
     return out
 
 
@@ -287,9 +328,18 @@ def _barrier(tag: str) -> None:
     import jax
 
     if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
+        try:  # the coordination service's barrier needs no device collectives (as Orbax does)
+            from jax._src import distributed
 
-        multihost_utils.sync_global_devices(tag)
+            client = distributed.global_state.client
+        except (ImportError, AttributeError):
+            client = None
+        if client is not None:
+            client.wait_at_barrier(tag.replace("/", "_")[-200:], timeout_in_ms=30 * 60 * 1000)
+        else:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices(tag)
 
 
 def save_pieces(
