@@ -175,11 +175,9 @@ class _Slice(io.RawIOBase):
 
 def _embedded_archive(file: str, start: int, length: int, what: str) -> tuple[Any, dict[str, tuple[int, int]]]:
     """Unpickle the ``torch.save`` zip at ``file[start:start+length]``; storage key -> absolute (offset, size)."""
-    try:
-        fh = open(file, "rb")
-    except FileNotFoundError:
-        raise MissingShardError(f"{file}: data file not found (needed for {what})") from None
-    with fh:
+    if not os.path.isfile(file):
+        raise MissingShardError(f"{file}: data file not found (needed for {what})")
+    with open(file, "rb") as fh:
         size = os.fstat(fh.fileno()).st_size
         if start + length > size:
             raise TruncatedError(f"{file}: {what} needs bytes up to {start + length}, the file has {size}")

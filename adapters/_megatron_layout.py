@@ -170,7 +170,7 @@ def tp_layout(name: str, cfg: MegatronConfig, ndim: int) -> TpLayout:
 
 def consolidate(name: str, parts: Sequence[TensorState], layout: TpLayout, cfg: MegatronConfig) -> TensorState:
     """The full tensor from its TP pieces (one per rank, rank order); no data is read."""
-    if layout.kind == "replicated" or len(parts) == 1 and layout.kind != "glu":
+    if layout.kind == "replicated" or (len(parts) == 1 and layout.kind != "glu"):
         return parts[0]
     if layout.kind in ("column", "row", "vocab"):
         return concat(parts, layout.dim or 0)
@@ -190,7 +190,7 @@ def consolidate(name: str, parts: Sequence[TensorState], layout: TpLayout, cfg: 
 def shard_box(shape: Sequence[int], layout: TpLayout, tp: int, rank: int) -> list[Box]:
     """The boxes of the full tensor that TP ``rank`` holds, in its local order (row-major concat)."""
     shape = tuple(shape)
-    if layout.kind == "replicated" or tp == 1 and layout.kind != "glu":
+    if layout.kind == "replicated" or (tp == 1 and layout.kind != "glu"):
         return [Box.full(shape)]
     d = layout.dim or 0
     if layout.kind == "glu":
@@ -297,3 +297,74 @@ def from_dist_key(key: str, layer: int | None, local_spec: bool) -> str:
             if rest.startswith(b):
                 rest = a + rest[len(b):]
     return f"decoder.layers.{layer}.{rest}"
+
+
+_IN_LAYER_ORDER = ("input_layernorm.", "self_attention.linear_proj.", "self_attention.linear_qkv.layer_norm_",
+                   "self_attention.linear_qkv.", "self_attention.", "pre_cross_attn_layernorm.", "cross_attention.",
+                   "pre_mlp_layernorm.", "mlp.linear_fc1.layer_norm_", "mlp.linear_fc1.", "mlp.linear_fc2.", "mlp.")
+
+
+def _param_sort_key(name: str) -> tuple[int, int, int, int]:
+    """Coarse named_parameters() order; ties keep the caller's order (the sort is stable)."""
+    bias = 1 if name.endswith("bias") else 0  # nn modules register weight before bias
+    m = LAYER_RE.match(name)
+    if name.startswith("embedding."):
+        return (0, 0, 0 if "word_embeddings" in name else 1, bias)
+    if m is None:
+        return (2, 0, 0 if "final" in name else 1, bias)
+    rest = m.group(2)
+    pos = next((i for i, pre in enumerate(_IN_LAYER_ORDER) if rest.startswith(pre)), len(_IN_LAYER_ORDER))
+    return (1, int(m.group(1)), pos, bias)
+
+
+def stage_layers(cfg: MegatronConfig, args: Mapping[str, Any]) -> dict[int, range]:
+    """Global decoder layers held by each pipeline stage (no virtual pipeline)."""
+    counts = layers_per_chunk(cfg, args.get("decoder_first_pipeline_num_layers"),
+                              args.get("decoder_last_pipeline_num_layers"),
+                              bool(args.get("account_for_embedding_in_pipeline_split")),
+                              bool(args.get("account_for_loss_in_pipeline_split")))
+    if sum(counts.values()) != cfg.num_layers:
+        raise FormatError(f"{cfg.num_layers} layers do not split over PP={cfg.pp} as the args say")
+    out, at = {}, 0
+    for p in range(cfg.pp):
+        n = sum(c for (v, q), c in counts.items() if q == p)
+        out[p] = range(at, at + n)
+        at += n
+    return out
+
+
+def local_params(cfg: MegatronConfig, args: Mapping[str, Any], names: Sequence[str],
+                 shapes: Mapping[str, tuple[int, ...]], tp: int, pp: int
+                 ) -> list[tuple[str, tuple[int, ...], list[Box]]]:
+    """A (TP, PP) rank's parameters in GPTModel ``named_parameters()`` order: (global name,
+    local shape, boxes of the full tensor it holds). ``shapes`` are full (padded-vocab) shapes.
+
+    Order: word/position embeddings (first stage), decoder layers (each in module
+    registration order: input norm, attention proj, qkv, pre-MLP norm, fc1, fc2; weight
+    before bias), final norm and output layer (last stage; with tied embeddings and PP>1
+    the last stage holds its own ``output_layer.weight`` copy).
+    """
+    layers = stage_layers(cfg, args)[pp]
+    picked = []
+    for n in names:
+        m = LAYER_RE.match(n)
+        if m:
+            if int(m.group(1)) in layers:
+                picked.append(n)
+        elif n.startswith("embedding."):
+            if pp == 0:
+                picked.append(n)
+        elif pp == cfg.pp - 1:
+            picked.append(n)
+    picked.sort(key=_param_sort_key)
+    if cfg.tied and cfg.pp > 1 and pp == cfg.pp - 1 and "output_layer.weight" not in picked:
+        picked.append("output_layer.weight")
+    out = []
+    for n in picked:
+        shape = tuple(shapes.get(n) or shapes["embedding.word_embeddings.weight"])
+        lay = tp_layout(n, cfg, len(shape))
+        boxes = shard_box(shape, lay, cfg.tp, tp)
+        local = list(boxes[0].shape)
+        local[0] = sum(b.shape[0] for b in boxes)  # SwiGLU ranks hold two boxes stacked on dim 0
+        out.append((n, tuple(local), boxes))
+    return out
