@@ -12,12 +12,12 @@ export DS_ACCELERATOR := cpu
 export DS_SKIP_CUDA_CHECK := 1
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: venv test test-fast demo lint bench clean
+.PHONY: venv test test-fast demo lint bench fuzz clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[dev,torch,jax,deepspeed]'
+	$(PY) -m pip install -q -e '.[dev,torch,jax,deepspeed,megatron]'
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -33,6 +33,10 @@ test-fast: venv
 
 demo: venv
 	$(PY) examples/demo.py demo_out
+
+# a longer fuzzing campaign than CI's (FUZZ_CASES per reader)
+fuzz: venv
+	FUZZ_CASES=$${FUZZ_CASES:-20000} $(PY) -m pytest -q tests/test_fuzz.py tests/test_fuzz_adapters.py
 
 bench: venv
 	$(PY) bench/bench_core.py

@@ -22,19 +22,16 @@ Generic (any DCP checkpoint, not only Megatron's), so the torch/DCP adapter can 
 
 from __future__ import annotations
 
-import io
 import os
-import struct
-import zipfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ckptbridge._errors import FormatError, MissingShardError, TruncatedError
+from ckptbridge._errors import FormatError, MissingShardError
 from ckptbridge._model import Box, FileRegion, Fragment, TensorState
-from ckptbridge._pickle import Opaque, StorageRef, StorageType, TensorRef, TorchDtype, safe_loads
+from ckptbridge._pickle import Opaque, TensorRef, TorchDtype, safe_loads
+from ckptbridge._torchzip import TorchArchive
 
-_LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")
 _MAX_METADATA = 1 << 31
 
 
@@ -144,76 +141,10 @@ def read_metadata(path: str) -> DcpMetadata:
     return DcpMetadata(path, tensors, objects, raw)
 
 
-class _Slice(io.RawIOBase):
-    """A read-only window ``[start, start+length)`` of a file, for zipfile."""
-
-    def __init__(self, fh: Any, start: int, length: int) -> None:
-        self._fh, self._start, self._len, self._pos = fh, start, length, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, pos: int, whence: int = 0) -> int:
-        base = {0: 0, 1: self._pos, 2: self._len}[whence]
-        self._pos = max(0, base + pos)
-        return self._pos
-
-    def readinto(self, b: Any) -> int:
-        n = max(0, min(len(b), self._len - self._pos))
-        self._fh.seek(self._start + self._pos)
-        data = self._fh.read(n)
-        b[: len(data)] = data
-        self._pos += len(data)
-        return len(data)
-
-
 def _embedded_archive(file: str, start: int, length: int, what: str) -> tuple[Any, dict[str, tuple[int, int]]]:
     """Unpickle the ``torch.save`` zip at ``file[start:start+length]``; storage key -> absolute (offset, size)."""
-    if not os.path.isfile(file):
-        raise MissingShardError(f"{file}: data file not found (needed for {what})")
-    with open(file, "rb") as fh:
-        size = os.fstat(fh.fileno()).st_size
-        if start + length > size:
-            raise TruncatedError(f"{file}: {what} needs bytes up to {start + length}, the file has {size}")
-        try:
-            with zipfile.ZipFile(_Slice(fh, start, length)) as zf:
-                infos = zf.infolist()
-                pkl = [i for i in infos if i.filename.endswith("data.pkl")]
-                if not pkl:
-                    raise FormatError(f"{file}@{start}: {what} is not a torch.save archive")
-                prefix = pkl[0].filename[: -len("data.pkl")]
-                offsets: dict[str, tuple[int, int]] = {}
-                for info in infos:
-                    if not info.filename.startswith(prefix + "data/"):
-                        continue
-                    if info.compress_type != zipfile.ZIP_STORED:
-                        raise FormatError(f"{file}: {what}: storage {info.filename} is compressed")
-                    fh.seek(start + info.header_offset)
-                    head = fh.read(_LOCAL_HEADER.size)
-                    if len(head) < _LOCAL_HEADER.size or head[:4] != b"PK\x03\x04":
-                        raise TruncatedError(f"{file}: {what}: broken zip entry {info.filename}")
-                    fl = _LOCAL_HEADER.unpack(head)
-                    data_start = start + info.header_offset + _LOCAL_HEADER.size + fl[9] + fl[10]
-                    offsets[info.filename[len(prefix) + 5 :]] = (data_start, info.file_size)
-                data = zf.read(pkl[0])
-        except zipfile.BadZipFile as err:
-            raise TruncatedError(f"{file}@{start}: {what}: damaged embedded archive ({err})") from None
-
-    def persistent_load(pid: Any) -> StorageRef:
-        if not (isinstance(pid, tuple) and len(pid) >= 5 and pid[0] == "storage"):
-            raise FormatError(f"unknown persistent id {pid!r}")
-        stype, key = pid[1], str(pid[2])
-        if not isinstance(stype, StorageType) or key not in offsets:
-            raise FormatError(f"storage {key} of type {stype!r} is missing")
-        return StorageRef(key, stype.dtype, int(pid[4]))
-
-    return safe_loads(data, persistent_load, source=f"{file}@{start} ({what})"), offsets
+    archive = TorchArchive.open(file, start, length, what)
+    return archive.obj, dict(archive.storage_offsets)
 
 
 def chunk_fragment(tensor: DcpTensor, chunk: DcpChunk) -> Fragment:

@@ -24,11 +24,11 @@ def resolve_iter_dir(path: str) -> tuple[str, int | None]:
     """A run dir (with the tracker file), an ``iter_*``/``release`` dir -> (iteration dir, iteration)."""
     path = os.path.abspath(os.fspath(path))
     if os.path.isfile(os.path.join(path, TRACKER)):
-        with open(os.path.join(path, TRACKER)) as fh:
-            text = fh.read().strip()
+        with open(os.path.join(path, TRACKER), encoding="utf-8", errors="replace") as fh:
+            text = fh.read(4096).strip()
         if text == "release":
             return os.path.join(path, "release"), None
-        if not text.isdigit():
+        if not re.fullmatch(r"[0-9]{1,12}", text):
             raise FormatError(f"{path}/{TRACKER}: expected an iteration number or 'release', got {text!r}")
         it_dir = os.path.join(path, f"iter_{int(text):07d}")
         if not os.path.isdir(it_dir):

@@ -13,6 +13,7 @@ each storage's byte offset in the archive, so a tensor becomes a
 
 from __future__ import annotations
 
+import io
 import os
 import struct
 import zipfile
@@ -29,12 +30,74 @@ _LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")
 _MAX_PICKLE = 1 << 31
 
 
-def is_torch_zip(path: str) -> bool:
+def is_torch_zip(path: str, offset: int = 0) -> bool:
     try:
         with open(path, "rb") as fh:
+            fh.seek(offset)
             return fh.read(4) == b"PK\x03\x04"
     except OSError:
         return False
+
+
+class _Window(io.RawIOBase):
+    """Bytes ``[base, base + length)`` of an open file, seen by zipfile as a file of their own."""
+
+    def __init__(self, fh: Any, base: int, length: int) -> None:
+        self._fh, self._base, self._length, self._pos = fh, base, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        anchor = (0, self._pos, self._length)[whence]
+        self._pos = max(0, min(anchor + pos, self._length))
+        return self._pos
+
+    def readinto(self, b: Any) -> int:
+        n = max(0, min(len(b), self._length - self._pos))
+        self._fh.seek(self._base + self._pos)
+        data = self._fh.read(n)
+        b[: len(data)] = data
+        self._pos += len(data)
+        return len(data)
+
+
+def _read_archive(
+    zf: zipfile.ZipFile, raw: Any, base: int, size: int, label: str
+) -> tuple[dict[str, tuple[int, int]], bytes]:
+    """Absolute (offset, length) of every storage record, and the pickle's bytes."""
+    infos = zf.infolist()
+    pkl = [i for i in infos if i.filename.endswith("data.pkl") and i.filename.count("/") == 1]
+    if not pkl:
+        raise FormatError(f"{label}: torch archive without data.pkl")
+    prefix = pkl[0].filename[: -len("data.pkl")]
+    offsets: dict[str, tuple[int, int]] = {}
+    for info in infos:
+        if not info.filename.startswith(prefix + "data/"):
+            continue
+        if info.compress_type != zipfile.ZIP_STORED:
+            raise FormatError(f"{label}: storage {info.filename} is compressed")
+        raw.seek(base + info.header_offset)
+        head = raw.read(_LOCAL_HEADER.size)
+        if len(head) < _LOCAL_HEADER.size or head[:4] != b"PK\x03\x04":
+            raise TruncatedError(f"{label}: broken zip entry {info.filename}")
+        fields = _LOCAL_HEADER.unpack(head)
+        start = info.header_offset + _LOCAL_HEADER.size + fields[9] + fields[10]
+        if start + info.file_size > size:
+            raise TruncatedError(
+                f"{label}: storage {info.filename} ends at byte {base + start + info.file_size} "
+                f"but the archive ends at {base + size} (truncated copy?)"
+            )
+        offsets[info.filename[len(prefix) + 5 :]] = (base + start, info.file_size)
+    if pkl[0].file_size > _MAX_PICKLE:
+        raise FormatError(f"{label}: data.pkl claims {pkl[0].file_size} bytes")
+    return offsets, zf.read(pkl[0])
 
 
 @dataclass(frozen=True)
@@ -46,50 +109,33 @@ class TorchArchive:
     storage_offsets: Mapping[str, tuple[int, int]]  # key -> (byte offset, byte length)
 
     @staticmethod
-    def open(path: str) -> TorchArchive:
+    def open(path: str, offset: int = 0, length: int | None = None, what: str = "") -> TorchArchive:
+        """Open the archive in ``path``, or the one embedded at bytes ``[offset, offset+length)``
+        of it (torch DCP appends one ``torch.save`` archive per item to its ``.distcp`` files).
+        Storage offsets are absolute file offsets either way."""
         path = os.fspath(path)
+        label = f"{path}@{offset}" + (f" ({what})" if what else "") if offset or what else path
         if not os.path.exists(path):
-            raise MissingShardError(f"{path}: file not found")
-        if not is_torch_zip(path):
+            raise MissingShardError(f"{path}: file not found" + (f" (needed for {what})" if what else ""))
+        if not is_torch_zip(path, offset):
             raise FormatError(
-                f"{path}: not a torch zip archive (legacy pre-1.6 torch.save files and plain "
+                f"{label}: not a torch zip archive (legacy pre-1.6 torch.save files and plain "
                 "pickles are not read; re-save with a current torch)"
             )
         try:
-            with zipfile.ZipFile(path) as zf, open(path, "rb") as raw:
-                size = os.fstat(raw.fileno()).st_size
-                infos = zf.infolist()
-                pkl = [i for i in infos if i.filename.endswith("data.pkl") and i.filename.count("/") == 1]
-                if not pkl:
-                    raise FormatError(f"{path}: torch archive without data.pkl")
-                prefix = pkl[0].filename[: -len("data.pkl")]
-                offsets: dict[str, tuple[int, int]] = {}
-                for info in infos:
-                    if not info.filename.startswith(prefix + "data/"):
-                        continue
-                    if info.compress_type != zipfile.ZIP_STORED:
-                        raise FormatError(f"{path}: storage {info.filename} is compressed")
-                    raw.seek(info.header_offset)
-                    head = raw.read(_LOCAL_HEADER.size)
-                    if len(head) < _LOCAL_HEADER.size or head[:4] != b"PK\x03\x04":
-                        raise TruncatedError(f"{path}: broken zip entry {info.filename}")
-                    fields = _LOCAL_HEADER.unpack(head)
-                    start = info.header_offset + _LOCAL_HEADER.size + fields[9] + fields[10]
-                    if start + info.file_size > size:
-                        raise TruncatedError(
-                            f"{path}: storage {info.filename} ends at byte {start + info.file_size} "
-                            f"but the file has {size} (truncated copy?)"
-                        )
-                    offsets[info.filename[len(prefix) + 5 :]] = (start, info.file_size)
-                if pkl[0].file_size > _MAX_PICKLE:
-                    raise FormatError(f"{path}: data.pkl claims {pkl[0].file_size} bytes")
-                data = zf.read(pkl[0])
+            with open(path, "rb") as raw:
+                total = os.fstat(raw.fileno()).st_size
+                length = total - offset if length is None else length
+                if offset < 0 or length < 0 or offset + length > total:
+                    raise TruncatedError(f"{label}: needs bytes up to {offset + length}, the file has {total}")
+                with zipfile.ZipFile(_Window(raw, offset, length)) as zf:
+                    offsets, data = _read_archive(zf, raw, offset, length, label)
         except CheckpointError:
             raise
         except zipfile.BadZipFile as err:
-            raise TruncatedError(f"{path}: damaged zip archive ({err})") from None
+            raise TruncatedError(f"{label}: damaged zip archive ({err})") from None
         except Exception as err:  # zipfile raises many kinds on damaged input
-            raise TruncatedError(f"{path}: unreadable archive ({type(err).__name__}: {err})") from None
+            raise TruncatedError(f"{label}: unreadable archive ({type(err).__name__}: {err})") from None
 
         def persistent_load(pid: Any) -> StorageRef:
             if not (isinstance(pid, tuple) and len(pid) >= 5 and pid[0] == "storage"):
@@ -102,7 +148,7 @@ class TorchArchive:
                 raise TruncatedError(f"storage record data/{key} is missing from the archive")
             return StorageRef(key, dtype, int(numel))
 
-        obj = safe_loads(data, persistent_load, source=path)
+        obj = safe_loads(data, persistent_load, source=label)
         return TorchArchive(path, obj, offsets)
 
     def fragment(self, ref: TensorRef, name: str = "tensor") -> Fragment:

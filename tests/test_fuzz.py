@@ -44,4 +44,6 @@ def _fuzz(seeds: list[str], cases: int, seed: int) -> None:
 
 
 def test_core_readers_survive_1000_mutations(tmp_path):
-    _fuzz(_core_seeds(tmp_path), 1000, seed=0)
+    import os
+
+    _fuzz(_core_seeds(tmp_path), max(1000, int(os.environ.get("FUZZ_CASES", "1000"))), seed=0)
