@@ -29,6 +29,7 @@ from ._model import Box, FileRegion, Fragment, TensorState, c_strides
 from ._plan import CopyOp, plan
 
 _RELEASE_BYTES = 4 << 20
+_CHUNK_BYTES = 4 << 20
 
 
 class ReadStats:
@@ -100,26 +101,52 @@ class FileCache:
         )
         np.copyto(out, view, casting="unsafe")
         nbytes = box.size * dtype.itemsize
-        if nbytes >= _RELEASE_BYTES and isinstance(buf, mmap.mmap):
-            # the pages stay in the page cache; dropping them from this process keeps RSS near
-            # the size of what the caller holds, so streaming a model never looks like loading it
-            lo = start - start % mmap.PAGESIZE
-            buf.madvise(mmap.MADV_DONTNEED, lo, min(end, len(buf)) - lo)
+        if nbytes >= _RELEASE_BYTES:
+            self._release(buf, start, end)
         self.stats.add(region.file, nbytes)
         return nbytes
 
-    def check(self, frag: Fragment, label: str) -> None:
-        """Compare a contiguous fragment's stored bytes with its recorded checksum."""
+    def copy_verified(self, frag: Fragment, out: np.ndarray, label: str) -> int:
+        """Copy a whole contiguous fragment into ``out`` while checking its recorded checksum,
+        in one pass over the bytes (chunk by chunk, each chunk checksummed then copied)."""
         loc = frag.location
-        if not isinstance(loc, FileRegion) or loc.strides != c_strides(frag.box.shape):
-            return
+        dtype = _dtypes.to_numpy(loc.dtype)
         buf = self.buffer(loc.file)
-        got = f"crc32:{zlib.crc32(memoryview(buf)[loc.offset : loc.offset + loc.extent(frag.box.shape)]):08x}"
+        end = loc.offset + loc.extent(frag.box.shape)
+        if end > len(buf):
+            raise TruncatedError(f"{loc.file}: needs bytes up to {end} but the file has {len(buf)}")
+        src = np.frombuffer(buf, dtype=np.uint8, count=end - loc.offset, offset=loc.offset)
+        # a view into a larger request can be strided: fill a contiguous buffer, then place it
+        flat = out.reshape(-1) if out.flags.c_contiguous else np.empty(out.size, out.dtype)
+        same = flat.dtype == dtype
+        dst = flat.view(np.uint8) if same else None
+        crc, step = 0, _CHUNK_BYTES - _CHUNK_BYTES % dtype.itemsize
+        for lo in range(0, src.size, step):
+            piece = src[lo : lo + step]
+            crc = zlib.crc32(piece, crc)
+            if same:
+                dst[lo : lo + piece.size] = piece
+            else:
+                i = lo // dtype.itemsize
+                np.copyto(flat[i : i + piece.size // dtype.itemsize], piece.view(dtype), casting="unsafe")
+        if not out.flags.c_contiguous:
+            np.copyto(out, flat.reshape(out.shape))
+        got = f"crc32:{crc:08x}"
         if got != frag.checksum:
             raise CorruptionError(
                 f"{loc.file}: {label} at {frag.box.offset}: checksum {got} != recorded {frag.checksum}; "
                 "the data is corrupted (restore the file, or open with verify=False to read it anyway)"
             )
+        self._release(buf, loc.offset, end)
+        self.stats.add(loc.file, src.size)
+        return src.size
+
+    def _release(self, buf: mmap.mmap | bytes, start: int, end: int) -> None:
+        if end - start >= _RELEASE_BYTES and isinstance(buf, mmap.mmap):
+            # the pages stay in the page cache; dropping them from this process keeps RSS near
+            # the size of what the caller holds, so streaming a model never looks like loading it
+            lo = start - start % mmap.PAGESIZE
+            buf.madvise(mmap.MADV_DONTNEED, lo, min(end, len(buf)) - lo)
 
     def close(self) -> None:
         with self._lock:
@@ -142,10 +169,12 @@ def execute(ops: Sequence[CopyOp], out: np.ndarray, files: FileCache, label: str
     """Run copy ops into ``out`` (whose box is the request); return bytes read."""
 
     def one(op: CopyOp) -> int:
-        n = op.fragment.location.read_into(op.src, out[(*op.dst.slices(), Ellipsis)], files)
-        if files.verify and op.fragment.checksum and op.src.shape == op.fragment.box.shape:
-            files.check(op.fragment, label)
-        return n
+        frag, dst = op.fragment, out[(*op.dst.slices(), Ellipsis)]
+        loc = frag.location
+        if (files.verify and frag.checksum and op.src.shape == frag.box.shape and isinstance(loc, FileRegion)
+                and loc.strides == c_strides(frag.box.shape)):
+            return files.copy_verified(frag, dst, label)
+        return loc.read_into(op.src, dst, files)
 
     if len(ops) <= 1 or sum(op.src.size for op in ops) < (1 << 16):
         return sum(one(op) for op in ops)
