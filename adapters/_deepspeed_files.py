@@ -8,7 +8,8 @@ a *tag folder* (``global_step3``) holds, following ``runtime/engine.py``
     mp_rank_{mp:02d}_model_states.pt                        ZeRO-0/1/2: module, param_shapes, ...
     zero_pp_rank_{dp}_mp_rank_{mp:02d}_model_states.pt      ZeRO-3: one per dp rank
     [bf16_|fp16_]zero_pp_rank_{dp}_mp_rank_{mp:02d}_optim_states.pt   one per dp rank
-    layer_{idx:02d}-model_{mp:02d}-model_states.pt          pipeline engine: weights per layer
+    layer_{idx:02d}[-model_{tp:02d}]-model_states.pt        pipeline engine: weights per layer (the
+                                                            ``-model_XX`` part only with tensor parallelism)
 
 ``mp`` enumerates the model-parallel slots pipeline-major, ``mp = pp * tp_degree + tp``
 (``meg_2d_parallel_map.simple_init``); ``dp`` is the data-parallel (ZeRO) rank.
@@ -29,7 +30,7 @@ from ckptbridge._errors import FormatError, MissingShardError
 OPTIM_RE = re.compile(r"^(bf16_|fp16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 ZERO3_MODEL_RE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
 MODEL_RE = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
-LAYER_RE = re.compile(r"^layer_(\d+)-model_(\d+)-model_states\.pt$")
+LAYER_RE = re.compile(r"^layer_(\d+)-(?:model_(\d+)-)?model_states\.pt$")
 
 
 @dataclass(frozen=True)
@@ -42,7 +43,7 @@ class TagFiles:
     optim_prefix: str  # "", "bf16_" or "fp16_"
     model: dict[int, str]  # mp -> mp_rank_XX_model_states.pt
     zero3_model: dict[tuple[int, int], str]  # (mp, dp) -> zero_pp_rank_..._model_states.pt
-    layers: dict[tuple[int, int], str]  # (layer, mp) -> layer file
+    layers: dict[tuple[int, int], str]  # (layer, tp) -> layer file
     universal: bool  # a ds_to_universal-style folder (zero/<param>/...)
 
 
@@ -97,7 +98,13 @@ def looks_like_deepspeed(path: str) -> bool:
         for marker in ("latest", "latest_universal"):
             mfile = os.path.join(path, marker)
             if os.path.isfile(mfile) and os.path.getsize(mfile) < 4096:
-                return _is_tag_dir(os.path.join(path, _read_text(mfile)))
+                name = _read_text(mfile)
+                target = os.path.join(path, name)
+                if _is_tag_dir(target):
+                    return True
+                # 'latest' naming a tag that is gone: claim it so that index() can say which
+                if name and "\n" not in name and os.sep not in name and not os.path.exists(target):
+                    return True
     except (OSError, UnicodeDecodeError, ValueError):
         return False
     return False
@@ -120,7 +127,7 @@ def list_tag_files(tag_dir: str) -> TagFiles:
         elif m := MODEL_RE.match(n):
             model[int(m.group(1))] = full
         elif m := LAYER_RE.match(n):
-            layers[(int(m.group(1)), int(m.group(2)))] = full
+            layers[(int(m.group(1)), int(m.group(2) or 0))] = full
     if len(prefixes) > 1:
         raise FormatError(f"{tag_dir}: optimizer files with mixed prefixes {sorted(prefixes)}")
     universal = not optim and os.path.isfile(os.path.join(tag_dir, "zero", "optimizer_state.pt"))

@@ -64,8 +64,8 @@ def index_universal(files: TagFiles) -> CheckpointIndex:
             if not isinstance(ref, TensorRef):
                 raise FormatError(f"{f}: expected a tensor or {{'param': tensor}}")
             shape = shapes.get(name, ref.shape)
-            if math.prod(shape) != math.prod(ref.shape):
-                raise FormatError(f"{f}: {math.prod(ref.shape)} elements, param_shapes says {shape}")
+            if len(ref.shape) != 1 or math.prod(shape) != math.prod(ref.shape):
+                shape = ref.shape  # a full tensor (param_shapes are per tensor-parallel shard)
             frag = arch.fragment(ref, name)
             if tuple(shape) != ref.shape:  # ZeRO-3 converter stores the flat tensor
                 frag = contiguous_fragment(shape, arch.path, frag.location.offset, ref.dtype)

@@ -47,9 +47,26 @@ import numpy as np
 from ckptbridge import _dtypes
 from ckptbridge._checkpoint import CheckpointIndex
 from ckptbridge._errors import CheckpointError, FormatError
-from ckptbridge._model import Box, Fragment, LogicalTensor, TensorState, check_name, contiguous_fragment
+from ckptbridge._model import (
+    Box,
+    Fragment,
+    LogicalTensor,
+    TensorState,
+    c_strides,
+    check_name,
+    contiguous_fragment,
+)
 from ckptbridge._pickle import Opaque, TensorRef
-from ckptbridge._rules import FlatPartition, Pad, Replicate, Rule, Shard, concat, crop, rules_to_json
+from ckptbridge._rules import (
+    FlatPartition,
+    Pad,
+    Replicate,
+    Rule,
+    Shard,
+    concat,
+    crop,
+    rules_to_json,
+)
 from ckptbridge._torchzip import TorchArchive, iter_tensors, strip_tensors
 
 from ._deepspeed_files import (
@@ -146,8 +163,8 @@ def _buffer(archive: TorchArchive, ref: Any, what: str) -> FlatBuffer:
         raise FormatError(f"{archive.path}: {what} is {type(ref).__name__}, expected a tensor")
     n = math.prod(ref.shape)
     frag = archive.fragment(ref, what)
-    if n > 1 and (ref.stride[-1] != 1 or len(ref.shape) > 1 and ref.stride != tuple(
-        math.prod(ref.shape[i + 1:]) for i in range(len(ref.shape)))):
+    strides = [st for st, sz in zip(ref.stride, ref.shape) if sz != 1]
+    if n > 1 and strides != [st for st, sz in zip(c_strides(ref.shape), ref.shape) if sz != 1]:
         raise FormatError(f"{archive.path}: {what} is not stored contiguously (strides {ref.stride})")
     return FlatBuffer(archive.path, frag.location.offset, ref.dtype, n)
 
@@ -240,7 +257,7 @@ class _Reader:
                 tensors, meta = self._zero3(ranks, osds, shapes, mp)
             else:
                 tensors, meta = self._zero12(ranks, osds, shapes, mp, stage)
-            self._add_module_weights(tensors, models[mp], mp)
+            self._add_module_weights(tensors, models[mp], mp % tp)
             self._add_frozen(tensors, models[mp], mp, stage, dp)
             self._add_buffers(tensors, models[mp])
             step_by_mp[mp] = tensors
@@ -349,8 +366,9 @@ class _Reader:
         wrapper = "DeepSpeedZeroOptimizer" if stripped else "BF16_Optimizer"
         pcount = o0.get("partition_count")
         align_to = 2 * len(ranks) if stripped else None
+        cfg_stage = _get(_get(self._ds_config(ranks[0]), "zero_optimization") or {}, "stage")
         meta = {
-            "zero_stage": stage if stage is not None else 1,
+            "zero_stage": stage if stage is not None else int(cfg_stage or 0),
             "wrapper": wrapper,
             "elastic_checkpoint": elastic,
             "param_groups": groups_hyper or None,
@@ -361,6 +379,11 @@ class _Reader:
             "parameter_alignment": any(any(int(x) for x in a) for a in align) if isinstance(align, list) else False,
         }
         return tensors, meta
+
+    @staticmethod
+    def _ds_config(archive: TorchArchive) -> Mapping[str, Any]:
+        cfg = _get(archive.obj, "ds_config")
+        return cfg if isinstance(cfg, Mapping) else {}
 
     def _group_state(self, osd: Mapping[str, Any], g: int, path: str) -> Mapping[str, Any]:
         bos = osd.get("base_optimizer_state")
@@ -428,18 +451,22 @@ class _Reader:
 
     # -- weights as the module holds them ------------------------------------
 
-    def _add_module_weights(self, tensors: dict[str, LogicalTensor], model: TorchArchive, mp: int) -> None:
-        """Add the ``param`` state (bf16/fp16 weights) from ``module`` or pipeline layer files."""
+    def _add_module_weights(self, tensors: dict[str, LogicalTensor], model: TorchArchive, tp: int) -> None:
+        """Add the ``param`` state (bf16/fp16 weights) from ``module`` or pipeline layer files.
+
+        Pipeline layer ``i``'s file holds ``layer.state_dict()``; its parameters are
+        ``f"{i}.{key}"`` in the ``PipelineModule`` (the names in ``param_shapes``).
+        """
         module = _get(model.obj, "module")
         refs: dict[str, tuple[TorchArchive, TensorRef]] = {}
         if isinstance(module, Mapping):
             for name, ref in module.items():
                 if isinstance(ref, TensorRef):
                     refs[str(name)] = (model, ref)
-        for (layer, lmp), path in sorted(self.files.layers.items()):
-            if lmp != mp:
+        for (layer, ltp), path in sorted(self.files.layers.items()):
+            if ltp != tp:
                 continue
-            arch = _open(path, f"pipeline layer {layer}, mp rank {mp}")
+            arch = _open(path, f"pipeline layer {layer}, tp rank {tp}")
             for key, ref in iter_tensors(arch.obj):
                 refs[f"{layer}.{key}"] = (arch, ref)
         for name, t in list(tensors.items()):
@@ -473,6 +500,14 @@ class _Reader:
         if not shapes:
             return
         if stage is not None and stage >= 3:
+            missing = [r for r in range(dp) if (mp, r) not in self.files.zero3_model]
+            if missing:
+                from ckptbridge._errors import MissingShardError
+
+                raise MissingShardError(
+                    f"{self.where}: frozen parameters need zero_pp_rank_{{r}}_mp_rank_{mp:02d}_model_states.pt "
+                    f"for every dp rank; missing for dp ranks {missing}"
+                )
             archives = [
                 _open(self.files.zero3_model[(mp, r)], f"model states of dp rank {r}, mp rank {mp}")
                 for r in range(dp)
@@ -532,6 +567,7 @@ class _Reader:
             return any(re.match(p, name) for p in patterns)
 
         rules: list[Rule] = []
+        padded: dict[str, tuple[int, int]] = {}
         out: dict[str, LogicalTensor] = {}
         for p_idx in range(pp):
             names = list(by_mp[p_idx * tp])
@@ -548,18 +584,26 @@ class _Reader:
                     )
                 if tp == 1 or match(tp_repl, name):
                     merged = slices[0]
-                    if tp > 1:
-                        rules.append(Replicate(f"^{re.escape(name)}$", axis="tp", check="first"))
                 else:
                     merged = self._cat_tp(name, slices, 1 if match(row, name) else 0, match(two_sub, name))
-                    rules.append(Shard(f"^{re.escape(name)}$", axis="tp", dim=1 if match(row, name) else 0))
                 if match(vocab, name):
                     size = int(uc["original_vocab_size"])
                     merged = LogicalTensor(name, {
                         k: crop(s, Box((0,) * len(s.shape), (size, *s.shape[1:]))) for k, s in merged.states.items()
                     }, merged.scalars)
-                    rules.append(Pad(f"^{re.escape(name)}$", dim=0, size=size, padded=slices[0].shape[0] * tp))
+                    padded[name] = (size, slices[0].shape[0] * tp)
                 out[name] = merged
+        # the layout as rules: the checkpoint's own patterns, first match wins (as ds_to_universal)
+        def anchored(p: str) -> str:  # DeepSpeed uses re.match; Rule.matches uses re.search
+            return p if p.startswith("^") else f"^(?:{p})"
+
+        if tp > 1:
+            rules += [Replicate(anchored(p), axis="tp", check="first") for p in tp_repl]
+            rules += [Shard(anchored(p), axis="tp", dim=1) for p in row]
+            rules += [Shard(".*", axis="tp", dim=0)]
+        rules += [Pad(f"^{re.escape(n)}$", dim=0, size=a, padded=b) for n, (a, b) in padded.items()]
+        if pp > 1:
+            rules += [Replicate(anchored(p), axis="pp", check="first") for p in pp_repl]
         return out, rules
 
     @staticmethod

@@ -28,8 +28,10 @@ and one model-states file whose name depends on the *target* stage; writing both
 names (one hard link) is what lets a ZeRO-1/2 checkpoint resume under ZeRO-3 and
 back, which DeepSpeed's own ``ds_to_universal`` output cannot.
 
-torch is imported lazily (only ``torch.save`` is used, for the format DeepSpeed expects).
-The destination is written to ``<dst>.partial`` and renamed at the end; an existing
+The ``.pt`` files are written without torch (:mod:`._deepspeed_torchsave` emits the
+``torch.save`` zip format directly, streaming each tensor from the source's fragments), so
+this writer needs neither torch nor DeepSpeed. The destination is written to
+``<dst>.partial`` and renamed at the end; an existing
 ``dst`` is never touched.
 """
 
@@ -42,21 +44,15 @@ from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import numpy as np
+
 from ckptbridge._checkpoint import Checkpoint, TensorView
-from ckptbridge._errors import CheckpointError, FormatError
+from ckptbridge._errors import FormatError
+
+from ._deepspeed_torchsave import Size, Tensor, save_torch
 
 FORMAT = "deepspeed-universal"
 OPTIM_STATES = ("exp_avg", "exp_avg_sq")
-
-
-def _torch() -> Any:
-    try:
-        import torch
-    except ModuleNotFoundError:  # pragma: no cover - depends on the environment
-        raise CheckpointError(
-            "writing DeepSpeed's universal layout needs torch (pip install 'ckptbridge[torch]')"
-        ) from None
-    return torch
 
 
 def _weights(ckpt: Checkpoint, name: str) -> TensorView | None:
@@ -67,9 +63,18 @@ def _weights(ckpt: Checkpoint, name: str) -> TensorView | None:
     return None
 
 
-def _tensor(torch: Any, view: TensorView) -> Any:
-    arr = view.read(dtype="float32")
-    return torch.from_numpy(arr)
+def _fp32(view: TensorView) -> Tensor:
+    return Tensor(view.read(dtype="float32"), "float32")
+
+
+def _native(view: TensorView) -> Tensor:
+    """The state in its own dtype (bfloat16 bytes travel as int16), read when written."""
+
+    def read() -> np.ndarray:
+        arr = view.read()
+        return arr.view(np.int16) if view.dtype == "bfloat16" else arr
+
+    return Tensor(read, view.dtype, tuple(view.shape))
 
 
 def _step_value(ckpt: Checkpoint) -> float | None:
@@ -86,11 +91,9 @@ def write(ckpt: Checkpoint, dst: str, *, tag: str | None = None, workers: int | 
     ``zero_stage``...) are accepted and ignored: the universal layout is the same for
     every target; DeepSpeed partitions it when it loads.
     """
-    torch = _torch()
     dst = os.fspath(dst)
-    if os.path.lexists(dst):
-        if not overwrite:
-            raise FileExistsError(f"{dst} already exists; choose a new destination (or pass overwrite)")
+    if os.path.lexists(dst) and not overwrite:
+        raise FileExistsError(f"{dst} already exists; choose a new destination (or pass overwrite)")
     step = ckpt.step
     tag = tag or f"global_step{step if step is not None else 0}"
     if os.sep in tag or tag in ("", ".", ".."):
@@ -106,6 +109,8 @@ def write(ckpt: Checkpoint, dst: str, *, tag: str | None = None, workers: int | 
         raise FormatError(f"{ckpt.path}: no tensor has fp32 or param weights to write")
     adam_step = _step_value(ckpt)
 
+    layout = _tp_layout(ckpt)
+
     def one(name: str) -> int:
         t = ckpt.tensors[name]
         if "/" in name or name.startswith("."):
@@ -115,22 +120,23 @@ def write(ckpt: Checkpoint, dst: str, *, tag: str | None = None, workers: int | 
         w = _weights(ckpt, name)
         assert w is not None
         nbytes = 0
-        torch.save({"param": _tensor(torch, w), "cat_dim": 0}, os.path.join(pdir, "fp32.pt"))
+        meta = layout(name)
+        save_torch({"param": _fp32(w), **meta}, os.path.join(pdir, "fp32.pt"))
         nbytes += math.prod(w.shape) * 4
         for s in OPTIM_STATES:
             if s in t.states:
-                torch.save({"param": _tensor(torch, TensorView(ckpt, t, s)), "cat_dim": 0},
-                           os.path.join(pdir, f"{s}.pt"))
+                save_torch({"param": _fp32(TensorView(ckpt, t, s)), **meta}, os.path.join(pdir, f"{s}.pt"))
                 nbytes += math.prod(w.shape) * 4
         if "step" in t.scalars and any(s in t.states for s in OPTIM_STATES):
-            torch.save(torch.tensor(float(t.scalars["step"])), os.path.join(pdir, "step.pt"))
+            step_t = Tensor(np.array(float(t.scalars["step"]), dtype=np.float32), "float32")
+            save_torch(step_t, os.path.join(pdir, "step.pt"))
         return nbytes
 
     try:
         with ThreadPoolExecutor(workers or min(4, os.cpu_count() or 1)) as pool:
             list(pool.map(one, names))
-        _write_optimizer_state(torch, ckpt, zero, adam_step)
-        _write_model_states(torch, ckpt, os.path.join(tmp, tag), names)
+        _write_optimizer_state(ckpt, zero, adam_step)
+        _write_model_states(ckpt, os.path.join(tmp, tag), names)
         with open(os.path.join(tmp, "latest_universal"), "w", encoding="utf-8") as fh:
             fh.write(tag)
     except BaseException:
@@ -140,6 +146,32 @@ def write(ckpt: Checkpoint, dst: str, *, tag: str | None = None, workers: int | 
         shutil.rmtree(dst)
     os.rename(tmp, dst)
     return dst
+
+
+def _tp_layout(ckpt: Checkpoint) -> Any:
+    """Per tensor, the keys DeepSpeed's loader uses to re-split for tensor parallelism.
+
+    From the source's layout rules: ``cat_dim`` (1 for row-parallel ``Shard(dim=1)``),
+    ``vocab_tensor`` for vocabulary padding (``Pad``), so a Megatron-DeepSpeed target with
+    TP > 1 cuts and re-pads each tensor as ``ds_to_universal`` output would tell it to.
+    """
+    import re
+
+    rules = [r for r in ckpt.rules if isinstance(r, Mapping)]
+
+    def layout(name: str) -> dict[str, Any]:
+        out: dict[str, Any] = {"cat_dim": 0}
+        for r in rules:
+            tp_rule = r.get("axis") == "tp" and r.get("rule") in ("Shard", "Replicate")
+            if tp_rule and re.search(str(r.get("pattern")), name):
+                out["cat_dim"] = int(r.get("dim", 0)) if r["rule"] == "Shard" else 0
+                break
+        for r in rules:
+            if r.get("rule") == "Pad" and re.search(str(r.get("pattern")), name):
+                out["vocab_tensor"] = True
+        return out
+
+    return layout
 
 
 def _param_groups(ckpt: Checkpoint) -> list[dict[str, Any]]:
@@ -159,48 +191,51 @@ def _ds_version(ckpt: Checkpoint) -> str:
     if isinstance(v, str) and v:
         return v
     try:
-        import deepspeed  # noqa: F401  (only for its version string)
+        import deepspeed
 
         return str(deepspeed.__version__)
     except Exception:  # DeepSpeed is not needed to write; any version >= 0.3.17 loads
         return "0.19.8"
 
 
-def _write_optimizer_state(torch: Any, ckpt: Checkpoint, zero: str, step: float | None) -> None:
+def _write_optimizer_state(ckpt: Checkpoint, zero: str, step: float | None) -> None:
     groups = _param_groups(ckpt)
     opt = (ckpt.extra.get("optimizer") if isinstance(ckpt.extra, Mapping) else None) or {}
     sd: dict[str, Any] = {"ds_version": _ds_version(ckpt), "param_groups": groups}
     for k in ("clip_grad", "overflow"):
         if isinstance(opt, Mapping) and isinstance(opt.get(k), (int, float, bool)):
             sd[k] = opt[k]
-    # ZeRO-3 engines read the step and hyper-parameters from a torch-style optimizer state dict.
-    inner_state = {} if step is None else {0: {"step": torch.tensor(step)}}
-    sd["optimizer_state_dict"] = {"state": inner_state, "param_groups": groups or [{}]}
-    torch.save(sd, os.path.join(zero, "optimizer_state.pt"))
+    # ZeRO-3 engines read the step and hyper-parameters from a torch-style optimizer state dict,
+    # and copy param_groups[0] into *every* group (stage3.py, DeepSpeed 0.19.8). Giving them only
+    # the hyper-parameters all groups share keeps per-group ones (weight_decay 0 for the no-decay
+    # group) as the resuming script configured them instead of overwriting them with group 0's.
+    common = {k: v for k, v in (groups[0] if groups else {}).items()
+              if all(k in g and g[k] == v for g in groups[1:])}
+    inner_state = {} if step is None else {0: {"step": Tensor(np.array(step, dtype=np.float32), "float32")}}
+    sd["optimizer_state_dict"] = {"state": inner_state, "param_groups": [common]}
+    save_torch(sd, os.path.join(zero, "optimizer_state.pt"))
 
 
-def _write_model_states(torch: Any, ckpt: Checkpoint, tag_dir: str, names: list[str]) -> None:
+def _write_model_states(ckpt: Checkpoint, tag_dir: str, names: list[str]) -> None:
     extra = ckpt.extra if isinstance(ckpt.extra, Mapping) else {}
     module = {}
     for n in names:
         t = ckpt.tensors[n]
-        view = TensorView(ckpt, t, "param" if "param" in t.states else _weights(ckpt, n).state_name)
-        arr = view.read()
-        module[n] = torch.from_numpy(arr) if arr.dtype.kind in "fiub" and arr.dtype.name != "bfloat16" \
-            else torch.from_numpy(view.read(dtype="float32")).to(torch.bfloat16)
+        w = _weights(ckpt, n)
+        view = TensorView(ckpt, t, "param" if "param" in t.states else w.state_name)
+        module[n] = _native(view)
     steps = ckpt.step if ckpt.step is not None else 0
     sd: dict[str, Any] = {
         "module": module,
         "buffer_names": list(extra.get("buffer_names") or []),
         "optimizer": None,
-        "param_shapes": [{n: torch.Size(ckpt.tensors[n].shape) for n in names}],
+        "param_shapes": [{n: Size(ckpt.tensors[n].shape) for n in names}],
         "frozen_param_shapes": {},
         "frozen_param_fragments": {},
         "shared_params": dict(extra.get("shared_params") or {}),
         "lr_scheduler": extra.get("lr_scheduler"),
         "data_sampler": None,
         "random_ltd": None,
-        "sparse_tensor_module_names": set(),
         "skipped_steps": int(extra.get("skipped_steps") or 0),
         "global_steps": int(steps),
         "global_samples": int(extra.get("global_samples") or 0),
@@ -214,7 +249,7 @@ def _write_model_states(torch: Any, ckpt: Checkpoint, tag_dir: str, names: list[
     for k, v in (extra.get("client_state") or {}).items():
         sd.setdefault(k, v)
     first = os.path.join(tag_dir, "mp_rank_00_model_states.pt")
-    torch.save(sd, first)
+    save_torch(sd, first)
     second = os.path.join(tag_dir, "zero_pp_rank_0_mp_rank_00_model_states.pt")
     try:
         os.link(first, second)

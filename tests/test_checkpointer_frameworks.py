@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+import _dist
 import numpy as np
 
 from ckptbridge._async import Checkpointer, committed_steps
-from tests import _dist
 
 
 def test_jax_loop_with_donated_buffers(tmp_path):

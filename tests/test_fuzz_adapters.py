@@ -11,9 +11,8 @@ import shutil
 
 import pytest
 import torch
-
-from tests.test_deepspeed import runs_dir  # noqa: F401  (session fixture: unpacked DeepSpeed runs)
-from tests.test_fuzz import _fuzz
+from test_deepspeed import runs_dir  # noqa: F401  (session fixture: unpacked DeepSpeed runs)
+from test_fuzz import _fuzz
 
 FIX = os.path.join(os.path.dirname(__file__), "fixtures")
 CASES = int(os.environ.get("FUZZ_CASES", "1000"))

@@ -17,9 +17,9 @@ import zipfile
 
 import pytest
 import torch
+from test_deepspeed import runs_dir  # noqa: F401  (session fixture: unpacked DeepSpeed runs)
 
 import ckptbridge
-from tests.test_deepspeed import runs_dir  # noqa: F401  (session fixture: unpacked DeepSpeed runs)
 
 FIX = os.path.join(os.path.dirname(__file__), "fixtures")
 

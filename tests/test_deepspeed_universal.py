@@ -1,0 +1,123 @@
+"""``reshard --to deepspeed-universal``: the files DeepSpeed's universal loader reads.
+
+The light tests here compare our output file by file with DeepSpeed's own
+``ds_to_universal`` output (loaded with ``torch.load(weights_only=True)``);
+``test_deepspeed_e2e.py`` resumes real DeepSpeed engines from it.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+from test_deepspeed import _load, _np, _same, runs_dir  # noqa: F401  (session fixture)
+
+import ckptbridge
+from ckptbridge._cli import main as cli_main
+from ckptbridge._open import open as cb_open
+from ckptbridge._reshard import WRITERS, reshard
+
+STATES = ("fp32", "exp_avg", "exp_avg_sq")
+
+
+def _theirs(runs: str, name: str) -> str:
+    ck = os.path.join(runs, name, "ckpt")
+    with open(os.path.join(ck, "latest")) as fh:
+        return os.path.join(ck, fh.read().strip() + "_universal")
+
+
+def test_registered() -> None:
+    assert WRITERS["deepspeed-universal"] == "ckptbridge.adapters.deepspeed_universal:write"
+
+
+@pytest.mark.parametrize("name", ["s2_bf16_w2", "s3_fp32_w4", "s1_bf16opt_w2", "tp2_s2_bf16_w4"])
+def test_files_equal_ds_to_universal(runs_dir: str, tmp_path: object, name: str) -> None:  # noqa: F811
+    dst = os.path.join(str(tmp_path), "out")
+    src = cb_open(os.path.join(runs_dir, name, "ckpt"))
+    tag = f"global_step{src.step}"
+    reshard(src, dst, to="deepspeed-universal", dp=4, zero_stage=3)
+    with open(os.path.join(dst, "latest_universal")) as fh:
+        assert fh.read() == tag
+    ours_zero = os.path.join(dst, tag, "zero")
+    theirs_zero = os.path.join(_theirs(runs_dir, name), "zero")
+    params = sorted(d for d in os.listdir(theirs_zero) if os.path.isdir(os.path.join(theirs_zero, d)))
+    shapes = {n: t.shape for n, t in cb_open(dst).tensors.items()}
+    assert sorted(d for d in os.listdir(ours_zero) if os.path.isdir(os.path.join(ours_zero, d))) == params
+    for p in params:
+        for k in STATES:
+            want = _load(os.path.join(theirs_zero, p, f"{k}.pt"))
+            want = want["param"] if isinstance(want, dict) else want  # ZeRO-3's converter writes flat tensors
+            got = _load(os.path.join(ours_zero, p, f"{k}.pt"))
+            assert got["cat_dim"] in (0, 1) and got["param"].dtype == torch.float32
+            assert tuple(got["param"].shape) == shapes[p]
+            assert _same(_np(got["param"]).reshape(-1), _np(want).reshape(-1)), f"{name}: {p}/{k}"
+            if isinstance(_load(os.path.join(theirs_zero, p, f"{k}.pt")), dict):  # tensor-parallel re-split keys
+                theirs_meta = {m: v for m, v in _load(os.path.join(theirs_zero, p, f"{k}.pt")).items()
+                               if m in ("cat_dim", "vocab_tensor")}
+                assert {m: v for m, v in got.items() if m in theirs_meta} == theirs_meta
+        step = _load(os.path.join(ours_zero, p, "step.pt"))
+        assert step.dim() == 0 and float(step) == src[p].scalars["step"]
+        if os.path.exists(os.path.join(theirs_zero, p, "step.pt")):
+            assert _load(os.path.join(theirs_zero, p, "step.pt")).dtype == step.dtype
+    opt = _load(os.path.join(ours_zero, "optimizer_state.pt"))  # plain data: loads with weights_only
+    assert opt["ds_version"] == "0.19.8"
+    want_wd = [g["weight_decay"] for g in src.extra["param_groups"]]
+    assert [g["weight_decay"] for g in opt["param_groups"]] == want_wd
+    assert float(opt["optimizer_state_dict"]["state"][0]["step"]) == src.step
+    if len(set(want_wd)) > 1:  # hyper-parameters that differ between groups: left to the script (ZeRO-3)
+        assert "weight_decay" not in opt["optimizer_state_dict"]["param_groups"][0]
+    assert opt["optimizer_state_dict"]["param_groups"][0]["lr"] == 0.01
+    a = os.path.join(dst, tag, "mp_rank_00_model_states.pt")
+    b = os.path.join(dst, tag, "zero_pp_rank_0_mp_rank_00_model_states.pt")
+    assert os.path.samefile(a, b)  # one file, two names (a hard link)
+    ms = torch.load(a, map_location="cpu", weights_only=True)
+    assert ms["global_steps"] == src.step and ms["mp_world_size"] == 1
+    for n, t in ms["module"].items():  # the module weights, in the model's own dtype
+        state = "param" if "param" in src[n].states else "fp32"
+        assert _same(_np(t), src[n].state(state).read())
+
+
+def test_round_trip_and_refusals(runs_dir: str, tmp_path: object) -> None:  # noqa: F811
+    src = os.path.join(runs_dir, "s2_bf16_w2_palign", "ckpt")
+    dst = os.path.join(str(tmp_path), "u")
+    assert cli_main(["reshard", src, dst, "--to", "deepspeed-universal", "-o", "tag=global_step3"]) == 0
+    a, b = cb_open(src), cb_open(dst)
+    assert b.provenance["layout"] == "universal" and set(a) == set(b)
+    for n in a:
+        for k in STATES:
+            assert _same(b[n].state(k).read(), a[n].state(k).read())
+        assert b[n].scalars == a[n].scalars
+    before = sorted(os.listdir(dst))
+    with pytest.raises(FileExistsError):
+        reshard(src, dst, to="deepspeed-universal")
+    assert sorted(os.listdir(dst)) == before
+    assert not os.path.exists(dst + ".partial")
+
+
+def test_from_our_universal_directory(runs_dir: str, tmp_path: object) -> None:  # noqa: F811
+    """Any source with fp32/exp_avg/exp_avg_sq: here ckptbridge's own universal directory."""
+    src = os.path.join(runs_dir, "s3_bf16_w2_subgrp", "ckpt")
+    mid = os.path.join(str(tmp_path), "mid")
+    ckptbridge.convert(src, mid)
+    dst = os.path.join(str(tmp_path), "ds")
+    reshard(mid, dst, to="deepspeed-universal")
+    native, out = cb_open(src), cb_open(dst)
+    for n in native:
+        for k in STATES:
+            assert _same(out[n].state(k).read(), native[n].state(k).read())
+        assert out[n].scalars.get("step") == 3
+
+
+def test_frozen_and_tied_parameters(runs_dir: str, tmp_path: object) -> None:  # noqa: F811
+    src = os.path.join(runs_dir, "s2_bf16_w2_frozen_tied", "ckpt")
+    dst = os.path.join(str(tmp_path), "ds")
+    reshard(src, dst, to="deepspeed-universal")
+    zero = os.path.join(dst, "global_step3", "zero")
+    assert sorted(os.listdir(os.path.join(zero, "wpe.weight"))) == ["fp32.pt"]  # frozen: weights only
+    frozen = _load(os.path.join(zero, "wpe.weight", "fp32.pt"))["param"]
+    want = cb_open(src)["wpe.weight"].read(dtype="float32")
+    assert np.array_equal(frozen.numpy(), want)
+    ms = _load(os.path.join(dst, "global_step3", "mp_rank_00_model_states.pt"))
+    assert ms["shared_params"] == {"lm_head.weight": "wte.weight"}
