@@ -1,8 +1,10 @@
 """JAX pieces of the asynchronous checkpointer: one leaf per addressable shard with replica id 0.
 
 JAX arrays are immutable, but a train step with ``donate_argnums`` deletes
-their buffers; so they are copied eagerly unless the caller wrapped its train
-step with ``Checkpointer.guard`` (which waits for pending snapshots first).
+their buffers. By default ``save`` therefore dispatches a device-side copy of
+each shard (asynchronous: it returns at once) and moves the copies to host in
+the background; with ``Checkpointer.guard`` (for memory-tight devices) no device
+copy is made and the guarded train step waits for the transfer instead.
 """
 
 from __future__ import annotations
@@ -39,6 +41,9 @@ def jax_leaves(name: str, value: Any, lazy: bool) -> list[Leaf]:
         if shard.replica_id != 0:
             continue
         box = index_box(shard.index, shape)
-        leaves.append(Leaf(name, dtype, shape, box,
-                           lambda out, d=shard.data: np.copyto(out, np.asarray(d)), lazy=lazy))
+        # Unguarded: copy on the device now (dispatched asynchronously, so save() does not wait),
+        # which a later donation cannot touch; the host transfer happens in the background.
+        # Guarded (Checkpointer.guard): no device copy; the train step waits for the transfer.
+        data = shard.data if lazy else jax.numpy.array(shard.data, copy=True)
+        leaves.append(Leaf(name, dtype, shape, box, lambda out, d=data: np.copyto(out, np.asarray(d)), lazy=True))
     return leaves

@@ -68,9 +68,10 @@ class TensorView:
         """The same tensor's state ``name`` (``exp_avg``, ...)."""
         return TensorView(self._ckpt, self.tensor, name)
 
-    def read(self, box: Box | None = None, dtype: str | None = None) -> np.ndarray:
-        """Read ``box`` (default all) as a numpy array, optionally cast to ``dtype``."""
-        return read_state(self._state, box, self._ckpt.files, dtype, self._label())
+    def read(self, box: Box | None = None, dtype: str | None = None, out: np.ndarray | None = None) -> np.ndarray:
+        """Read ``box`` (default all) as a numpy array, optionally cast to ``dtype``
+        (or into ``out``, an array of the box's shape)."""
+        return read_state(self._state, box, self._ckpt.files, dtype, self._label(), out)
 
     def __getitem__(self, index: object) -> np.ndarray:
         box, post = normalize_index(index, self.shape)
@@ -82,6 +83,11 @@ class TensorView:
 
     def _label(self) -> str:
         return f"{self._ckpt.path}: tensor {self.name!r} state {self.state_name!r}"
+
+    def _repr_html_(self) -> str:
+        from ._html import tensor_html
+
+        return tensor_html(self)
 
     def __repr__(self) -> str:
         return (
@@ -152,6 +158,11 @@ class Checkpoint(Mapping[str, TensorView]):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def _repr_html_(self) -> str:
+        from ._html import checkpoint_html
+
+        return checkpoint_html(self)
 
     def __repr__(self) -> str:
         return f"Checkpoint(format={self.format!r}, path={self.path!r}, step={self.step}, tensors={len(self)})"

@@ -34,6 +34,18 @@ def as_checkpoint(src: Any) -> Checkpoint:
     return src if isinstance(src, Checkpoint) else open_checkpoint(src)
 
 
+class _Filler:
+    """Reads a tensor, into a buffer the writer lends (``fills``) or a new array."""
+
+    fills = True
+
+    def __init__(self, view: TensorView) -> None:
+        self.view = view
+
+    def __call__(self, out: np.ndarray | None = None) -> np.ndarray:
+        return self.view.read(out=out)
+
+
 def _pieces(ckpt: Checkpoint, states: Sequence[str] | None) -> list[Piece]:
     out = []
     for name, t in ckpt.tensors.items():
@@ -41,7 +53,7 @@ def _pieces(ckpt: Checkpoint, states: Sequence[str] | None) -> list[Piece]:
             if states is not None and sname not in states:
                 continue
             view = TensorView(ckpt, t, sname)
-            out.append(Piece(name, sname, st.dtype, st.shape, Box.full(st.shape), view.read,
+            out.append(Piece(name, sname, st.dtype, st.shape, Box.full(st.shape), _Filler(view),
                              tuple(lineage(f) for f in st.fragments)))
     return out
 
