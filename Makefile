@@ -12,7 +12,7 @@ export DS_ACCELERATOR := cpu
 export DS_SKIP_CUDA_CHECK := 1
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: venv test test-fast demo lint bench fuzz clean
+.PHONY: venv test test-fast test-megatron-lm demo lint bench fuzz clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -33,6 +33,13 @@ test-fast: venv
 
 demo: venv
 	$(PY) examples/demo.py demo_out
+
+# Megatron-LM's own training loop resumes checkpoints ckptbridge wrote (tests/test_megatron_e2e.py).
+# Not part of `make test`/CI: tools/megatron/setup.sh git-clones Megatron-LM (core_v0.16.1) into
+# third_party/mlm and builds .megatron/venv. CI runs tests/test_megatron_core_e2e.py instead.
+test-megatron-lm: venv
+	bash tools/megatron/setup.sh
+	$(PY) -m pytest -q -m megatron_lm tests/test_megatron_e2e.py
 
 # a longer fuzzing campaign than CI's (FUZZ_CASES per reader)
 fuzz: venv

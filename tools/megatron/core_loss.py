@@ -1,0 +1,462 @@
+"""Load Megatron checkpoints into megatron-core's own GPTModel and print the lm loss (CPU, gloo).
+
+Needs only megatron-core 0.16.1 from PyPI (the ``megatron`` extra) -- no Megatron-LM training code.
+For every checkpoint given, each of ``--world`` spawned ranks (gloo, CPU, tools/megatron/cpu_shim.py):
+
+1. reads the run's saved Megatron args with ckptbridge's pickle-free reader (the same ``args``
+   that ``ckptbridge.open(path).extra['megatron']['args']`` shows; the tensors are left to
+   Megatron) and builds megatron-core's ``GPTModel`` with the local layer spec
+   (``get_gpt_layer_local_spec``) from them, as Megatron-LM's ``core_transformer_config_from_args``
+   and ``gpt_builders`` do (kernel fusions and dropout off: evaluation on CPU);
+2. initialises model parallelism (``parallel_state.initialize_model_parallel``) at the checkpoint's
+   TP/PP (a legacy ``--ckpt-format torch`` checkpoint: the TP/PP its args record; data parallelism
+   fills the rest of ``--world``), or at ``tp=,pp=`` given after a ``dist:`` checkpoint;
+3. loads the checkpoint the way Megatron-LM's ``load_checkpoint`` does: for the legacy layout this
+   rank's ``mp_rank_TT[_PPP]/model_optim_rng.pt`` with ``torch.load(weights_only=False)`` (these are
+   files we wrote or Megatron wrote) and ``model.load_state_dict(sd['model'], strict=True)``, after
+   checking its ``args``/``checkpoint_version``; for ``dist:PATH`` (a ``torch_dist`` checkpoint)
+   megatron-core's own ``dist_checkpointing.load(model.sharded_state_dict(), ...)``, i.e. Megatron
+   resharding the checkpoint onto the requested layout itself;
+4. runs a forward pass over fixed mock tokens through megatron-core's pipeline schedule
+   (``get_forward_backward_func()``, ``forward_only=True``; pipelined for PP > 1) and reports the
+   token-mean lm loss (``GPTModel``'s vocab-parallel cross entropy, as pretrain_gpt.py's loss_func),
+   plus a SHA-256 of every local parameter (to compare two loads of one layout bitwise);
+5. with ``--train-step`` (legacy checkpoints with torch-Adam state): Megatron-LM's resume and one
+   ``train_step`` from megatron-core's pieces -- its DDP wrapper, ``get_megatron_optimizer`` and
+   ``OptimizerParamScheduler`` loaded from the checkpoint's ``optimizer`` / ``opt_param_scheduler``,
+   forward+backward on the same tokens, ``finalize_model_grads``, ``optimizer.step()`` -- and
+   reports the grad norm, the lr used and the loss after the step.
+
+Prints one line per checkpoint, ``CORE_LOSS {"ckpt", "dist", "tp", "pp", "loss", "tokens",
+"token_losses", "digests"[, "step": {"updated", "grad_norm", "lr", "after_loss",
+"after_token_losses"}]}`` (``digests``: "tpTppP:<local name>" -> SHA-256 prefix), or
+``{"ckpt", ..., "error"}`` when the load failed (the loss is then not computed)::
+
+    python tools/megatron/core_loss.py --world 2 --train-step tests/fixtures/megatron/A/tp1pp1/torch \\
+        /tmp/written_tp1pp2 dist:tests/fixtures/megatron/A/tp2pp2/torch_dist:tp=2,pp=1
+
+Megatron-LM's own training loop is tools/megatron/verify_loss.py (needs setup.sh's git clone).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import hashlib
+import json
+import os
+import sys
+import traceback
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+# TransformerConfig fields forced for a CPU evaluation (kernel choices only: the math is the same).
+EVAL_OVERRIDES = {
+    "hidden_dropout": 0.0, "attention_dropout": 0.0, "masked_softmax_fusion": False,
+    "bias_activation_fusion": False, "bias_dropout_fusion": False, "apply_rope_fusion": False,
+    "gradient_accumulation_fusion": False, "persist_layer_norm": False, "cross_entropy_loss_fusion": False,
+    # perform_initialization: megatron-core sets the tensor_model_parallel attributes of TP-sharded
+    # weights only while initialising them; without them the grad norm counts TP shards once
+    # (the loaded checkpoint overwrites the random init anyway).
+    "use_cpu_initialization": True, "perform_initialization": True, "sequence_parallel": False,
+    "context_parallel_size": 1, "virtual_pipeline_model_parallel_size": None, "deallocate_pipeline_outputs": False,
+    "barrier_with_L1_time": False, "cuda_graph_impl": "none", "enable_cuda_graph": False,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Item:
+    """One checkpoint to evaluate: ``path`` (legacy layout) or ``dist:path:tp=N,pp=M``."""
+
+    path: str
+    dist: bool = False
+    tp: int | None = None
+    pp: int | None = None
+
+    @staticmethod
+    def parse(text: str) -> Item:
+        if not text.startswith("dist:"):
+            return Item(text)
+        body = text[len("dist:"):]
+        path, _, opts = body.rpartition(":") if "=" in body.rsplit(":", 1)[-1] else (body, "", "")
+        kw = dict(o.split("=", 1) for o in opts.split(",") if o)
+        return Item(path, True, int(kw.get("tp", 0)) or None, int(kw.get("pp", 0)) or None)
+
+
+def saved_args(path: str) -> tuple[dict[str, Any], int | None]:
+    """The run's saved Megatron args (JSON-plain) and the tokenizer's vocab size, read by ckptbridge's
+    pickle-free reader from the checkpoint's first rank file (``common.pt`` for torch_dist).
+
+    Only the args are read here, not the tensors: megatron-core alone judges the weights."""
+    from ckptbridge._torchzip import TorchArchive
+    from ckptbridge.adapters._megatron_common import (
+        args_dict,
+        is_dist_dir,
+        plain,
+        rank_dirs,
+        resolve_iter_dir,
+    )
+    from ckptbridge.adapters._megatron_layout import MegatronConfig
+
+    it_dir, _ = resolve_iter_dir(path)
+    if is_dist_dir(it_dir):
+        f = os.path.join(it_dir, "common.pt")
+    else:
+        f = os.path.join(rank_dirs(it_dir)[(0, 0)], "model_optim_rng.pt")
+    args = args_dict(TorchArchive.open(f).obj.get("args"), f)
+    return plain(args), MegatronConfig.from_args(args, where=f).vocab
+
+
+def _revive(v: Any) -> Any:
+    """ckptbridge's JSON-plain arg values -> what Megatron's Namespace held (dtypes, megatron enums)."""
+    import importlib
+
+    import torch
+
+    if isinstance(v, str) and v.startswith("torch.") and isinstance(getattr(torch, v[6:], None), torch.dtype):
+        return getattr(torch, v[6:])
+    if isinstance(v, dict) and "__class__" in v:
+        mod, _, cls = v["__class__"].rpartition(".")
+        if mod.startswith("megatron.core"):
+            return getattr(importlib.import_module(mod), cls)(v["value"])
+        return None
+    return v
+
+
+def transformer_config(args: Any, tp: int, pp: int) -> Any:
+    """megatron-core ``TransformerConfig`` from the saved args (Megatron-LM's
+    ``core_transformer_config_from_args``, core_v0.16.1, for the dense GPT cases)."""
+    import torch
+    import torch.nn.functional as F
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    if getattr(args, "multi_latent_attention", False) or getattr(args, "num_experts", None) or \
+            getattr(args, "heterogeneous_layers_config_path", None):
+        raise NotImplementedError("core_loss.py builds dense GPT models only (no MoE / MLA / heterogeneous)")
+    kw = {f.name: getattr(args, f.name) for f in dataclasses.fields(TransformerConfig) if hasattr(args, f.name)}
+    kw.update(pipeline_dtype=args.params_dtype, batch_p2p_comm=not getattr(args, "overlap_p2p_comm", False),
+              num_moe_experts=None, rotary_interleaved=getattr(args, "rotary_interleaved", False),
+              num_layers_in_first_pipeline_stage=getattr(args, "decoder_first_pipeline_num_layers", None),
+              num_layers_in_last_pipeline_stage=getattr(args, "decoder_last_pipeline_num_layers", None),
+              num_query_groups=args.num_query_groups if getattr(args, "group_query_attention", False) else None,
+              tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, **EVAL_OVERRIDES)
+    if getattr(args, "swiglu", False):
+        kw.update(activation_func=F.silu, gated_linear_unit=True)
+    elif getattr(args, "squared_relu", False):
+        from megatron.core.activations import squared_relu
+
+        kw["activation_func"] = squared_relu
+    if kw.get("rope_type") is None:
+        kw.pop("rope_type", None)
+    if isinstance(kw.get("cp_comm_type"), list) and len(kw["cp_comm_type"]) == 1:
+        kw["cp_comm_type"] = kw["cp_comm_type"][0]
+    kw.pop("pipeline_model_parallel_layout", None)
+    if kw.get("params_dtype") not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"params_dtype {kw.get('params_dtype')!r} from the saved args is not a float dtype")
+    return TransformerConfig(**kw)
+
+
+def build_model(args: Any, tp: int, pp: int) -> Any:
+    """megatron-core ``GPTModel`` with the local spec, as Megatron-LM's gpt_builders builds it."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    config = transformer_config(args, tp, pp)
+    spec = get_gpt_layer_local_spec(normalization=args.normalization,
+                                    qk_layernorm=bool(getattr(args, "qk_layernorm", False)))
+    model = GPTModel(
+        config=config, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
+        max_sequence_length=args.max_position_embeddings, pre_process=ps.is_pipeline_first_stage(),
+        post_process=ps.is_pipeline_last_stage(), fp16_lm_cross_entropy=bool(args.fp16_lm_cross_entropy),
+        parallel_output=True, share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type, rotary_percent=args.rotary_percent,
+        rotary_base=args.rotary_base)
+    model.eval()
+    return model
+
+
+def load_legacy(model: Any, path: str, args: Any, tp: int, pp: int) -> dict[str, Any]:
+    """Megatron-LM ``load_checkpoint`` for ``--ckpt-format torch``: this rank's file, strict load."""
+    import torch
+    from megatron.core import parallel_state as ps
+
+    from ckptbridge.adapters._megatron_common import rank_dir_name, resolve_iter_dir
+
+    it_dir, _ = resolve_iter_dir(path)
+    f = os.path.join(it_dir, rank_dir_name(ps.get_tensor_model_parallel_rank(),
+                                           ps.get_pipeline_model_parallel_rank(), pp), "model_optim_rng.pt")
+    sd = torch.load(f, map_location="cpu", weights_only=False)  # a file ckptbridge (or Megatron) wrote
+    ck = sd.get("args")
+    if ck is None or float(sd.get("checkpoint_version", 0)) < 3.0:
+        raise ValueError(f"{f}: no args / checkpoint_version {sd.get('checkpoint_version')} < 3.0")
+    # Megatron-LM's check_checkpoint_args, plus the layout this file must be for
+    for name in ("num_layers", "hidden_size", "num_attention_heads", "padded_vocab_size",
+                 "tensor_model_parallel_size", "pipeline_model_parallel_size"):
+        want = {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp}.get(name, getattr(args, name))
+        if getattr(ck, name) != want:
+            raise ValueError(f"{f}: args.{name} = {getattr(ck, name)}, the model needs {want}")
+    if "model" not in sd:
+        raise ValueError(f"{f}: no 'model' state dict (virtual pipeline checkpoints are not evaluated here)")
+    model.load_state_dict(sd["model"], strict=True)
+    return sd
+
+
+def load_dist(model: Any, path: str) -> None:
+    """megatron-core's own ``dist_checkpointing.load`` (it reshards onto this model's layout)."""
+    from megatron.core import dist_checkpointing
+
+    from ckptbridge.adapters._megatron_common import resolve_iter_dir
+
+    it_dir, _ = resolve_iter_dir(path)
+    sharded = model.sharded_state_dict()
+    loaded = dist_checkpointing.load(sharded, it_dir)  # + the common state (args, iteration, ...)
+    missing, unexpected = model.load_state_dict({k: loaded[k] for k in sharded}, strict=False)
+    missing = [k for k in missing if not k.endswith("_extra_state")]
+    if missing or unexpected:
+        raise ValueError(f"{it_dir}: dist_checkpointing.load missing {missing} unexpected {unexpected}")
+
+
+def mock_batches(seed: int, n: int, mbs: int, seq: int, vocab: int) -> list[dict[str, Any]]:
+    """``n`` fixed micro-batches of random tokens in [0, vocab) (same on every rank and layout)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        data = torch.randint(0, vocab, (mbs, seq + 1), generator=g)
+        mask = torch.ones(mbs, seq)
+        attn = torch.tril(torch.ones(1, 1, seq, seq)) < 0.5  # True = masked (causal)
+        pos = torch.arange(seq).unsqueeze(0).expand(mbs, seq).contiguous()
+        out.append({"tokens": data[:, :-1].contiguous(), "labels": data[:, 1:].contiguous(), "loss_mask": mask,
+                    "attention_mask": attn, "position_ids": pos})
+    return out
+
+
+def forward_loss(model: Any, args: Any, batches: list[dict[str, Any]],
+                 train: bool = False) -> tuple[float, float, list[float]] | None:
+    """Token-sum lm loss, token count and the per-token losses over ``batches``, on the last pipeline
+    stage (None elsewhere). ``train``: forward and backward, as Megatron-LM's ``train_step`` runs it."""
+    import torch
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    def forward_step(data_iterator: Any, model: Any) -> Any:
+        b = next(data_iterator)
+        out = model(b["tokens"], b["position_ids"], b["attention_mask"], labels=b["labels"])
+
+        def loss_func(output_tensor: Any) -> Any:
+            losses = output_tensor.view(-1).float()
+            lm = b["loss_mask"].view(-1).float()
+            s = torch.sum(losses * lm)
+            n = lm.sum()
+            report = {"lm loss": torch.cat([s.detach().view(1), n.view(1)]), "tokens": losses.detach()}
+            return s, n.to(torch.int), report  # pretrain_gpt.py's loss_func (sum, tokens, report)
+
+        return out, loss_func
+
+    with contextlib.nullcontext() if train else torch.no_grad():
+        reports = get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter(batches), model=[model],
+            num_microbatches=len(batches), seq_length=args.seq_length,
+            micro_batch_size=batches[0]["tokens"].shape[0], forward_only=not train)
+    if not ps.is_pipeline_last_stage():
+        return None
+    tot = torch.stack([r["lm loss"] for r in reports]).double().sum(0)
+    return float(tot[0]), float(tot[1]), torch.cat([r["tokens"] for r in reports]).tolist()
+
+
+def _from_args(cls: Any, args: Any, **over: Any) -> Any:
+    """A megatron-core config dataclass filled from same-named args (Megatron-LM's way)."""
+    kw = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
+    kw.update(over)
+    return cls(**kw)
+
+
+def train_step(model: Any, args: Any, sd: dict[str, Any], batches: list[dict[str, Any]]) -> dict[str, Any]:
+    """Megatron-LM's resume + one ``train_step``, with megatron-core's pieces only: wrap in its DDP,
+    build its optimizer (``get_megatron_optimizer``) and ``OptimizerParamScheduler``, load the
+    checkpoint's ``optimizer`` and ``opt_param_scheduler`` into them, run forward+backward over
+    ``batches`` (``finalize_model_grads``: DP and tied-embedding grad reduction), ``optimizer.step()``
+    and ``scheduler.step()``. Returns the grad norm, the learning rate used and the model after."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+    from megatron.core.optimizer import (
+        AdamOptimizerConfig,
+        get_megatron_optimizer,
+        get_standard_config_overrides,
+    )
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    if getattr(args, "optimizer", "adam") != "adam" or args.use_distributed_optimizer:
+        raise NotImplementedError("train step: torch Adam (non-distributed optimizer) checkpoints only")
+    if "optimizer" not in sd or "opt_param_scheduler" not in sd:
+        raise ValueError("train step: the checkpoint has no optimizer / opt_param_scheduler state")
+    config = model.config
+    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(
+        grad_reduce_in_fp32=bool(args.accumulate_allreduce_grads_in_fp32), overlap_grad_reduce=False,
+        use_distributed_optimizer=False, check_for_nan_in_grad=False, bucket_size=None), model)
+    opt_config = _from_args(AdamOptimizerConfig, args)
+    optimizer = get_megatron_optimizer(opt_config, [ddp], get_standard_config_overrides(opt_config))
+    optimizer.load_state_dict(sd["optimizer"])
+    gbs = int(args.global_batch_size)
+    decay = int(args.lr_decay_iters or args.train_iters) * gbs
+    warmup = (args.lr_warmup_fraction * decay if args.lr_warmup_fraction is not None
+              else int(args.lr_warmup_iters) * gbs)
+    sched = OptimizerParamScheduler(
+        optimizer, init_lr=args.lr_warmup_init, max_lr=args.lr, min_lr=args.min_lr, lr_warmup_steps=warmup,
+        lr_decay_steps=decay, lr_decay_style=args.lr_decay_style, start_wd=args.start_weight_decay,
+        end_wd=args.end_weight_decay, wd_incr_steps=int(args.train_iters) * gbs,
+        wd_incr_style=args.weight_decay_incr_style, use_checkpoint_opt_param_scheduler=True,
+        override_opt_param_scheduler=False)
+    sched.load_state_dict(sd["opt_param_scheduler"])
+    config.finalize_model_grads_func = finalize_model_grads
+    config.grad_scale_func = optimizer.scale_loss
+    config.no_sync_func = ddp.no_sync
+    ddp.train()
+    ddp.zero_grad_buffer()
+    optimizer.zero_grad()
+    forward_loss(ddp, args, batches, train=True)
+    ok, grad_norm, _ = optimizer.step()
+    lr = optimizer.param_groups[0]["lr"]
+    sched.step(increment=gbs)
+    ddp.eval()
+    return {"updated": bool(ok), "grad_norm": None if grad_norm is None else float(grad_norm), "lr": float(lr),
+            "model": ddp}
+
+
+def digests(model: Any) -> dict[str, str]:
+    import torch
+
+    return {k: hashlib.sha256(v.detach().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()[:32]
+            for k, v in model.state_dict().items() if torch.is_tensor(v)}
+
+
+def evaluate(item: Item, opts: argparse.Namespace) -> dict[str, Any] | None:
+    """Every rank runs this; rank 0 returns the JSON record."""
+    import argparse as ap
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    world = dist.get_world_size()
+    try:
+        plain, vocab = saved_args(item.path)
+        err = ""
+    except Exception as e:  # the same files on every rank: every rank fails alike
+        err = f"{type(e).__name__}: {e}"
+    if err:
+        return {"ckpt": item.path, "error": err} if dist.get_rank() == 0 else None
+    args = ap.Namespace(**{k: _revive(v) for k, v in plain.items()})
+    tp = item.tp or int(args.tensor_model_parallel_size or 1)
+    pp = item.pp or int(args.pipeline_model_parallel_size or 1)
+    if item.dist and item.tp and vocab is not None:  # Megatron-LM pads the tokenizer's vocab for the run's TP
+        mult = int(args.make_vocab_size_divisible_by) * tp
+        args.padded_vocab_size = -(-vocab // mult) * mult
+    if world % (tp * pp):
+        return {"ckpt": item.path, "error": f"TP{tp} x PP{pp} does not divide --world {world}"}
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    model_parallel_cuda_manual_seed(opts.seed)
+    err = ""
+    model = None
+    try:
+        model = build_model(args, tp, pp)
+        if item.dist:
+            load_dist(model, item.path)
+            sd = None
+        else:
+            sd = load_legacy(model, item.path, args, tp, pp)
+    except Exception as e:  # reported (all ranks agree below), not raised: the next item still runs
+        err = f"rank {dist.get_rank()}: {type(e).__name__}: {e}"
+        if opts.verbose:
+            traceback.print_exc()
+    errs: list[Any] = [None] * world
+    dist.all_gather_object(errs, err)
+    rec: dict[str, Any] = {"ckpt": item.path, "dist": item.dist, "tp": tp, "pp": pp}
+    if any(errs):
+        rec["error"] = "; ".join(e for e in errs if e)
+    else:
+        batches = mock_batches(opts.seed, opts.microbatches, opts.micro_batch_size or int(args.micro_batch_size),
+                               int(args.seq_length), int(vocab or args.padded_vocab_size))
+        res = forward_loss(model, args, batches)
+        first_dp = ps.get_data_parallel_rank() == 0
+        mine = (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(), res,
+                digests(model) if first_dp else None)
+        allr: list[Any] = [None] * world
+        dist.all_gather_object(allr, mine)
+        rec.update(_agree(allr))
+        rec["digests"] = {f"tp{t}pp{p}:{k}": h for t, p, _, d in allr if d for k, h in d.items()}
+        if opts.train_step and sd is not None and "error" not in rec:
+            step = train_step(model, args, sd, batches)  # the next iteration, on the same tokens
+            after = forward_loss(step.pop("model"), args, batches)
+            dist.all_gather_object(allr, (ps.get_tensor_model_parallel_rank(),
+                                          ps.get_pipeline_model_parallel_rank(), after, None))
+            rec["step"] = {**step, **{f"after_{k}": v for k, v in _agree(allr).items()}}
+    ps.destroy_model_parallel()
+    return rec if dist.get_rank() == 0 else None
+
+
+def _agree(allr: list[Any]) -> dict[str, Any]:
+    """The loss the last-stage ranks report (they must agree)."""
+    losses = {(t, p): r for t, p, r, _ in allr if r is not None}
+    vals = {round(r[0] / r[1], 12) for r in losses.values()}
+    if len(vals) != 1:
+        return {"error": f"last-stage ranks disagree on the loss: {vals}"}
+    s, n, per_token = next(iter(losses.values()))
+    return {"loss": s / n, "tokens": n, "token_losses": per_token}
+
+
+def worker(rank: int, world: int, port: int, opts: argparse.Namespace) -> None:
+    import datetime
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port), TORCHDYNAMO_DISABLE="1")
+    sys.path.insert(0, HERE)
+    import cpu_shim  # patches torch.cuda for CPU before megatron is imported
+
+    cpu_shim.patch_megatron_rng()
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=opts.timeout))
+    try:
+        for text in opts.ckpt:
+            rec = evaluate(Item.parse(text), opts)
+            if rec is not None:
+                print("CORE_LOSS " + json.dumps(rec), flush=True)
+    finally:
+        dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("ckpt", nargs="+", help="checkpoint dirs (legacy layout), or dist:PATH[:tp=N,pp=M]")
+    ap.add_argument("--world", type=int, default=2, help="ranks to spawn (gloo); TP x PP must divide it")
+    ap.add_argument("--microbatches", type=int, default=2)
+    ap.add_argument("--micro-batch-size", type=int, default=0, help="default: the run's micro_batch_size")
+    ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--train-step", action="store_true",
+                    help="legacy checkpoints: also load the optimizer and scheduler state into megatron-core's "
+                         "optimizer, train one step on the same tokens and report the loss after it")
+    ap.add_argument("--timeout", type=int, default=300, help="gloo collective timeout (s)")
+    ap.add_argument("-v", "--verbose", action="store_true")
+    opts = ap.parse_args(argv)
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    mp.start_processes(worker, args=(opts.world, port, opts), nprocs=opts.world, start_method="spawn")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
