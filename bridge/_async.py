@@ -490,8 +490,6 @@ class Checkpointer:
         pieces = [Piece(leaf.name, "param", leaf.dtype, leaf.global_shape, leaf.box,
                         job.buffers.arrays[leaf.buffer_key]) for leaf in written]
         nbytes = sum(p.box.size * _dtypes.itemsize(p.dtype) for p in pieces)
-        if os.path.exists(dst) and self.rank == 0 and os.path.exists(os.path.join(dst, MARKER)):
-            raise FileExistsError(f"{dst}: step {job.step} is already checkpointed")
         stage = staging(dst, self.token)
         os.makedirs(stage, exist_ok=True)
         with open(os.path.join(stage, f"owner.r{self.rank:05d}.json"), "w") as fh:
@@ -551,15 +549,17 @@ class Checkpointer:
                 _remove_checkpoint(step_dir(self.root, s))
 
     def _clean_incomplete(self, before: int | None) -> None:
-        """Remove abandoned staging directories: those of steps older than ``before``, and at
-        start-up those whose writers (recorded in ``owner.r*.json``) are dead processes of
-        this host. A live writer's staging directory (another job sharing the root) stays."""
+        """Remove abandoned staging directories: those whose writers (recorded in
+        ``owner.r*.json``) are dead processes of this host, and those of steps older than
+        ``before`` untouched for longer than the commit timeout. A live writer's staging
+        directory (another job sharing the root) stays."""
         for name in os.listdir(self.root):
             if PARTIAL not in name:
                 continue
             m = _STEP_DIR.match(name.split(PARTIAL, 1)[0])
             full = os.path.join(self.root, name)
-            if m and ((before is not None and int(m.group(1)) < before) or (before is None and _abandoned(full))):
+            stale = before is not None and int(m.group(1)) < before and _age(full) > self.commit_timeout if m else False
+            if m and (stale or _abandoned(full)):
                 shutil.rmtree(full, ignore_errors=True)
         for name in os.listdir(self.root):  # committed-less step dirs left by a crash mid-rename
             m = _STEP_DIR.match(name)
@@ -572,6 +572,15 @@ class Checkpointer:
             if self._errors:
                 err = self._errors.pop(0)
                 raise CheckpointError(f"a background checkpoint failed: {err}") from err
+
+
+def _age(path: str) -> float:
+    """Seconds since anything in a directory last changed."""
+    try:
+        newest = max((e.stat().st_mtime for e in os.scandir(path)), default=os.stat(path).st_mtime)
+    except OSError:
+        return 0.0
+    return time.time() - newest
 
 
 def _abandoned(stage: str) -> bool:
