@@ -1,83 +1,92 @@
-"""The main job on a small real checkpoint that this script makes itself.
+"""The main job, end to end, on a small real checkpoint this script makes itself.
 
     python examples/demo.py OUT_DIR
 
-1. trains a tiny GPT-style torch model for a few AdamW steps and saves
-   ``{"model": ..., "optimizer": ..., "step": ...}`` with ``torch.save``;
-2. opens it lazily and prints the tensor tree (no torch needed to read it);
-3. converts it into the pickle-free universal directory and verifies it;
-4. reads one slice of one tensor and shows how few bytes that took;
-5. reshards it to a single safetensors file and diffs it against the source.
+1. trains a tiny GPT with real DeepSpeed ZeRO-2 on 2 CPU ranks (gloo) for 4 steps and saves a
+   checkpoint; DeepSpeed then continues *itself* for 3 more steps (the reference);
+2. opens the DeepSpeed checkpoint lazily and prints its tensors, states and layout rules;
+3. converts it to the pickle-free universal layout and verifies every checksum;
+4. reads one slice and shows how few bytes that took;
+5. continues the run in JAX/optax on a 4-device mesh straight from the DeepSpeed files
+   (weights and AdamW moments and step, no conversion step) and prints JAX's losses next to
+   DeepSpeed's own continuation;
+6. reshards the universal checkpoint to one safetensors file and diffs it against DeepSpeed's.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
 import sys
 
-import ckptbridge
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-
-def make_checkpoint(path: str) -> None:
-    import torch
-
-    torch.manual_seed(0)
-    vocab, width = 101, 60
-    model = torch.nn.Sequential(
-        torch.nn.Embedding(vocab, width),
-        torch.nn.LayerNorm(width),
-        torch.nn.Linear(width, 4 * width),
-        torch.nn.GELU(),
-        torch.nn.Linear(4 * width, width),
-        torch.nn.Linear(width, vocab),
-    )
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.95))
-    for step in range(3):
-        tokens = torch.randint(0, vocab, (8, 16))
-        logits = model(tokens[:, :-1])
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, vocab), tokens[:, 1:].reshape(-1))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        print(f"  train step {step + 1}: loss {loss.item():.4f}")
-    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": 3}, path)
+import ckptbridge  # noqa: E402
 
 
 def cli(*args: str) -> None:
-    print(f"$ ckptbridge {' '.join(args)}")
+    print(f"$ ckptbridge {' '.join(args)}", flush=True)
     subprocess.run([sys.executable, "-m", "ckptbridge._cli", *args], check=True)
+
+
+def make_deepspeed_run(out: str) -> None:
+    env = dict(os.environ, DS_ACCELERATOR="cpu", DS_SKIP_SHM_OP="1", OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+           f"--master_port={29500 + os.getpid() % 2000}",
+           os.path.join(ROOT, "tests", "fixtures", "migration", "make_deepspeed_run.py"),
+           "--out", out, "--steps", "4", "--more", "3"]
+    subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
 
 
 def main(out: str) -> None:
     shutil.rmtree(out, ignore_errors=True)
     os.makedirs(out)
-    src = os.path.join(out, "tiny_gpt.pt")
-    print("1. making a real checkpoint with torch")
-    make_checkpoint(src)
+    run = os.path.join(out, "deepspeed_run")
+    print("1. training a tiny GPT with real DeepSpeed ZeRO-2 on 2 CPU ranks (about a minute)", flush=True)
+    make_deepspeed_run(run)
+    with open(os.path.join(run, "losses.json")) as fh:
+        losses = json.load(fh)
+    print(f"   DeepSpeed losses: {[round(x, 4) for x in losses['losses']]}, "
+          f"then its own continuation {[round(x, 4) for x in losses['continuation_losses']]}")
+    ds = os.path.join(run, "ckpt")
 
-    print("\n2. inspecting it (lazy, pickle-safe, no torch import needed)")
-    cli("inspect", src)
+    print("\n2. inspecting the DeepSpeed checkpoint (lazy, pickle-safe; no DeepSpeed or torch needed)")
+    cli("inspect", ds)
 
     print("\n3. converting to the universal layout and verifying every checksum")
     universal = os.path.join(out, "universal")
-    cli("convert", src, universal)
+    cli("convert", ds, universal)
     cli("verify", universal)
 
     print("\n4. reading a slice reads only its bytes")
-    with ckptbridge.open(universal) as ckpt:
-        w = ckpt["model.2.weight"]
-        rows = w[10:12]
-        print(f"  {w!r}\n  rows 10..11 -> array {rows.shape}, {ckpt.stats.bytes_read} bytes read "
-              f"of {w.nbytes} in the tensor")
+    with ckptbridge.open(ds) as ckpt:
+        w = ckpt["blocks.0.fc.weight"]
+        part = w.state("exp_avg")[10:12]
+        print(f"   {w!r}\n   exp_avg rows 10..11 -> {part.shape}: {ckpt.stats.bytes_read} bytes read "
+              f"from {len(ckpt.stats.per_file)} rank file(s), of {w.nbytes} in the tensor")
 
-    print("\n5. resharding to one safetensors file and diffing it against the source")
-    flat = os.path.join(out, "weights.safetensors")
-    cli("reshard", universal, flat, "--to", "safetensors")
-    rows = ckptbridge.diff(src, flat)
-    print(f"  {sum(r.equal for r in rows)}/{len(rows)} tensors bitwise equal")
-    if not all(r.equal for r in rows):
+    print("\n5. continuing the run in JAX/optax on a 4-device mesh, straight from the DeepSpeed files")
+    from examples.migrate_deepspeed_to_jax import continue_in_jax
+
+    jax_losses = continue_in_jax(ds, 3, n_devices=4)
+    for i, (j, d) in enumerate(zip(jax_losses, losses["continuation_losses"])):
+        print(f"   step +{i}: JAX {j:.6f}   DeepSpeed {d:.6f}   |diff| {abs(j - d):.1e}")
+    worst = max(abs(j - d) for j, d in zip(jax_losses, losses["continuation_losses"]))
+    if worst > 1e-3:
+        raise SystemExit(f"demo failed: JAX continuation differs from DeepSpeed's by {worst}")
+
+    print("\n6. resharding to one safetensors file and diffing it against the DeepSpeed checkpoint")
+    flat = os.path.join(out, "fp32.safetensors")
+    cli("reshard", universal, flat, "--to", "safetensors", "--state", "fp32")
+    rows = ckptbridge.diff(ds, flat, state="fp32")
+    same = sum(r.equal for r in rows if r.in_a and r.in_b)
+    print(f"   {same}/{len(rows)} tensors bitwise equal across formats")
+    if same != len(rows):
         raise SystemExit("demo failed: round trip is not bitwise")
     print("\ndemo ok")
 

@@ -11,19 +11,18 @@ import warnings
 
 import numpy as np
 import pytest
+import torch
+import torch.distributed.checkpoint as dcp
 
-torch = pytest.importorskip("torch")
-dcp = pytest.importorskip("torch.distributed.checkpoint")
-
-import ckptbridge._open as cb_open  # noqa: E402
-from ckptbridge._errors import (  # noqa: E402
+import ckptbridge._open as cb_open
+from ckptbridge._errors import (
     FormatError,
     TruncatedError,
     UnsafePickleError,
 )
-from ckptbridge._reshard import reshard  # noqa: E402
-from ckptbridge.adapters import dcp as cb_dcp  # noqa: E402
-from ckptbridge.adapters import torch as cbt  # noqa: E402
+from ckptbridge._reshard import reshard
+from ckptbridge.adapters import dcp as cb_dcp
+from ckptbridge.adapters import torch as cbt
 
 
 def _state() -> dict:

@@ -14,14 +14,12 @@ import os
 
 import numpy as np
 import pytest
+import torch
+from _dist import run
+from torch.distributed.tensor import Replicate, Shard
 
-torch = pytest.importorskip("torch")
-
-from _dist import run  # noqa: E402
-from torch.distributed.tensor import Replicate, Shard  # noqa: E402
-
-import ckptbridge._open as cb_open  # noqa: E402
-from ckptbridge.adapters import torch as cbt  # noqa: E402
+import ckptbridge._open as cb_open
+from ckptbridge.adapters import torch as cbt
 
 SHAPES = {"w": ((9, 6), torch.float32), "b": ((5,), torch.float32), "e": ((7, 4), torch.bfloat16),
           "r": ((3, 3), torch.float32)}

@@ -19,13 +19,11 @@ import os
 
 import numpy as np
 import pytest
+import torch
+from _dist import run
 
-torch = pytest.importorskip("torch")
-
-from _dist import run  # noqa: E402
-
-import ckptbridge._open as cb_open  # noqa: E402
-from ckptbridge.adapters import torch as cbt  # noqa: E402
+import ckptbridge._open as cb_open
+from ckptbridge.adapters import torch as cbt
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DS_CKPT = os.path.join(HERE, "fixtures", "torch", "deepspeed_s1_fp32_w2", "global_step3")
