@@ -83,7 +83,7 @@ def main(out: str) -> None:
     print("\n6. resharding to one safetensors file and diffing it against the DeepSpeed checkpoint")
     flat = os.path.join(out, "fp32.safetensors")
     cli("reshard", universal, flat, "--to", "safetensors", "--state", "fp32")
-    rows = ckptbridge.diff(ds, flat, state="fp32")
+    rows = ckptbridge.diff(ds, flat)  # each side's weights: DeepSpeed's fp32 master, the file's tensors
     same = sum(r.equal for r in rows if r.in_a and r.in_b)
     print(f"   {same}/{len(rows)} tensors bitwise equal across formats")
     if same != len(rows):
