@@ -86,27 +86,32 @@ def _single_file_tensors(path: str) -> dict[str, LogicalTensor]:
     return out
 
 
+def shard_files(index_json: str) -> list[str]:
+    """The shard files an HF ``*.index.json`` (``{"weight_map": {name: file}}``) lists, in order,
+    refusing any that would lie outside its directory."""
+    try:
+        with open(index_json) as fh:
+            weight_map = json.load(fh)["weight_map"]
+        names = list(dict.fromkeys(str(f) for f in weight_map.values()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+        raise FormatError(f"{index_json}: not a shard index ({err})") from None
+    root = os.path.normpath(os.path.dirname(index_json))
+    files = []
+    for f in names:
+        full = os.path.normpath(os.path.join(root, f))
+        if os.path.dirname(full) != root:
+            raise FormatError(f"{index_json}: shard name {f!r} points outside the checkpoint directory")
+        files.append(full)
+    return files
+
+
 def _index_files(path: str) -> list[str]:
     if os.path.isdir(path):
         idx = [f for f in sorted(os.listdir(path)) if f.endswith(".safetensors.index.json")]
         if idx:
-            return _index_files(os.path.join(path, idx[0]))
+            return shard_files(os.path.join(path, idx[0]))
         return [os.path.join(path, f) for f in sorted(os.listdir(path)) if f.endswith(".safetensors")]
-    if path.endswith(".index.json"):
-        try:
-            with open(path) as fh:
-                weight_map = json.load(fh)["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError) as err:
-            raise FormatError(f"{path}: not a safetensors index ({err})") from None
-        root = os.path.dirname(path)
-        files = []
-        for f in dict.fromkeys(weight_map.values()):
-            full = os.path.normpath(os.path.join(root, f))
-            if os.path.dirname(full) != os.path.normpath(root):
-                raise FormatError(f"{path}: shard name {f!r} points outside the checkpoint directory")
-            files.append(full)
-        return files
-    return [path]
+    return shard_files(path) if path.endswith(".index.json") else [path]
 
 
 def detect(path: str) -> bool:

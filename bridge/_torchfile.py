@@ -9,13 +9,13 @@ folders are read too::
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
 
 from ._checkpoint import CheckpointIndex
 from ._errors import FormatError, MissingShardError
 from ._model import LogicalTensor, TensorState, check_name
+from ._safetensors import shard_files
 from ._torchzip import TorchArchive, is_torch_zip, iter_tensors, strip_tensors
 
 _STEP_KEYS = ("step", "iteration", "global_step", "global_steps", "epoch_step")
@@ -24,26 +24,11 @@ _STEP_KEYS = ("step", "iteration", "global_step", "global_steps", "epoch_step")
 def _files(path: str) -> list[str]:
     if os.path.isdir(path):
         idx = [f for f in os.listdir(path) if f.endswith(".bin.index.json")]
-        if idx:
-            path = os.path.join(path, sorted(idx)[0])
-        else:
+        if not idx:
             return [os.path.join(path, f) for f in sorted(os.listdir(path))
                     if f.endswith((".pt", ".bin", ".pth")) and is_torch_zip(os.path.join(path, f))]
-    if path.endswith(".index.json"):
-        try:
-            with open(path) as fh:
-                weight_map = json.load(fh)["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError) as err:
-            raise FormatError(f"{path}: not a torch shard index ({err})") from None
-        root = os.path.dirname(path)
-        out = []
-        for f in dict.fromkeys(weight_map.values()):
-            full = os.path.normpath(os.path.join(root, f))
-            if os.path.dirname(full) != os.path.normpath(root):
-                raise FormatError(f"{path}: shard name {f!r} points outside the checkpoint directory")
-            out.append(full)
-        return out
-    return [path]
+        path = os.path.join(path, sorted(idx)[0])
+    return shard_files(path) if path.endswith(".index.json") else [path]
 
 
 def detect(path: str) -> bool:

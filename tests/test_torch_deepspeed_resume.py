@@ -32,7 +32,8 @@ DS_RESUME = os.path.join(HERE, "fixtures", "torch", "deepspeed_resume_w4")
 
 def _loss(model, step: int, rank: int, world: int) -> tuple[torch.Tensor, float]:
     import torch.distributed as dist
-    from _tiny_gpt import GLOBAL_BATCH, make_batch
+
+    from examples.models.torch_gpt import GLOBAL_BATCH, make_batch
 
     micro = GLOBAL_BATCH // world
     x, y = make_batch(step)
@@ -43,9 +44,10 @@ def _loss(model, step: int, rank: int, world: int) -> tuple[torch.Tensor, float]
 
 
 def _resume_job(rank: int, world: int, ckpt_path: str) -> dict:
-    from _tiny_gpt import TinyGPT, param_groups
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+
+    from examples.models.torch_gpt import TinyGPT, param_groups
 
     mesh = init_device_mesh("cpu", (world,))
     torch.manual_seed(0)  # a different init: everything must come from the checkpoint
@@ -74,7 +76,7 @@ def _resume_job(rank: int, world: int, ckpt_path: str) -> dict:
 
 
 def _reference_next_loss(weights: dict[str, np.ndarray]) -> float:
-    from _tiny_gpt import TinyGPT, make_batch
+    from examples.models.torch_gpt import TinyGPT, make_batch
 
     model = TinyGPT()
     model.load_state_dict({k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in weights.items()})
