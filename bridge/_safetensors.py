@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import mmap
 import os
 import struct
 import zlib
@@ -220,7 +221,7 @@ def write_file(path: str, entries: list[Entry], metadata: Mapping[str, str] | No
         return buf, f"crc32:{zlib.crc32(buf):08x}"  # checksummed here, overlapping the previous write
 
     out: list[Written] = []
-    with open(path, "xb") as fh, ThreadPoolExecutor(1) as pool:
+    with _SequentialWriter(path) as fh, ThreadPoolExecutor(1) as pool:
         fh.write(struct.pack("<Q", len(raw)))
         fh.write(raw)
         pending = pool.submit(produce, entries[0]) if entries else None
@@ -232,6 +233,72 @@ def write_file(path: str, entries: list[Entry], metadata: Mapping[str, str] | No
             del buf
             if on_entry:
                 on_entry(e)
-        fh.flush()
-        os.fsync(fh.fileno())
     return out
+
+
+_ALIGN = 4096
+_STAGE_BYTES = 16 << 20
+
+
+class _SequentialWriter:
+    """Write a new file front to back, then fsync it.
+
+    Where the file system allows, the file is opened with ``O_DIRECT`` and data
+    goes through one reused, page-aligned staging buffer straight to the disk:
+    on virtual machines the page cache's fresh pages cost more than the disk
+    itself (``bench/``). Elsewhere it falls back to ordinary buffered writes.
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.size = 0
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+        direct = getattr(os, "O_DIRECT", 0)
+        self.stage: mmap.mmap | None = None
+        try:
+            self.fd = os.open(path, flags | direct, 0o644) if direct else -1
+            self.stage = mmap.mmap(-1, _STAGE_BYTES) if direct else None
+        except OSError:  # no O_DIRECT here (tmpfs, some network file systems)
+            self.fd = -1
+        if self.fd < 0:
+            self.fd = os.open(path, flags, 0o644)
+        self.fill = 0
+
+    def write(self, data: bytes | memoryview) -> None:
+        mv = memoryview(data).cast("B")
+        self.size += len(mv)
+        if self.stage is None:
+            self._write_all(mv)
+            return
+        while len(mv):
+            n = min(len(mv), _STAGE_BYTES - self.fill)
+            self.stage[self.fill : self.fill + n] = mv[:n]
+            self.fill += n
+            mv = mv[n:]
+            if self.fill == _STAGE_BYTES:
+                self._write_all(memoryview(self.stage))
+                self.fill = 0
+
+    def _write_all(self, mv: memoryview) -> None:
+        while len(mv):
+            mv = mv[os.write(self.fd, mv) :]
+
+    def close(self) -> None:
+        if self.stage is not None and self.fill:
+            padded = -(-self.fill // _ALIGN) * _ALIGN  # O_DIRECT writes whole blocks; trim after
+            self.stage[self.fill : padded] = bytes(padded - self.fill)
+            self._write_all(memoryview(self.stage)[:padded])
+            os.ftruncate(self.fd, self.size)
+        os.fsync(self.fd)
+        os.close(self.fd)
+        if self.stage is not None:
+            self.stage.close()
+
+    def __enter__(self) -> _SequentialWriter:
+        return self
+
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            os.close(self.fd)
