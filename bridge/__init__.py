@@ -44,6 +44,7 @@ from ._errors import (
     UnknownFormatError,
     UnsafePickleError,
 )
+from ._html import ReshardPlan
 from ._model import Box, FileRegion, Fragment, LogicalTensor, TensorState, flat_range_fragments
 from ._open import detect_format, open
 from ._plan import CopyOp, plan
@@ -84,6 +85,7 @@ __all__ = [
     "Rename",
     "Renumber",
     "Replicate",
+    "ReshardPlan",
     "Rule",
     "SaveStats",
     "ShapeMismatchError",
