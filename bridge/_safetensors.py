@@ -14,7 +14,9 @@ import json
 import math
 import mmap
 import os
+import queue
 import struct
+import threading
 import zlib
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -244,30 +246,51 @@ class _SequentialWriter:
     """Write a new file front to back, then fsync it.
 
     Where the file system allows, the file is opened with ``O_DIRECT`` and data
-    goes through one reused, page-aligned staging buffer straight to the disk:
-    on virtual machines the page cache's fresh pages cost more than the disk
-    itself (``bench/``). Elsewhere it falls back to ordinary buffered writes.
+    goes through reused, page-aligned staging buffers straight to the disk (a
+    background thread writes one while the caller fills the next): on virtual
+    machines the page cache's fresh pages cost more than the disk itself
+    (``bench/``). Elsewhere it falls back to ordinary buffered writes.
     """
 
     def __init__(self, path: str) -> None:
         self.path = path
         self.size = 0
+        self.fill = 0
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
         direct = getattr(os, "O_DIRECT", 0)
-        self.stage: mmap.mmap | None = None
-        try:
-            self.fd = os.open(path, flags | direct, 0o644) if direct else -1
-            self.stage = mmap.mmap(-1, _STAGE_BYTES) if direct else None
-        except OSError:  # no O_DIRECT here (tmpfs, some network file systems)
-            self.fd = -1
-        if self.fd < 0:
+        self.fd = -1
+        if direct:
+            try:
+                self.fd = os.open(path, flags | direct, 0o644)
+            except OSError:  # no O_DIRECT here (tmpfs, some network file systems)
+                self.fd = -1
+        self.direct = self.fd >= 0
+        if not self.direct:
             self.fd = os.open(path, flags, 0o644)
-        self.fill = 0
+            return
+        self.free: queue.Queue[mmap.mmap] = queue.Queue()
+        for _ in range(2):
+            self.free.put(mmap.mmap(-1, _STAGE_BYTES))
+        self.full: queue.Queue[tuple[mmap.mmap, int] | None] = queue.Queue()
+        self.error: BaseException | None = None
+        self.stage = self.free.get()
+        self.thread = threading.Thread(target=self._drain, name="ckptbridge-write", daemon=True)
+        self.thread.start()
+
+    def _drain(self) -> None:
+        while (item := self.full.get()) is not None:
+            buf, n = item
+            try:
+                if self.error is None:
+                    self._write_all(memoryview(buf)[:n])
+            except BaseException as err:  # reported by the caller's next write/close
+                self.error = err
+            self.free.put(buf)
 
     def write(self, data: bytes | memoryview) -> None:
         mv = memoryview(data).cast("B")
         self.size += len(mv)
-        if self.stage is None:
+        if not self.direct:
             self._write_all(mv)
             return
         while len(mv):
@@ -276,29 +299,39 @@ class _SequentialWriter:
             self.fill += n
             mv = mv[n:]
             if self.fill == _STAGE_BYTES:
-                self._write_all(memoryview(self.stage))
-                self.fill = 0
+                self._hand_over(_STAGE_BYTES)
+
+    def _hand_over(self, n: int) -> None:
+        if self.error is not None:
+            raise OSError(f"{self.path}: write failed ({self.error})") from self.error
+        self.full.put((self.stage, n))
+        self.stage = self.free.get()
+        self.fill = 0
 
     def _write_all(self, mv: memoryview) -> None:
         while len(mv):
             mv = mv[os.write(self.fd, mv) :]
 
-    def close(self) -> None:
-        if self.stage is not None and self.fill:
-            padded = -(-self.fill // _ALIGN) * _ALIGN  # O_DIRECT writes whole blocks; trim after
-            self.stage[self.fill : padded] = bytes(padded - self.fill)
-            self._write_all(memoryview(self.stage)[:padded])
-            os.ftruncate(self.fd, self.size)
-        os.fsync(self.fd)
-        os.close(self.fd)
-        if self.stage is not None:
-            self.stage.close()
+    def close(self, ok: bool = True) -> None:
+        try:
+            if self.direct:
+                if ok and self.fill:
+                    padded = -(-self.fill // _ALIGN) * _ALIGN  # O_DIRECT writes whole blocks; trim after
+                    self.stage[self.fill : padded] = bytes(padded - self.fill)
+                    self._hand_over(padded)
+                self.full.put(None)
+                self.thread.join()
+                if ok and self.error is not None:
+                    raise OSError(f"{self.path}: write failed ({self.error})") from self.error
+                if ok:
+                    os.ftruncate(self.fd, self.size)
+            if ok:
+                os.fsync(self.fd)
+        finally:
+            os.close(self.fd)
 
     def __enter__(self) -> _SequentialWriter:
         return self
 
     def __exit__(self, exc_type: object, *exc: object) -> None:
-        if exc_type is None:
-            self.close()
-        else:
-            os.close(self.fd)
+        self.close(ok=exc_type is None)
