@@ -390,31 +390,30 @@ def _apply_stack(tensors: dict[str, LogicalTensor], rule: Stack) -> dict[str, Lo
     return out
 
 
-def _apply_unstack(tensors: dict[str, LogicalTensor], rule: Unstack) -> dict[str, LogicalTensor]:
+def _fan_out(
+    tensors: dict[str, LogicalTensor], rule: Rule, parts: Any, names: Any
+) -> dict[str, LogicalTensor]:
+    """One tensor matching ``rule`` -> several: ``parts(state)`` gives each state's pieces,
+    ``names(name)`` the new names in the same order."""
     out: dict[str, LogicalTensor] = {}
     for name, t in tensors.items():
         if not rule.matches(name):
             out[name] = t
             continue
-        per_state = {s: unstack(st, rule.dim) for s, st in t.states.items()}
-        n = len(next(iter(per_state.values())))
-        for i in range(n):
-            new = re.sub(rule.pattern, rule.to, name).replace("{i}", str(i))
-            out[new] = LogicalTensor(new, {s: parts[i] for s, parts in per_state.items()}, dict(t.scalars))
+        per_state = {s: parts(st) for s, st in t.states.items()}
+        for k, new in enumerate(names(name, len(next(iter(per_state.values()))))):
+            out[new] = LogicalTensor(new, {s: ps[k] for s, ps in per_state.items()}, dict(t.scalars))
     return out
+
+
+def _apply_unstack(tensors: dict[str, LogicalTensor], rule: Unstack) -> dict[str, LogicalTensor]:
+    return _fan_out(tensors, rule, lambda st: unstack(st, rule.dim),
+                    lambda name, n: [re.sub(rule.pattern, rule.to, name).replace("{i}", str(i)) for i in range(n)])
 
 
 def _apply_split(tensors: dict[str, LogicalTensor], rule: Split) -> dict[str, LogicalTensor]:
-    out: dict[str, LogicalTensor] = {}
-    for name, t in tensors.items():
-        if not rule.matches(name):
-            out[name] = t
-            continue
-        per_state = {s: split(st, rule.dim, rule.widths, rule.groups) for s, st in t.states.items()}
-        for k, part in enumerate(rule.parts):
-            new = re.sub(rule.pattern, rule.to, name).replace("{part}", part)
-            out[new] = LogicalTensor(new, {s: ps[k] for s, ps in per_state.items()}, dict(t.scalars))
-    return out
+    return _fan_out(tensors, rule, lambda st: split(st, rule.dim, rule.widths, rule.groups),
+                    lambda name, _n: [re.sub(rule.pattern, rule.to, name).replace("{part}", p) for p in rule.parts])
 
 
 def _apply_join(tensors: dict[str, LogicalTensor], rule: Join) -> dict[str, LogicalTensor]:
