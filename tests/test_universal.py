@@ -219,3 +219,20 @@ def test_column_split_fragments_read_whole_and_verified(tmp_path, dtype):
     assert c["w"].read().tobytes() == full.tobytes()
     np.testing.assert_array_equal(c["w"].read(dtype="float32"), full.astype(np.float32))
     np.testing.assert_array_equal(c["w"][2:5, 1:9], full[2:5, 1:9])
+
+
+def test_mixed_aligned_and_unaligned_tensors_round_trip(tmp_path):
+    """Tensors whose sizes are and are not multiples of the O_DIRECT block size, in one file."""
+    rng = np.random.default_rng(0)
+    sizes = [3 * 1024, 1025, 2048, (1 << 18) + 3, 1 << 19, 7, (1 << 22) + 1024]  # float32 elements
+    arrays = {f"t{i}": rng.standard_normal(n).astype(np.float32) for i, n in enumerate(sizes)}
+    pieces = [Piece(k, "fp32", "float32", v.shape, Box.full(v.shape), v) for k, v in arrays.items()]
+    ckptbridge._universal.save(str(tmp_path / "u"), pieces)
+    assert ckptbridge.verify(str(tmp_path / "u")) == []
+    c = ckptbridge.open(tmp_path / "u")
+    for k, v in arrays.items():
+        assert c[k].read().tobytes() == v.tobytes()
+    (f,) = (tmp_path / "u" / "data").iterdir()
+    with safe_open(str(f), "np") as fh:
+        for k, v in arrays.items():
+            np.testing.assert_array_equal(fh.get_tensor(k), v)
