@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 import os
-import shutil
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -26,8 +25,6 @@ from ._open import open as open_checkpoint
 from ._rules import Rule, apply_rules, rules_to_json
 from ._safetensors import Entry, write_file
 from ._universal import Piece, save
-
-Source = "str | os.PathLike[str] | Checkpoint"
 
 
 def as_checkpoint(src: Any) -> Checkpoint:
@@ -254,7 +251,3 @@ def diff(a: Any, b: Any, *, state: str | None = None) -> list[DiffRow]:
                             va.shape if va else None, vb.shape if vb else None,
                             va.dtype if va else None, vb.dtype if vb else None, mad))
     return rows
-
-
-def remove_tree(path: str) -> None:
-    shutil.rmtree(path, ignore_errors=True)

@@ -35,7 +35,6 @@ import numpy as np
 from . import _dtypes
 from ._checkpoint import CheckpointIndex
 from ._errors import (
-    CorruptionError,
     FormatError,
     IncompleteCheckpointError,
     MissingShardError,
@@ -403,10 +402,3 @@ def verify(path: str) -> list[str]:
                         f"checksum {got} != recorded {frag.checksum} (corrupted data)"
                     )
     return problems
-
-
-def check(path: str) -> None:
-    """Raise :class:`CorruptionError` listing the problems :func:`verify` finds."""
-    problems = verify(path)
-    if problems:
-        raise CorruptionError(f"{path}: {len(problems)} problem(s):\n  " + "\n  ".join(problems[:20]))
