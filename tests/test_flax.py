@@ -13,6 +13,7 @@ from flax import linen as nn
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+from test_deepspeed import runs_dir  # noqa: F401  (session fixture: the unpacked DeepSpeed runs)
 
 import ckptbridge._open as cbopen
 from ckptbridge._checkpoint import Checkpoint, CheckpointIndex
@@ -245,13 +246,10 @@ def test_linen_unscanned_names():
     assert Transpose(r"^conv/kernel$", (3, 2, 0, 1)) in back
 
 
-FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "jax")
-
-
-def test_deepspeed_zero2_loads_onto_2x4_mesh_as_optax_state():
+def test_deepspeed_zero2_loads_onto_2x4_mesh_as_optax_state(runs_dir):  # noqa: F811
     """A real DeepSpeed ZeRO-2 checkpoint (4 ranks) straight onto a 2x4 mesh, no convert step."""
     import torch
-    run = os.path.join(FIXTURES, "deepspeed_s2_fp32_w4")
+    run = os.path.join(runs_dir, "s2_fp32_w4")
     ckpt = cbopen.open(os.path.join(run, "ckpt"))
     assert ckpt.format == "deepspeed"
     rules = cbflax.torch_to_flax_rules(ckpt, scan="blocks")

@@ -1,10 +1,9 @@
 """A DeepSpeed ZeRO-1 checkpoint resumes as an FSDP2 model + torch AdamW on 2 ranks.
 
-Fixtures (copied from the shared DeepSpeed runs, see tests/fixtures/torch/README.md):
-``deepspeed_s1_fp32_w2/global_step3`` is the native checkpoint DeepSpeed 0.19.8 wrote
-after 3 steps on 2 ranks (read in place, no conversion step);
-``deepspeed_resume_w4`` is DeepSpeed's own resume of it (ws 4, one more step):
-its logged loss and the fp32 weights it reached.
+Fixtures (runs of tests/fixtures/deepspeed, see its README): ``s1_fp32_w2``'s
+``global_step3`` is the native checkpoint DeepSpeed 0.19.8 wrote after 3 steps on 2 ranks
+(read in place, no conversion step); ``resume_s1_fp32_w2_to_s1_w4`` is DeepSpeed's own
+resume of it (ws 4, one more step): its logged loss and the fp32 weights it reached.
 
 The FSDP2 run loads weights and AdamW state (exp_avg, exp_avg_sq, step) with
 ``ckptbridge.adapters.torch``, trains the same next step (same batch, clipping,
@@ -21,13 +20,13 @@ import numpy as np
 import pytest
 import torch
 from _dist import run
+from test_deepspeed import runs_dir  # noqa: F401  (session fixture: the unpacked DeepSpeed runs)
 
 import ckptbridge._open as cb_open
 from ckptbridge.adapters import torch as cbt
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-DS_CKPT = os.path.join(HERE, "fixtures", "torch", "deepspeed_s1_fp32_w2", "global_step3")
-DS_RESUME = os.path.join(HERE, "fixtures", "torch", "deepspeed_resume_w4")
+# from the DeepSpeed fixture runs (tests/fixtures/deepspeed, unpacked once per session)
+CKPT_RUN, RESUME_RUN = "s1_fp32_w2", "resume_s1_fp32_w2_to_s1_w4"
 
 
 def _loss(model, step: int, rank: int, world: int) -> tuple[torch.Tensor, float]:
@@ -84,7 +83,9 @@ def _reference_next_loss(weights: dict[str, np.ndarray]) -> float:
         return model(*make_batch(4)).item()
 
 
-def test_deepspeed_checkpoint_resumes_as_fsdp2_adamw_on_2_ranks():
+def test_deepspeed_checkpoint_resumes_as_fsdp2_adamw_on_2_ranks(runs_dir):  # noqa: F811
+    DS_CKPT = os.path.join(runs_dir, CKPT_RUN, "ckpt", "global_step3")
+    DS_RESUME = os.path.join(runs_dir, RESUME_RUN)
     with open(os.path.join(DS_RESUME, "meta.json")) as fh:
         ds_meta = json.load(fh)
     ds_step3_loss = ds_meta["losses"][0]  # DeepSpeed's own resume: loss of the step after global_step3
