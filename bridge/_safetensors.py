@@ -10,6 +10,7 @@ then the data; offsets are relative to byte ``8 + N``::
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import mmap
@@ -206,7 +207,8 @@ def write_file(path: str, entries: list[Entry], metadata: Mapping[str, str] | No
     # Producers that can fill a given array (``data.fills``) get one of two reused buffers: one
     # is being written while the other is filled. Fresh memory is slow to touch on many VMs.
     biggest = max((e.nbytes for e in entries if getattr(e.data, "fills", False)), default=0)
-    ring = [np.empty(biggest, np.uint8), np.empty(biggest, np.uint8)] if biggest else []
+    maps = [_POOL.take(biggest), _POOL.take(biggest)] if biggest else []
+    ring = [np.frombuffer(m, np.uint8, count=biggest) for m in maps]
     slot = {id(e): i % 2 for i, e in enumerate(entries)}
 
     def produce(e: Entry) -> tuple[memoryview, str]:
@@ -223,6 +225,18 @@ def write_file(path: str, entries: list[Entry], metadata: Mapping[str, str] | No
         return buf, f"crc32:{zlib.crc32(buf):08x}"  # checksummed here, overlapping the previous write
 
     out: list[Written] = []
+    try:
+        _write_entries(path, entries, raw, offsets, base, produce, on_entry, out)
+    finally:
+        ring.clear()  # drop our views before the buffers go back
+        for m in maps:
+            _POOL.give(m)
+    return out
+
+
+def _write_entries(path: str, entries: list[Entry], raw: bytes, offsets: list[int], base: int,
+                   produce: Callable[[Entry], tuple[memoryview, str]],
+                   on_entry: Callable[[Entry], None] | None, out: list[Written]) -> None:
     with _SequentialWriter(path) as fh, ThreadPoolExecutor(1) as pool:
         fh.write(struct.pack("<Q", len(raw)))
         fh.write(raw)
@@ -235,11 +249,42 @@ def write_file(path: str, entries: list[Entry], metadata: Mapping[str, str] | No
             del buf
             if on_entry:
                 on_entry(e)
-    return out
 
 
 _ALIGN = 4096
 _STAGE_BYTES = 16 << 20
+
+
+class _Pool:
+    """Page-aligned buffers kept for reuse (up to ``limit`` bytes): on virtual machines
+    that hand freed memory back to the host, touching fresh pages costs more than the
+    disk, so staging and read buffers are recycled from file to file and save to save."""
+
+    def __init__(self, limit: int = 1 << 30) -> None:
+        self.lock = threading.Lock()
+        self.kept: list[mmap.mmap] = []
+        self.limit = limit
+
+    def take(self, nbytes: int) -> mmap.mmap:
+        with self.lock:
+            fits = [m for m in self.kept if len(m) >= nbytes]
+            if fits:
+                best = min(fits, key=len)
+                self.kept.remove(best)
+                return best
+        return mmap.mmap(-1, max(nbytes, 1))
+
+    def give(self, buf: mmap.mmap) -> None:
+        with self.lock:
+            self.kept.append(buf)
+            self.kept.sort(key=len, reverse=True)
+            while sum(len(m) for m in self.kept) > self.limit:
+                extra = self.kept.pop(0)
+                with contextlib.suppress(BufferError):  # still viewed somewhere: the GC frees it
+                    extra.close()
+
+
+_POOL = _Pool()
 
 
 class _SequentialWriter:
@@ -269,8 +314,9 @@ class _SequentialWriter:
             self.fd = os.open(path, flags, 0o644)
             return
         self.free: queue.Queue[mmap.mmap] = queue.Queue()
-        for _ in range(2):
-            self.free.put(mmap.mmap(-1, _STAGE_BYTES))
+        self.stages = [_POOL.take(_STAGE_BYTES), _POOL.take(_STAGE_BYTES)]
+        for m in self.stages:
+            self.free.put(m)
         self.full: queue.Queue[tuple[mmap.mmap, int] | None] = queue.Queue()
         self.error: BaseException | None = None
         self.stage = self.free.get()
@@ -329,6 +375,8 @@ class _SequentialWriter:
                 os.fsync(self.fd)
         finally:
             os.close(self.fd)
+            for m in getattr(self, "stages", ()):
+                _POOL.give(m)
 
     def __enter__(self) -> _SequentialWriter:
         return self
