@@ -17,7 +17,8 @@ import os
 import statistics
 import subprocess
 import sys
-import time
+
+from _common import drop_caches
 
 CASE = r"""
 import json, os, resource, sys, time
@@ -93,17 +94,6 @@ GROUPS = {
     "read everything": ["read_torch", "read_torch_mmap", "read_safetensors", "read_ckptbridge"],
     "read 1/8 columns of every tensor": ["slice_torch_mmap", "slice_safetensors", "slice_ckptbridge"],
 }
-
-
-def drop_caches() -> bool:
-    try:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as fh:
-            fh.write("3\n")
-        time.sleep(5)
-        return True
-    except OSError:
-        return False
 
 
 def run_case(case: str, src: str, work: str, gib: float) -> dict:

@@ -36,6 +36,8 @@ import sys
 import threading
 import time
 
+from _common import drop_caches
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, os.path.join(ROOT, "tools"))
@@ -109,17 +111,6 @@ def child_main(cmd: list[str]) -> None:
         sys.stderr.write(res.stderr)
         raise SystemExit(res.returncode)
     print(json.dumps({"maxrss_kb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss}))
-
-
-def drop_caches() -> bool:
-    try:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as fh:
-            fh.write("3\n")
-        time.sleep(5)
-        return True
-    except OSError:
-        return False
 
 
 def main() -> None:

@@ -35,10 +35,11 @@ import resource
 import shutil
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
+
+from _common import drop_caches
 
 ROWS = 4096  # each tensor is ROWS x COLS fp32 (64 MiB)
 COLS = 4096
@@ -197,17 +198,6 @@ def load_ckptbridge_alloc(rank: int, world: int, path: str, n: int) -> dict:
     return res
 
 
-def _drop_caches() -> bool:
-    try:
-        subprocess.run(["sync"], check=True)
-        with open("/proc/sys/vm/drop_caches", "w") as fh:
-            fh.write("3\n")
-        time.sleep(5)
-        return True
-    except OSError:
-        return False
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size-gib", type=float, default=1.0)
@@ -238,7 +228,7 @@ def main() -> None:
         for _ in range(a.reps):
             for method, fn in methods:
                 if a.cold:
-                    cold_ok = _drop_caches() and cold_ok
+                    cold_ok = drop_caches() and cold_ok
                 runs[method].append(spawn(fn, a.world, path, n))
         regime = "cold" if a.cold and cold_ok else "warm"
         summary = {}
