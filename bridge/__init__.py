@@ -29,41 +29,106 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from ._async import Checkpointer, SaveStats
-from ._checkpoint import Checkpoint, CheckpointIndex, TensorView
-from ._convert import DiffRow, convert, diff, export
-from ._errors import (
-    CheckpointError,
-    CorruptionError,
-    FormatError,
-    IncompleteCheckpointError,
-    MissingShardError,
-    ShapeMismatchError,
-    TensorNotFoundError,
-    TruncatedError,
-    UnknownFormatError,
-    UnsafePickleError,
-)
-from ._html import ReshardPlan
-from ._model import Box, FileRegion, Fragment, LogicalTensor, TensorState, flat_range_fragments
-from ._open import detect_format, open
-from ._plan import CopyOp, plan
-from ._reshard import reshard
-from ._rules import (
-    Fuse,
-    Pad,
-    Rename,
-    Renumber,
-    Replicate,
-    Rule,
-    Shard,
-    Split,
-    Stack,
-    Transpose,
-    Unstack,
-    apply_rules,
-)
-from ._universal import verify
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ._async import Checkpointer, SaveStats
+    from ._checkpoint import Checkpoint, CheckpointIndex, TensorView
+    from ._convert import DiffRow, convert, diff, export
+    from ._errors import (
+        CheckpointError,
+        CorruptionError,
+        FormatError,
+        IncompleteCheckpointError,
+        MissingShardError,
+        ShapeMismatchError,
+        TensorNotFoundError,
+        TruncatedError,
+        UnknownFormatError,
+        UnsafePickleError,
+    )
+    from ._html import ReshardPlan
+    from ._model import Box, FileRegion, Fragment, LogicalTensor, TensorState, flat_range_fragments
+    from ._open import detect_format, open
+    from ._plan import CopyOp, plan
+    from ._reshard import reshard
+    from ._rules import (
+        Fuse,
+        Pad,
+        Rename,
+        Renumber,
+        Replicate,
+        Rule,
+        Shard,
+        Split,
+        Stack,
+        Transpose,
+        Unstack,
+        apply_rules,
+    )
+    from ._universal import verify
+
+_LAZY = {  # public name -> module: imported on first use, so the CLI and core start fast
+    "Checkpointer": "._async",
+    "SaveStats": "._async",
+    "Checkpoint": "._checkpoint",
+    "CheckpointIndex": "._checkpoint",
+    "TensorView": "._checkpoint",
+    "DiffRow": "._convert",
+    "convert": "._convert",
+    "diff": "._convert",
+    "export": "._convert",
+    "CheckpointError": "._errors",
+    "CorruptionError": "._errors",
+    "FormatError": "._errors",
+    "IncompleteCheckpointError": "._errors",
+    "MissingShardError": "._errors",
+    "ShapeMismatchError": "._errors",
+    "TensorNotFoundError": "._errors",
+    "TruncatedError": "._errors",
+    "UnknownFormatError": "._errors",
+    "UnsafePickleError": "._errors",
+    "ReshardPlan": "._html",
+    "Box": "._model",
+    "FileRegion": "._model",
+    "Fragment": "._model",
+    "LogicalTensor": "._model",
+    "TensorState": "._model",
+    "flat_range_fragments": "._model",
+    "detect_format": "._open",
+    "open": "._open",
+    "CopyOp": "._plan",
+    "plan": "._plan",
+    "reshard": "._reshard",
+    "Fuse": "._rules",
+    "Pad": "._rules",
+    "Rename": "._rules",
+    "Renumber": "._rules",
+    "Replicate": "._rules",
+    "Rule": "._rules",
+    "Shard": "._rules",
+    "Split": "._rules",
+    "Stack": "._rules",
+    "Transpose": "._rules",
+    "Unstack": "._rules",
+    "apply_rules": "._rules",
+    "verify": "._universal",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ckptbridge' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
 
 __all__ = [
     "Box",

@@ -32,15 +32,19 @@ def as_checkpoint(src: Any) -> Checkpoint:
 
 
 class _Filler:
-    """Reads a tensor, into a buffer the writer lends (``fills``) or a new array."""
+    """Reads a tensor, or rows ``[lo, hi)`` of it, into a buffer the writer lends (``fills``)."""
 
     fills = True
 
     def __init__(self, view: TensorView) -> None:
         self.view = view
 
-    def __call__(self, out: np.ndarray | None = None) -> np.ndarray:
-        return self.view.read(out=out)
+    def __call__(self, out: np.ndarray | None = None, rows: tuple[int, int] | None = None) -> np.ndarray:
+        if rows is None:
+            return self.view.read(out=out)
+        shape = self.view.shape
+        box = Box((rows[0], *(0 for _ in shape[1:])), (rows[1] - rows[0], *shape[1:]))
+        return self.view.read(box, out=out)
 
 
 def _pieces(ckpt: Checkpoint, states: Sequence[str] | None) -> list[Piece]:

@@ -11,6 +11,7 @@ then the data; offsets are relative to byte ``8 + N``::
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import mmap
@@ -19,8 +20,9 @@ import queue
 import struct
 import threading
 import zlib
-from collections.abc import Callable, Iterable, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -185,74 +187,190 @@ def _header_bytes(entries: Iterable[Entry], metadata: Mapping[str, str] | None) 
     return raw, offsets
 
 
-def as_bytes(arr: np.ndarray) -> memoryview:
-    """The bytes of an array in row-major order (no copy when already contiguous)."""
-    return memoryview(np.ascontiguousarray(arr).reshape(-1).view(np.uint8))
+@dataclass(frozen=True)
+class FileSpec:
+    """One safetensors file to write: its path, entries (in file order) and ``__metadata__``."""
+
+    path: str
+    entries: list[Entry]
+    metadata: Mapping[str, str] | None = None
 
 
 def write_file(path: str, entries: list[Entry], metadata: Mapping[str, str] | None = None,
                on_entry: Callable[[Entry], None] | None = None) -> list[Written]:
-    """Stream ``entries`` into a new safetensors file at ``path`` and fsync it.
+    """Stream ``entries`` into a new safetensors file at ``path`` and fsync it (see :func:`write_files`)."""
+    return write_files([FileSpec(path, entries, metadata)], on_entry)[0]
 
-    The header is computed from shapes first, so data is produced one entry at
-    a time (callables are called lazily, the next one while the previous is
-    written): peak memory is about two entries, not the file.
+
+def write_files(files: Sequence[FileSpec], on_entry: Callable[[Entry], None] | None = None) -> list[list[Written]]:
+    """Stream several new safetensors files, one after the other, and fsync each.
+
+    Headers are computed from shapes first, so data is produced in chunks of at
+    most ``_CHUNK_BYTES`` (callables lazily; arrays and fillers by rows)
+    straight into reused page-aligned buffers, at the position the bytes take
+    in their disk block: background threads write them from there with
+    ``O_DIRECT`` while the next chunks are read and checksummed, with no
+    staging copy and no pipeline drain between files. Peak memory is
+    ``_SLOTS`` chunks, not the files.
     """
-    keys = [e.key for e in entries]
-    if len(set(keys)) != len(keys):
-        raise FormatError(f"{path}: duplicate keys in one safetensors file")
-    raw, offsets = _header_bytes(entries, metadata)
-    base = 8 + len(raw)
+    tasks = plan_chunks(files)
+    if not tasks:
+        return []
+    slots = [_POOL.take(max(t.nbytes for t in tasks) + _ALIGN) for _ in range(min(_SLOTS, len(tasks)))]
+    # written[k] is set once chunk k is on disk: task k + len(slots) may then reuse its slot
+    written = [threading.Event() for _ in tasks]
+    stop = threading.Event()
 
-    # Producers that can fill a given array (``data.fills``) get one of two reused buffers: one
-    # is being written while the other is filled. Fresh memory is slow to touch on many VMs.
-    biggest = max((e.nbytes for e in entries if getattr(e.data, "fills", False)), default=0)
-    maps = [_POOL.take(biggest), _POOL.take(biggest)] if biggest else []
-    ring = [np.frombuffer(m, np.uint8, count=biggest) for m in maps]
-    slot = {id(e): i % 2 for i, e in enumerate(entries)}
+    def produce(k: int) -> tuple[int, int]:
+        if k >= len(slots):
+            written[k - len(slots)].wait()
+        if stop.is_set():
+            return 0, 0
+        return _produce(files[tasks[k].file].path, tasks[k], slots[k % len(slots)])
 
-    def produce(e: Entry) -> tuple[memoryview, str]:
-        if ring and getattr(e.data, "fills", False):
-            out = ring[slot[id(e)]][: e.nbytes].view(_dtypes.to_numpy(e.dtype)).reshape(e.shape)
-            arr = e.data(out=out)
-        else:
-            arr = e.data() if callable(e.data) else e.data
-        arr = np.asarray(arr)
-        if tuple(arr.shape) != tuple(e.shape):
-            raise FormatError(f"{path}: tensor {e.key!r} has shape {arr.shape}, declared {e.shape}")
-        want = _dtypes.to_numpy(e.dtype)
-        buf = as_bytes(arr if arr.dtype == want else arr.astype(want))
-        return buf, f"crc32:{zlib.crc32(buf):08x}"  # checksummed here, overlapping the previous write
-
-    out: list[Written] = []
+    last = {t.file: k for k, t in enumerate(tasks)}
+    outs: dict[int, _NewFile] = {}
+    results: list[list[Written]] = [[] for _ in files]
+    writer = _Writer(_WRITERS)
+    producer = ThreadPoolExecutor(_PRODUCERS)
+    crc = 0
     try:
-        _write_entries(path, entries, raw, offsets, base, produce, on_entry, out)
+        futures = [producer.submit(produce, k) for k in range(len(tasks))]
+        for k, t in enumerate(tasks):
+            head, part = futures[k].result()
+            writer.check()
+            if t.file not in outs:
+                outs[t.file] = _NewFile(files[t.file].path)
+            writer.put(outs[t.file].chunk(slots[k % len(slots)], head, t.nbytes), written[k])
+            if isinstance(t.item, Entry):
+                crc = part if t.first else crc32_combine(crc, part, t.nbytes)
+                if t.last:
+                    results[t.file].append(Written(t.item.key, t.entry_at, t.item.nbytes, f"crc32:{crc:08x}"))
+                    if on_entry:
+                        on_entry(t.item)
+            if last[t.file] == k:
+                first = min(j for j, u in enumerate(tasks) if u.file == t.file)
+                writer.put(outs.pop(t.file).finish_after(written[first : k + 1]))
+        writer.close()
+    except BaseException:
+        stop.set()
+        for ev in written:
+            ev.set()
+        writer.close(abort=True)
+        for out in outs.values():
+            out.abort()
+        raise
     finally:
-        ring.clear()  # drop our views before the buffers go back
-        for m in maps:
+        producer.shutdown(wait=True, cancel_futures=True)
+        for m in slots:
             _POOL.give(m)
-    return out
+    return results
 
 
-def _write_entries(path: str, entries: list[Entry], raw: bytes, offsets: list[int], base: int,
-                   produce: Callable[[Entry], tuple[memoryview, str]],
-                   on_entry: Callable[[Entry], None] | None, out: list[Written]) -> None:
-    with _SequentialWriter(path) as fh, ThreadPoolExecutor(1) as pool:
-        fh.write(struct.pack("<Q", len(raw)))
-        fh.write(raw)
-        pending = pool.submit(produce, entries[0]) if entries else None
-        for i, e in enumerate(entries):
-            buf, crc = pending.result()
-            pending = pool.submit(produce, entries[i + 1]) if i + 1 < len(entries) else None
-            fh.write(buf)
-            out.append(Written(e.key, base + offsets[i], e.nbytes, crc))
-            del buf
-            if on_entry:
-                on_entry(e)
+@dataclass(frozen=True)
+class _Task:
+    """A run of a file's bytes to produce: its header, or rows ``[lo, hi)`` of an entry."""
+
+    file: int
+    item: bytes | Entry
+    at: int  # file offset of the run's first byte
+    nbytes: int
+    entry_at: int = 0  # file offset of the entry's first byte
+    rows: tuple[int, int] | None = None  # None: the whole item
+    first: bool = True
+    last: bool = True
+
+
+def plan_chunks(files: Sequence[FileSpec], chunk_bytes: int | None = None) -> list[_Task]:
+    """The runs of bytes :func:`write_files` produces, in file order (pure)."""
+    chunk_bytes = chunk_bytes or _CHUNK_BYTES
+    tasks: list[_Task] = []
+    for i, spec in enumerate(files):
+        keys = [e.key for e in spec.entries]
+        if len(set(keys)) != len(keys):
+            raise FormatError(f"{spec.path}: duplicate keys in one safetensors file")
+        raw, offsets = _header_bytes(spec.entries, spec.metadata)
+        head = struct.pack("<Q", len(raw)) + raw
+        tasks.append(_Task(i, head, 0, len(head)))
+        for e, off in zip(spec.entries, offsets):
+            at = len(head) + off
+            by_rows = isinstance(e.data, np.ndarray) or getattr(e.data, "fills", False)
+            if not (by_rows and e.shape and e.shape[0] > 1 and e.nbytes > chunk_bytes):
+                tasks.append(_Task(i, e, at, e.nbytes, at))
+                continue
+            row = e.nbytes // e.shape[0]
+            step = max(1, chunk_bytes // max(row, 1))
+            for lo in range(0, e.shape[0], step):
+                hi = min(lo + step, e.shape[0])
+                tasks.append(_Task(i, e, at + lo * row, (hi - lo) * row, at, (lo, hi), lo == 0, hi == e.shape[0]))
+    return tasks
+
+
+def _produce(path: str, t: _Task, buf: mmap.mmap) -> tuple[int, int]:
+    """Put one task's bytes into ``buf`` at their in-block position; (position, CRC32)."""
+    head = t.at % _ALIGN
+    if isinstance(t.item, bytes):
+        buf[head : head + t.nbytes] = t.item
+        return head, 0
+    e = t.item
+    shape = e.shape if t.rows is None else (t.rows[1] - t.rows[0], *e.shape[1:])
+    out = np.frombuffer(buf, np.uint8, count=t.nbytes, offset=head).view(_dtypes.to_numpy(e.dtype)).reshape(shape)
+    if getattr(e.data, "fills", False):
+        arr = e.data(out=out, rows=t.rows)
+    elif callable(e.data):
+        arr = e.data()
+    else:
+        arr = e.data if t.rows is None else e.data[t.rows[0] : t.rows[1]]
+    arr = np.asarray(arr)
+    if tuple(arr.shape) != shape:
+        raise FormatError(f"{path}: tensor {e.key!r} has shape {arr.shape}, declared {shape}")
+    if arr is not out:
+        np.copyto(out, arr, casting="unsafe")
+    del arr, out
+    with memoryview(buf) as mv:
+        return head, zlib.crc32(mv[head : head + t.nbytes])
+
+
+@functools.lru_cache(maxsize=64)
+def _crc_shift(nbytes: int) -> tuple[int, ...]:
+    """The GF(2) operator that appends ``nbytes`` zero bytes to a CRC32 state (zlib's method)."""
+
+    def times(mat: Sequence[int], vec: int) -> int:
+        out, i = 0, 0
+        while vec:
+            if vec & 1:
+                out ^= mat[i]
+            vec, i = vec >> 1, i + 1
+        return out
+
+    op: list[int] = [1 << n for n in range(32)]  # identity
+    step = [0xEDB88320, *(1 << n for n in range(31))]  # one zero bit
+    for _ in range(3):  # -> one zero byte
+        step = [times(step, step[n]) for n in range(32)]
+    while nbytes:
+        if nbytes & 1:
+            op = [times(step, op[n]) for n in range(32)]
+        nbytes >>= 1
+        if nbytes:
+            step = [times(step, step[n]) for n in range(32)]
+    return tuple(op)
+
+
+def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
+    """CRC32 of ``A + B`` from CRC32(A), CRC32(B) and len(B), like zlib's ``crc32_combine``."""
+    op, out, i = _crc_shift(len2), 0, 0
+    while crc1:
+        if crc1 & 1:
+            out ^= op[i]
+        crc1, i = crc1 >> 1, i + 1
+    return out ^ crc2
 
 
 _ALIGN = 4096
-_STAGE_BYTES = 16 << 20
+_CHUNK_BYTES = 16 << 20  # entries bigger than this are produced and written by rows
+_SLOTS = 6  # chunk buffers in flight: some being written while the others are filled
+_PRODUCERS = 2  # chunks read and checksummed at once
+_WRITERS = 3  # writes in flight (virtual disks take more than one at a time faster)
 
 
 class _Pool:
@@ -287,20 +405,69 @@ class _Pool:
 _POOL = _Pool()
 
 
-class _SequentialWriter:
-    """Write a new file front to back, then fsync it.
+class _Writer:
+    """Background threads running write jobs (in order of start); the first failure is kept
+    and reported by :meth:`check` / :meth:`close`, and later jobs are skipped."""
 
-    Where the file system allows, the file is opened with ``O_DIRECT`` and data
-    goes through reused, page-aligned staging buffers straight to the disk (a
-    background thread writes one while the caller fills the next): on virtual
-    machines the page cache's fresh pages cost more than the disk itself
-    (``bench/``). Elsewhere it falls back to ordinary buffered writes.
+    def __init__(self, threads: int = 1) -> None:
+        self.jobs: queue.SimpleQueue[tuple[Callable[[], None] | None, threading.Event] | None] = queue.SimpleQueue()
+        self.error: BaseException | None = None
+        self.threads = [threading.Thread(target=self._run, name="ckptbridge-write", daemon=True)
+                        for _ in range(threads)]
+        for th in self.threads:
+            th.start()
+
+    def _run(self) -> None:
+        while (item := self.jobs.get()) is not None:
+            job, done = item
+            try:
+                if job is not None and self.error is None:
+                    job()
+            except BaseException as err:
+                self.error = err
+            done.set()
+
+    def put(self, job: Callable[[], None] | None, done: threading.Event | None = None) -> threading.Event:
+        """Queue ``job`` (None: nothing to do); ``done`` (returned) is set once it ran or was skipped."""
+        done = done or threading.Event()
+        self.jobs.put((job, done))
+        return done
+
+    def check(self) -> None:
+        if self.error is not None:
+            raise OSError(f"write failed: {self.error}") from self.error
+
+    def close(self, abort: bool = False) -> None:
+        if abort and self.error is None:
+            self.error = RuntimeError("aborted")
+        for _ in self.threads:
+            self.jobs.put(None)
+        for th in self.threads:
+            th.join()
+        if not abort:
+            self.check()
+
+
+def _pwrite_all(fd: int, buf: mmap.mmap, lo: int, hi: int, at: int) -> None:
+    with memoryview(buf) as mv:
+        while lo < hi:
+            n = os.pwrite(fd, mv[lo:hi], at)
+            lo, at = lo + n, at + n
+
+
+class _NewFile:
+    """A new file written front to back from page-aligned buffers, then fsync'd.
+
+    Each chunk's bytes sit in its buffer at their offset within a disk block
+    (``head`` = file position mod 4096), with the bytes before them free: the
+    previous chunk's unfinished block is copied there, so every write is whole
+    aligned blocks straight from the buffer (``O_DIRECT``, where the file
+    system allows; on virtual machines the page cache's fresh pages cost more
+    than the disk). Elsewhere it falls back to ordinary buffered writes.
     """
 
     def __init__(self, path: str) -> None:
-        self.path = path
-        self.size = 0
-        self.fill = 0
+        self.path, self.pos, self.carry = path, 0, b""
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
         direct = getattr(os, "O_DIRECT", 0)
         self.fd = -1
@@ -312,74 +479,49 @@ class _SequentialWriter:
         self.direct = self.fd >= 0
         if not self.direct:
             self.fd = os.open(path, flags, 0o644)
-            return
-        self.free: queue.Queue[mmap.mmap] = queue.Queue()
-        self.stages = [_POOL.take(_STAGE_BYTES), _POOL.take(_STAGE_BYTES)]
-        for m in self.stages:
-            self.free.put(m)
-        self.full: queue.Queue[tuple[mmap.mmap, int] | None] = queue.Queue()
-        self.error: BaseException | None = None
-        self.stage = self.free.get()
-        self.thread = threading.Thread(target=self._drain, name="ckptbridge-write", daemon=True)
-        self.thread.start()
 
-    def _drain(self) -> None:
-        while (item := self.full.get()) is not None:
-            buf, n = item
-            try:
-                if self.error is None:
-                    self._write_all(memoryview(buf)[:n])
-            except BaseException as err:  # reported by the caller's next write/close
-                self.error = err
-            self.free.put(buf)
-
-    def write(self, data: bytes | memoryview) -> None:
-        mv = memoryview(data).cast("B")
-        self.size += len(mv)
+    def chunk(self, buf: mmap.mmap, head: int, n: int) -> Callable[[], None] | None:
+        """The write job for ``buf[head:head + n]``, the file's next ``n`` bytes (call in file order)."""
+        fd, at = self.fd, self.pos
+        self.pos += n
         if not self.direct:
-            self._write_all(mv)
-            return
-        while len(mv):
-            n = min(len(mv), _STAGE_BYTES - self.fill)
-            self.stage[self.fill : self.fill + n] = mv[:n]
-            self.fill += n
-            mv = mv[n:]
-            if self.fill == _STAGE_BYTES:
-                self._hand_over(_STAGE_BYTES)
+            return lambda: _pwrite_all(fd, buf, head, head + n, at)
+        if head != len(self.carry):
+            raise AssertionError(f"{self.path}: chunk at block offset {head}, expected {len(self.carry)}")
+        buf[:head] = self.carry
+        end = head + n
+        whole = end - end % _ALIGN
+        self.carry = buf[whole:end]
+        return (lambda: _pwrite_all(fd, buf, 0, whole, at - head)) if whole else None
 
-    def _hand_over(self, n: int) -> None:
-        if self.error is not None:
-            raise OSError(f"{self.path}: write failed ({self.error})") from self.error
-        self.full.put((self.stage, n))
-        self.stage = self.free.get()
-        self.fill = 0
+    def finish_after(self, writes: Sequence[threading.Event]) -> Callable[[], None]:
+        """The job that, once ``writes`` are done, writes the last partial block, trims the
+        padding, fsyncs and closes the file."""
 
-    def _write_all(self, mv: memoryview) -> None:
-        while len(mv):
-            mv = mv[os.write(self.fd, mv) :]
+        def job() -> None:
+            for w in writes:
+                w.wait()
+            self._finish()
 
-    def close(self, ok: bool = True) -> None:
+        return job
+
+    def _finish(self) -> None:
         try:
+            if self.direct and self.carry:
+                block = _POOL.take(_ALIGN)
+                try:
+                    block[: len(self.carry)] = self.carry
+                    block[len(self.carry) : _ALIGN] = bytes(_ALIGN - len(self.carry))
+                    _pwrite_all(self.fd, block, 0, _ALIGN, self.pos - len(self.carry))
+                finally:
+                    _POOL.give(block)
             if self.direct:
-                if ok and self.fill:
-                    padded = -(-self.fill // _ALIGN) * _ALIGN  # O_DIRECT writes whole blocks; trim after
-                    self.stage[self.fill : padded] = bytes(padded - self.fill)
-                    self._hand_over(padded)
-                self.full.put(None)
-                self.thread.join()
-                if ok and self.error is not None:
-                    raise OSError(f"{self.path}: write failed ({self.error})") from self.error
-                if ok:
-                    os.ftruncate(self.fd, self.size)
-            if ok:
-                os.fsync(self.fd)
+                os.ftruncate(self.fd, self.pos)
+            os.fsync(self.fd)
         finally:
+            self.abort()
+
+    def abort(self) -> None:
+        if self.fd >= 0:
             os.close(self.fd)
-            for m in getattr(self, "stages", ()):
-                _POOL.give(m)
-
-    def __enter__(self) -> _SequentialWriter:
-        return self
-
-    def __exit__(self, exc_type: object, *exc: object) -> None:
-        self.close(ok=exc_type is None)
+            self.fd = -1

@@ -41,7 +41,7 @@ from ._errors import (
     TruncatedError,
 )
 from ._model import Box, FileRegion, Fragment, LogicalTensor, TensorState, c_strides, check_name
-from ._safetensors import Entry, read_header, write_file
+from ._safetensors import Entry, FileSpec, read_header, write_files
 
 FORMAT = "ckptbridge-universal"
 VERSION = 1
@@ -80,7 +80,7 @@ def _fsync_dir(path: str) -> None:
 def _write_json(path: str, obj: Any) -> None:
     tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
     with open(tmp, "w") as fh:
-        json.dump(obj, fh, indent=1, sort_keys=False, default=_json_default)
+        fh.write(json.dumps(obj, separators=(",", ":"), default=_json_default))  # one shot: the C encoder
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, path)
@@ -136,8 +136,8 @@ def write_rank(
         check_name(p.tensor, path)
         _dtypes.to_numpy(p.dtype)
         by_state.setdefault(p.state, []).append(p)
-    frags: list[dict[str, Any]] = []
-    shapes: dict[tuple[str, str], tuple[tuple[int, ...], str]] = {}
+    specs: list[FileSpec] = []
+    owners: list[tuple[str, list[Piece]]] = []
     for state, plist in by_state.items():
         files: list[list[Piece]] = [[]]
         size = 0
@@ -151,20 +151,20 @@ def write_rank(
         for part, group in enumerate(files):
             rel = f"data/{_safe_component(state)}-r{rank:05d}-{part:05d}.safetensors"
             entries = [Entry(_key(p), p.dtype, p.box.shape, p.data) for p in group]
-            lookup = {e.key: p for e, p in zip(entries, group)}
-            written = write_file(
-                os.path.join(stage, rel), entries, {"format": FORMAT, "state": state},
-                on_entry=(lambda e, lk=lookup: on_piece(lk[e.key])) if on_piece else None,
-            )
-            for w, p in zip(written, group):
-                shapes[(p.tensor, p.state)] = (p.global_shape, p.dtype)
-                frags.append({
-                    "tensor": p.tensor, "state": p.state, "dtype": p.dtype,
-                    "global_shape": list(p.global_shape), "offset": list(p.box.offset),
-                    "shape": list(p.box.shape), "file": rel, "key": w.key,
-                    "byte_offset": w.offset, "checksum": w.checksum,
-                    **({"sources": list(p.sources)} if p.sources else {}),
-                })
+            specs.append(FileSpec(os.path.join(stage, rel), entries, {"format": FORMAT, "state": state}))
+            owners.append((rel, group))
+    piece_of = {id(e): p for spec, (_, group) in zip(specs, owners) for e, p in zip(spec.entries, group)}
+    written = write_files(specs, on_entry=(lambda e: on_piece(piece_of[id(e)])) if on_piece else None)
+    frags: list[dict[str, Any]] = []
+    for (rel, group), ws in zip(owners, written):
+        for w, p in zip(ws, group):
+            frags.append({
+                "tensor": p.tensor, "state": p.state, "dtype": p.dtype,
+                "global_shape": list(p.global_shape), "offset": list(p.box.offset),
+                "shape": list(p.box.shape), "file": rel, "key": w.key,
+                "byte_offset": w.offset, "checksum": w.checksum,
+                **({"sources": list(p.sources)} if p.sources else {}),
+            })
     _write_json(os.path.join(stage, f"manifest.r{rank:05d}.json"),
                 {"rank": rank, "fragments": frags, "scalars": dict(scalars or {})})
     return stage

@@ -115,13 +115,13 @@ CRASH = textwrap.dedent("""
     root = sys.argv[1]
     ck = Checkpointer(root)
     ck.save(1, {"w": np.full(1000, 1.0, np.float32)}); ck.wait()
-    real = st.write_file
+    real = st.write_files
     def slow(*a, **k):
         out = real(*a, **k)
         print("FLUSHING", flush=True); time.sleep(60)
         return out
-    st.write_file = slow
-    import ckptbridge._universal as u; u.write_file = slow
+    st.write_files = slow
+    import ckptbridge._universal as u; u.write_files = slow
     ck.save(2, {"w": np.full(1000, 2.0, np.float32)})
     time.sleep(60)
 """)
