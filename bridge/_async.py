@@ -42,6 +42,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import mmap
 import os
 import queue
 import re
@@ -59,7 +60,8 @@ import numpy as np
 from . import _dtypes
 from ._errors import CheckpointError, IncompleteCheckpointError, MissingShardError
 from ._model import Box
-from ._universal import MARKER, PARTIAL, Piece, commit, staging, write_rank
+from ._safetensors import FileSpec, file_layout
+from ._universal import MARKER, PARTIAL, Piece, commit, plan_rank, staging, write_rank
 
 log = logging.getLogger("ckptbridge.checkpointer")
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
@@ -183,10 +185,28 @@ class _BufferSet:
 
     def __init__(self) -> None:
         self.arrays: dict[str, np.ndarray] = {}
+        self.images: dict[str, mmap.mmap] = {}  # data files' bytes, by relative path: flushed without a copy
+        self.layout: tuple[Any, ...] | None = None
         self.busy = threading.Event()
         self.step: int | None = None  # the snapshot these buffers hold, for the host tier
         self.leaves: list[Leaf] = []
         self.extra: dict[str, Any] = {}
+
+    def lay_out(self, plan: list[tuple[str, list[Piece], FileSpec]]) -> None:
+        """Place the written leaves' buffers inside page-aligned images of their data files
+        (kept while the layout holds), so the flush writes them with no copy."""
+        layout = tuple((rel, tuple((p.tensor, p.box, p.dtype) for p in group)) for rel, group, _ in plan)
+        if layout == self.layout:
+            return
+        self.images = {}
+        for rel, group, spec in plan:
+            _, offsets, size = file_layout(spec.entries, spec.metadata)
+            image = self.images[rel] = mmap.mmap(-1, max(size, 1))
+            for p, at in zip(group, offsets):
+                key = f"{p.tensor}@{','.join(map(str, p.box.offset))}"
+                arr = np.frombuffer(image, _dtypes.to_numpy(p.dtype), count=p.box.size, offset=at)
+                self.arrays[key] = arr.reshape(p.box.shape)
+        self.layout = layout
 
     def get(self, leaf: Leaf) -> np.ndarray:
         arr = self.arrays.get(leaf.buffer_key)
@@ -285,6 +305,7 @@ class Checkpointer:
                 raise CheckpointError(f"local state must be tensors or numbers: {sorted(own_extra)}")
             leaves += [dataclasses.replace(leaf, per_process=False) for leaf in own]
         buffers = self._acquire_buffers()
+        buffers.lay_out(self._plan(leaves))
         job = _Job(step, leaves, {**found_extra, **dict(extra or {})}, buffers)
         eager = [leaf for leaf in leaves if not leaf.lazy]
         job.pending_lazy = [leaf for leaf in leaves if leaf.lazy]
@@ -303,6 +324,7 @@ class Checkpointer:
         """
         leaves, _ = leaves_of(state)
         for b in self._buffers:
+            b.lay_out(self._plan(leaves))
             for leaf in leaves:
                 leaf.copy(b.get(leaf))
 
@@ -431,6 +453,15 @@ class Checkpointer:
             self._hooks.append(handle)
         return optimizer_tensor_keys(optimizer)
 
+    def _pieces(self, leaves: list[Leaf], arrays: Mapping[str, np.ndarray] | None = None) -> list[Piece]:
+        """The pieces this rank writes (replicated plain tensors only on rank 0)."""
+        return [Piece(leaf.name, "param", leaf.dtype, leaf.global_shape, leaf.box,
+                      arrays[leaf.buffer_key] if arrays is not None else np.empty(0))
+                for leaf in leaves if leaf.write and (self.rank == 0 or not leaf.per_process)]
+
+    def _plan(self, leaves: list[Leaf]) -> list[tuple[str, list[Piece], FileSpec]]:
+        return plan_rank(self.root, self._pieces(leaves), self.rank)
+
     def _acquire_buffers(self) -> _BufferSet:
         b = self._buffers[self._next_buffer]
         self._next_buffer = (self._next_buffer + 1) % len(self._buffers)
@@ -486,15 +517,13 @@ class Checkpointer:
     def _flush(self, job: _Job) -> None:
         t0 = time.perf_counter()
         dst = step_dir(self.root, job.step)
-        written = [leaf for leaf in job.leaves if leaf.write and (self.rank == 0 or not leaf.per_process)]
-        pieces = [Piece(leaf.name, "param", leaf.dtype, leaf.global_shape, leaf.box,
-                        job.buffers.arrays[leaf.buffer_key]) for leaf in written]
+        pieces = self._pieces(job.leaves, job.buffers.arrays)
         nbytes = sum(p.box.size * _dtypes.itemsize(p.dtype) for p in pieces)
         stage = staging(dst, self.token)
         os.makedirs(stage, exist_ok=True)
         with open(os.path.join(stage, f"owner.r{self.rank:05d}.json"), "w") as fh:
             json.dump({"host": socket.gethostname(), "pid": os.getpid()}, fh)
-        write_rank(dst, pieces, self.rank, token=self.token)
+        write_rank(dst, pieces, self.rank, token=self.token, images=job.buffers.images)
         committed = False
         if self.rank == 0:
             self._await_ranks(staging(dst, self.token))

@@ -20,9 +20,8 @@ import queue
 import struct
 import threading
 import zlib
-from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -189,11 +188,25 @@ def _header_bytes(entries: Iterable[Entry], metadata: Mapping[str, str] | None) 
 
 @dataclass(frozen=True)
 class FileSpec:
-    """One safetensors file to write: its path, entries (in file order) and ``__metadata__``."""
+    """One safetensors file to write: its path, entries (in file order) and ``__metadata__``.
+
+    ``image``: a page-aligned buffer already holding the entries' bytes where the
+    file keeps them (see :func:`file_layout`); the file is then written straight
+    from it (its header filled in), and the entries' ``data`` is not used.
+    """
 
     path: str
     entries: list[Entry]
     metadata: Mapping[str, str] | None = None
+    image: mmap.mmap | None = None
+
+
+def file_layout(entries: Sequence[Entry], metadata: Mapping[str, str] | None = None) -> tuple[bytes, list[int], int]:
+    """Header bytes (length prefix included), each entry's file offset, and the file size."""
+    raw, offsets = _header_bytes(entries, metadata)
+    head = struct.pack("<Q", len(raw)) + raw
+    size = len(head) + (offsets[-1] + entries[-1].nbytes if entries else 0)
+    return head, [len(head) + off for off in offsets], size
 
 
 def write_file(path: str, entries: list[Entry], metadata: Mapping[str, str] | None = None,
@@ -214,19 +227,25 @@ def write_files(files: Sequence[FileSpec], on_entry: Callable[[Entry], None] | N
     ``_SLOTS`` chunks, not the files.
     """
     tasks = plan_chunks(files)
+    copied = [k for k, t in enumerate(tasks) if files[t.file].image is None]
     if not tasks:
         return []
-    slots = [_POOL.take(max(t.nbytes for t in tasks) + _ALIGN) for _ in range(min(_SLOTS, len(tasks)))]
-    # written[k] is set once chunk k is on disk: task k + len(slots) may then reuse its slot
-    written = [threading.Event() for _ in tasks]
+    n_slots = min(_SLOTS, len(copied))
+    slots = [_POOL.take(max(tasks[k].nbytes for k in copied) + _ALIGN) for _ in range(n_slots)]
+    slot_of = {k: i % n_slots for i, k in enumerate(copied)}
+    reuse = {k: copied[i - n_slots] for i, k in enumerate(copied) if i >= n_slots}  # previous user of the slot
+    written = [threading.Event() for _ in tasks]  # chunk k is on disk (its slot may be reused)
     stop = threading.Event()
 
-    def produce(k: int) -> tuple[int, int]:
-        if k >= len(slots):
-            written[k - len(slots)].wait()
+    def produce(k: int) -> tuple[mmap.mmap, int, int]:
+        if k in reuse:
+            written[reuse[k]].wait()
         if stop.is_set():
-            return 0, 0
-        return _produce(files[tasks[k].file].path, tasks[k], slots[k % len(slots)])
+            raise RuntimeError("aborted")
+        spec = files[tasks[k].file]
+        if spec.image is not None:
+            return spec.image, tasks[k].at, _from_image(spec.image, tasks[k])
+        return slots[slot_of[k]], tasks[k].at % _ALIGN, _produce(spec.path, tasks[k], slots[slot_of[k]])
 
     last = {t.file: k for k, t in enumerate(tasks)}
     outs: dict[int, _NewFile] = {}
@@ -237,11 +256,11 @@ def write_files(files: Sequence[FileSpec], on_entry: Callable[[Entry], None] | N
     try:
         futures = [producer.submit(produce, k) for k in range(len(tasks))]
         for k, t in enumerate(tasks):
-            head, part = futures[k].result()
+            buf, start, part = futures[k].result()
             writer.check()
             if t.file not in outs:
                 outs[t.file] = _NewFile(files[t.file].path)
-            writer.put(outs[t.file].chunk(slots[k % len(slots)], head, t.nbytes), written[k])
+            writer.put(outs[t.file].chunk(buf, start, t.nbytes), written[k])
             if isinstance(t.item, Entry):
                 crc = part if t.first else crc32_combine(crc, part, t.nbytes)
                 if t.last:
@@ -289,11 +308,16 @@ def plan_chunks(files: Sequence[FileSpec], chunk_bytes: int | None = None) -> li
         keys = [e.key for e in spec.entries]
         if len(set(keys)) != len(keys):
             raise FormatError(f"{spec.path}: duplicate keys in one safetensors file")
-        raw, offsets = _header_bytes(spec.entries, spec.metadata)
-        head = struct.pack("<Q", len(raw)) + raw
+        head, offsets, size = file_layout(spec.entries, spec.metadata)
+        if spec.image is not None and len(spec.image) < size:
+            raise ValueError(f"{spec.path}: image of {len(spec.image)} bytes for a {size}-byte file")
         tasks.append(_Task(i, head, 0, len(head)))
-        for e, off in zip(spec.entries, offsets):
-            at = len(head) + off
+        for e, at in zip(spec.entries, offsets):
+            if spec.image is not None:  # bytes already in place: checksum and write by byte ranges
+                for lo in range(0, max(e.nbytes, 1), chunk_bytes):
+                    hi = min(lo + chunk_bytes, e.nbytes)
+                    tasks.append(_Task(i, e, at + lo, hi - lo, at, None, lo == 0, hi == e.nbytes))
+                continue
             by_rows = isinstance(e.data, np.ndarray) or getattr(e.data, "fills", False)
             if not (by_rows and e.shape and e.shape[0] > 1 and e.nbytes > chunk_bytes):
                 tasks.append(_Task(i, e, at, e.nbytes, at))
@@ -306,12 +330,21 @@ def plan_chunks(files: Sequence[FileSpec], chunk_bytes: int | None = None) -> li
     return tasks
 
 
-def _produce(path: str, t: _Task, buf: mmap.mmap) -> tuple[int, int]:
-    """Put one task's bytes into ``buf`` at their in-block position; (position, CRC32)."""
+def _from_image(image: mmap.mmap, t: _Task) -> int:
+    """An image task: fill in the header, or checksum bytes already in place."""
+    if isinstance(t.item, bytes):
+        image[: t.nbytes] = t.item
+        return 0
+    with memoryview(image) as mv:
+        return zlib.crc32(mv[t.at : t.at + t.nbytes])
+
+
+def _produce(path: str, t: _Task, buf: mmap.mmap) -> int:
+    """Put one task's bytes into ``buf`` at their in-block position; their CRC32."""
     head = t.at % _ALIGN
     if isinstance(t.item, bytes):
         buf[head : head + t.nbytes] = t.item
-        return head, 0
+        return 0
     e = t.item
     shape = e.shape if t.rows is None else (t.rows[1] - t.rows[0], *e.shape[1:])
     out = np.frombuffer(buf, np.uint8, count=t.nbytes, offset=head).view(_dtypes.to_numpy(e.dtype)).reshape(shape)
@@ -328,7 +361,7 @@ def _produce(path: str, t: _Task, buf: mmap.mmap) -> tuple[int, int]:
         np.copyto(out, arr, casting="unsafe")
     del arr, out
     with memoryview(buf) as mv:
-        return head, zlib.crc32(mv[head : head + t.nbytes])
+        return zlib.crc32(mv[head : head + t.nbytes])
 
 
 @functools.lru_cache(maxsize=64)
@@ -480,19 +513,26 @@ class _NewFile:
         if not self.direct:
             self.fd = os.open(path, flags, 0o644)
 
-    def chunk(self, buf: mmap.mmap, head: int, n: int) -> Callable[[], None] | None:
-        """The write job for ``buf[head:head + n]``, the file's next ``n`` bytes (call in file order)."""
+    def chunk(self, buf: mmap.mmap, start: int, n: int) -> Callable[[], None] | None:
+        """The write job for ``buf[start:start + n]``, the file's next ``n`` bytes (call in file order).
+
+        With ``O_DIRECT``, ``buf[start - head:start]`` (``head`` = file position mod
+        4096) must be free or hold the previous bytes, and ``buf[start - head]``
+        be page-aligned."""
         fd, at = self.fd, self.pos
         self.pos += n
         if not self.direct:
-            return lambda: _pwrite_all(fd, buf, head, head + n, at)
-        if head != len(self.carry):
-            raise AssertionError(f"{self.path}: chunk at block offset {head}, expected {len(self.carry)}")
-        buf[:head] = self.carry
-        end = head + n
-        whole = end - end % _ALIGN
+            return lambda: _pwrite_all(fd, buf, start, start + n, at)
+        head = at % _ALIGN
+        lo = start - head
+        if head != len(self.carry) or lo < 0:
+            raise AssertionError(f"{self.path}: chunk at block offset {head}, carrying {len(self.carry)}")
+        if head and buf[lo:start] != self.carry:
+            buf[lo:start] = self.carry
+        end = start + n
+        whole = lo + (end - lo) // _ALIGN * _ALIGN
         self.carry = buf[whole:end]
-        return (lambda: _pwrite_all(fd, buf, 0, whole, at - head)) if whole else None
+        return (lambda: _pwrite_all(fd, buf, lo, whole, at - head)) if whole > lo else None
 
     def finish_after(self, writes: Sequence[threading.Event]) -> Callable[[], None]:
         """The job that, once ``writes`` are done, writes the last partial block, trims the

@@ -20,6 +20,7 @@ per-rank manifests, writes the marker and renames ``DIR.partial`` to
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -119,25 +120,17 @@ def is_staging(path: str) -> bool:
     return PARTIAL in os.path.basename(os.path.normpath(path))
 
 
-def write_rank(
-    path: str,
-    pieces: Iterable[Piece],
-    rank: int = 0,
-    scalars: Mapping[str, Mapping[str, float | int]] | None = None,
-    max_file_bytes: int = DEFAULT_FILE_BYTES,
-    on_piece: Callable[[Piece], None] | None = None,
-    token: str = "",
-) -> str:
-    """Write this rank's pieces into the staging dir and its partial manifest; returns the staging dir."""
+def plan_rank(
+    path: str, pieces: Iterable[Piece], rank: int = 0, max_file_bytes: int = DEFAULT_FILE_BYTES, token: str = ""
+) -> list[tuple[str, list[Piece], FileSpec]]:
+    """Which data file each piece goes to (pure): ``(relative path, pieces, FileSpec)`` per file."""
     stage = staging(path, token)
-    os.makedirs(os.path.join(stage, "data"), exist_ok=True)
     by_state: dict[str, list[Piece]] = {}
     for p in pieces:
         check_name(p.tensor, path)
         _dtypes.to_numpy(p.dtype)
         by_state.setdefault(p.state, []).append(p)
-    specs: list[FileSpec] = []
-    owners: list[tuple[str, list[Piece]]] = []
+    out: list[tuple[str, list[Piece], FileSpec]] = []
     for state, plist in by_state.items():
         files: list[list[Piece]] = [[]]
         size = 0
@@ -151,8 +144,32 @@ def write_rank(
         for part, group in enumerate(files):
             rel = f"data/{_safe_component(state)}-r{rank:05d}-{part:05d}.safetensors"
             entries = [Entry(_key(p), p.dtype, p.box.shape, p.data) for p in group]
-            specs.append(FileSpec(os.path.join(stage, rel), entries, {"format": FORMAT, "state": state}))
-            owners.append((rel, group))
+            out.append((rel, group, FileSpec(os.path.join(stage, rel), entries, {"format": FORMAT, "state": state})))
+    return out
+
+
+def write_rank(
+    path: str,
+    pieces: Iterable[Piece],
+    rank: int = 0,
+    scalars: Mapping[str, Mapping[str, float | int]] | None = None,
+    max_file_bytes: int = DEFAULT_FILE_BYTES,
+    on_piece: Callable[[Piece], None] | None = None,
+    token: str = "",
+    images: Mapping[str, Any] | None = None,
+) -> str:
+    """Write this rank's pieces into the staging dir and its partial manifest; returns the staging dir.
+
+    ``images``: page-aligned buffers, by relative file path, that already hold
+    those files' bytes as :func:`plan_rank` and ``file_layout`` place them
+    (the Checkpointer snapshots into them); such files are written without a copy.
+    """
+    stage = staging(path, token)
+    os.makedirs(os.path.join(stage, "data"), exist_ok=True)
+    plan = plan_rank(path, pieces, rank, max_file_bytes, token)
+    specs = [dataclasses.replace(spec, image=images[rel]) if images and rel in images else spec
+             for rel, _, spec in plan]
+    owners = [(rel, group) for rel, group, _ in plan]
     piece_of = {id(e): p for spec, (_, group) in zip(specs, owners) for e, p in zip(spec.entries, group)}
     written = write_files(specs, on_entry=(lambda e: on_piece(piece_of[id(e)])) if on_piece else None)
     frags: list[dict[str, Any]] = []

@@ -228,3 +228,40 @@ def test_two_jobs_writing_the_same_steps_into_one_root_never_mix(tmp_path):
         assert (w == w[0, 0]).all() and float(w[0, 0]) - s in (100.0, 200.0)
         assert c.extra["values"]["tag"] == float(w[0, 0]) - s
     assert not [p for p in os.listdir(root) if ".partial" in p]
+
+
+def test_flush_writes_from_the_snapshot_buffers_without_a_copy(tmp_path, monkeypatch):
+    """The snapshot lands in page-aligned images of the data files, so the flush only checksums
+    and writes them; the files equal what a synchronous write of the same state gives, also
+    when the state's layout changes from one save to the next."""
+    import ckptbridge._safetensors as st
+    from ckptbridge._model import Box
+    from ckptbridge._universal import Piece, commit, write_rank
+
+    copies = []
+    real = st._produce
+    monkeypatch.setattr(st, "_produce", lambda *a: copies.append(a[1]) or real(*a))
+    rng = np.random.default_rng(0)
+    states = [{"w": rng.standard_normal((300, 7)).astype(np.float32), "b": np.arange(5, dtype=np.int64)},
+              {"w": rng.standard_normal((301, 7)).astype(np.float32), "b": np.arange(5, dtype=np.int64),
+               "h": rng.standard_normal(1000).astype(np.float16)},
+              {"w": rng.standard_normal((300, 7)).astype(np.float32), "b": np.arange(5, dtype=np.int64)}]
+    with Checkpointer(tmp_path / "ck", keep_last=5, host_tier=False) as ck:
+        for step, sd in enumerate(states):
+            ck.save(step, sd)
+        ck.wait()
+    assert copies == []  # no chunk went through a staging buffer
+    for step, sd in enumerate(states):
+        ref = str(tmp_path / f"ref{step}")
+        write_rank(ref, [Piece(k, "param", st_dtype, v.shape, Box.full(v.shape), v)
+                         for k, v in sd.items() for st_dtype in [ckptbridge._dtypes.name_of(v.dtype)]])
+        commit(ref)
+        got = step_dir(str(tmp_path / "ck"), step)
+        names = sorted(os.listdir(os.path.join(ref, "data")))
+        assert names == sorted(os.listdir(os.path.join(got, "data")))
+        for n in names:
+            with open(os.path.join(ref, "data", n), "rb") as a, open(os.path.join(got, "data", n), "rb") as b:
+                assert a.read() == b.read(), (step, n)
+        c = ckptbridge.open(got)
+        for k, v in sd.items():
+            assert c[k].read().tobytes() == v.tobytes()

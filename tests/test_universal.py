@@ -290,7 +290,7 @@ def test_a_failing_producer_stops_the_write_pipeline_cleanly(tmp_path):
     def run() -> None:
         try:
             st.write_file(str(tmp_path / "x.safetensors"), entries)
-        except BaseException as err:  # noqa: BLE001
+        except BaseException as err:
             result.append(err)
 
     th = threading.Thread(target=run)
