@@ -9,8 +9,13 @@ exp_avg + exp_avg_sq + bf16 weights), then times, in one run, alternating reps o
                (DeepSpeed's defaults: 4 extract / 2 merge worker processes)
 * ``ds_w1``    the same with 1 worker each (no process pool; often faster on 2 cores)
 * ``convert``  ``ckptbridge convert SRC DST`` (our pickle-free universal directory)
+* ``convert3`` ``ckptbridge convert SRC DST --states fp32,exp_avg,exp_avg_sq``: the same
+               content ds_to_universal writes (``convert`` also keeps the bf16 module weights)
 * ``reshard``  ``ckptbridge reshard SRC DST --to deepspeed-universal`` (the very layout
                ds_to_universal writes, which DeepSpeed resumes from)
+* ``floor``    what no converter can beat here: a Python process that imports numpy and writes
+               as many bytes as ``convert`` wrote with O_DIRECT (16 MiB blocks, 3 in flight) from
+               one warm buffer, fsync'd. ``ds / floor`` is the largest speed-up possible on this disk.
 
 Each command runs as a child process; we record wall time (including a final ``sync``),
 peak RSS of the whole process tree (psutil, sampled every 20 ms: DeepSpeed's worker pool
@@ -56,6 +61,30 @@ def make_checkpoint(out: str) -> str:
     tools.launch(2, ["--stage", "2", "--dtype", "bf16", "--steps", "2", "--out", out,
                      "--d_model", "1024", "--n_layer", "4"], os.path.join(out, "train.log"), timeout=3600)
     return os.path.join(out, "ckpt")
+
+
+FLOOR = r"""
+import mmap, os, sys, threading
+import numpy  # noqa: F401  (every converter here imports it)
+path, nbytes, block = sys.argv[1], int(sys.argv[2]), 16 << 20
+buf = mmap.mmap(-1, block); buf.write(os.urandom(block))
+fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o644)
+offs = list(range(0, nbytes, block))
+def run(k):
+    for o in offs[k::3]:
+        os.pwrite(fd, buf, o)
+ths = [threading.Thread(target=run, args=(k,)) for k in range(3)]
+[t.start() for t in ths]; [t.join() for t in ths]
+os.ftruncate(fd, nbytes); os.fsync(fd); os.close(fd)
+"""
+
+
+def _universal_bytes(tag_dir: str) -> int:
+    """Bytes of tensor data ``ckptbridge convert`` writes for this checkpoint (all states)."""
+    import ckptbridge
+
+    ck = ckptbridge.open(os.path.dirname(tag_dir))
+    return sum(st.nbytes for t in ck.tensors.values() for st in t.states.values())
 
 
 def state_bytes(tag_dir: str) -> int:
@@ -119,7 +148,7 @@ def main() -> None:
     ap.add_argument("--workdir", default="/tmp/ckptbridge_bench_ds")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--cold", action="store_true")
-    ap.add_argument("--only", default="ds,ds_w1,convert,reshard")
+    ap.add_argument("--only", default="ds,ds_w1,convert,convert3,reshard,floor")
     ap.add_argument("--json", default=None)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("cmd", nargs="*", help=argparse.SUPPRESS)
@@ -146,7 +175,9 @@ def main() -> None:
                   "--output_folder", os.path.join(out, tag + "_universal"), "--inject_missing_state",
                   "--num_extract_workers", "1", "--num_merge_workers", "1"],
         "convert": [*cli, "convert", ckpt, os.path.join(out, "universal")],
+        "convert3": [*cli, "convert", ckpt, os.path.join(out, "universal"), "--states", "fp32,exp_avg,exp_avg_sq"],
         "reshard": [*cli, "reshard", ckpt, os.path.join(out, "ds_universal"), "--to", "deepspeed-universal"],
+        "floor": [py, "-c", FLOOR, os.path.join(out, "floor.bin"), str(_universal_bytes(tag_dir))],
     }
     names = [n for n in a.only.split(",") if n in cmds]
     results: dict[str, list[dict[str, float]]] = {n: [] for n in names}
@@ -170,7 +201,15 @@ def main() -> None:
     print(f"{'tool':10s} {'wall s':>8s} {'tree peak MB':>13s} {'largest proc MB':>16s}")
     for n, m in med.items():
         print(f"{n:10s} {m['wall_s']:8.2f} {m['peak_tree_rss_mb']:13.0f} {m['peak_proc_rss_mb']:16.0f}")
-    for ours in ("convert", "reshard"):
+    if "floor" in med:
+        for theirs in ("ds", "ds_w1"):
+            if theirs in med:
+                print(f"largest speed-up possible over {theirs} on this disk: "
+                      f"{med[theirs]['wall_s'] / med['floor']['wall_s']:.1f}x (the floor row)")
+        for ours in ("convert", "convert3", "reshard"):
+            if ours in med:
+                print(f"{ours}: {med[ours]['wall_s'] / med['floor']['wall_s']:.2f}x the floor's time")
+    for ours in ("convert", "convert3", "reshard"):
         for theirs in ("ds", "ds_w1"):
             if ours in med and theirs in med:
                 o, t = med[ours], med[theirs]

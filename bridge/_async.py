@@ -523,7 +523,7 @@ class Checkpointer:
         os.makedirs(stage, exist_ok=True)
         with open(os.path.join(stage, f"owner.r{self.rank:05d}.json"), "w") as fh:
             json.dump({"host": socket.gethostname(), "pid": os.getpid()}, fh)
-        write_rank(dst, pieces, self.rank, token=self.token, images=job.buffers.images)
+        write_rank(dst, pieces, self.rank, token=self.token, images=job.buffers.images, background=True)
         committed = False
         if self.rank == 0:
             self._await_ranks(staging(dst, self.token))

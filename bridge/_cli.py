@@ -102,12 +102,13 @@ def _progress() -> Any:
 def cmd_convert(args: argparse.Namespace) -> int:
     from . import convert
 
+    states = args.states.split(",") if args.states else None
     bar, cb = _progress()
     if bar:
         with bar:
-            out = convert(args.src, args.dst, overwrite=args.overwrite, progress=cb)
+            out = convert(args.src, args.dst, states=states, overwrite=args.overwrite, progress=cb)
     else:
-        out = convert(args.src, args.dst, overwrite=args.overwrite)
+        out = convert(args.src, args.dst, states=states, overwrite=args.overwrite)
     print(f"wrote {out}")
     return 0
 
@@ -184,6 +185,8 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("convert", help="write a universal directory")
     s.add_argument("src")
     s.add_argument("dst")
+    s.add_argument("--states", default=None, metavar="S1,S2",
+                   help="only these states (e.g. fp32,exp_avg,exp_avg_sq); default all")
     s.add_argument("--overwrite", action="store_true")
     s.set_defaults(fn=cmd_convert)
     s = sub.add_parser("export", help="one safetensors file of one state")

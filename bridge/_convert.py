@@ -111,12 +111,17 @@ def convert(
 ) -> str:
     """Write a universal directory from any supported checkpoint.
 
-    ``rules`` are mapping rules applied on the way (rename, transpose, stack...);
+    ``states`` keeps only those states (e.g. ``["fp32", "exp_avg", "exp_avg_sq"]``; a name no
+    tensor has is an error). ``rules`` are mapping rules applied on the way (rename, transpose, stack...);
     they are recorded in the manifest with the source's own layout rules.
     ``progress(done_bytes, total_bytes)`` is called after each tensor.
     """
     ckpt = as_checkpoint(src)
     tensors = apply_rules(ckpt.tensors, rules) if rules else ckpt.tensors
+    unknown = set(states or ()) - {s for t in tensors.values() for s in t.states}
+    if unknown:
+        have = sorted({s for t in tensors.values() for s in t.states})
+        raise TensorNotFoundError(f"{ckpt.path}: no tensor has state(s) {sorted(unknown)}; states here: {have}")
     view = Checkpoint(type(ckpt.index)(
         ckpt.format, ckpt.path, tensors, ckpt.step, ckpt.extra, ckpt.rules, ckpt.provenance
     ), ckpt.files)

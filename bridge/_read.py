@@ -16,7 +16,6 @@ from __future__ import annotations
 import mmap
 import os
 import threading
-import zlib
 from collections import Counter
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -24,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from . import _dtypes
+from ._crc import crc32
 from ._errors import CorruptionError, MissingShardError, TruncatedError
 from ._model import Box, FileRegion, Fragment, TensorState, c_strides
 from ._plan import CopyOp, plan
@@ -128,7 +128,7 @@ class FileCache:
         crc, step = 0, _CHUNK_BYTES - _CHUNK_BYTES % dtype.itemsize
         for lo in range(0, src.size, step):
             piece = src[lo : lo + step]
-            crc = zlib.crc32(piece, crc)
+            crc = crc32(piece, crc)
             if same:
                 dst[lo : lo + piece.size] = piece
             else:

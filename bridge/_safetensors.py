@@ -11,7 +11,6 @@ then the data; offsets are relative to byte ``8 + N``::
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import math
 import mmap
@@ -19,7 +18,6 @@ import os
 import queue
 import struct
 import threading
-import zlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -29,6 +27,7 @@ import numpy as np
 
 from . import _dtypes
 from ._checkpoint import CheckpointIndex
+from ._crc import crc32, crc32_combine
 from ._errors import FormatError, MissingShardError, TruncatedError
 from ._model import LogicalTensor, TensorState, check_name, contiguous_fragment
 
@@ -215,7 +214,8 @@ def write_file(path: str, entries: list[Entry], metadata: Mapping[str, str] | No
     return write_files([FileSpec(path, entries, metadata)], on_entry)[0]
 
 
-def write_files(files: Sequence[FileSpec], on_entry: Callable[[Entry], None] | None = None) -> list[list[Written]]:
+def write_files(files: Sequence[FileSpec], on_entry: Callable[[Entry], None] | None = None,
+                background: bool = False) -> list[list[Written]]:
     """Stream several new safetensors files, one after the other, and fsync each.
 
     Headers are computed from shapes first, so data is produced in chunks of at
@@ -224,7 +224,9 @@ def write_files(files: Sequence[FileSpec], on_entry: Callable[[Entry], None] | N
     in their disk block: background threads write them from there with
     ``O_DIRECT`` while the next chunks are read and checksummed, with no
     staging copy and no pipeline drain between files. Peak memory is
-    ``_SLOTS`` chunks, not the files.
+    ``_SLOTS`` chunks, not the files. ``background`` (checkpoints flushed while
+    training computes): one checksum thread, and all threads at a lower CPU
+    priority, so the training's threads keep the cores.
     """
     tasks = plan_chunks(files)
     copied = [k for k, t in enumerate(tasks) if files[t.file].image is None]
@@ -250,8 +252,9 @@ def write_files(files: Sequence[FileSpec], on_entry: Callable[[Entry], None] | N
     last = {t.file: k for k, t in enumerate(tasks)}
     outs: dict[int, _NewFile] = {}
     results: list[list[Written]] = [[] for _ in files]
-    writer = _Writer(_WRITERS)
-    producer = ThreadPoolExecutor(_PRODUCERS)
+    init = _lower_priority if background else None
+    writer = _Writer(_WRITERS, init)
+    producer = ThreadPoolExecutor(1 if background else _PRODUCERS, initializer=init)
     crc = 0
     try:
         futures = [producer.submit(produce, k) for k in range(len(tasks))]
@@ -336,7 +339,7 @@ def _from_image(image: mmap.mmap, t: _Task) -> int:
         image[: t.nbytes] = t.item
         return 0
     with memoryview(image) as mv:
-        return zlib.crc32(mv[t.at : t.at + t.nbytes])
+        return crc32(mv[t.at : t.at + t.nbytes])
 
 
 def _produce(path: str, t: _Task, buf: mmap.mmap) -> int:
@@ -361,42 +364,7 @@ def _produce(path: str, t: _Task, buf: mmap.mmap) -> int:
         np.copyto(out, arr, casting="unsafe")
     del arr, out
     with memoryview(buf) as mv:
-        return zlib.crc32(mv[head : head + t.nbytes])
-
-
-@functools.lru_cache(maxsize=64)
-def _crc_shift(nbytes: int) -> tuple[int, ...]:
-    """The GF(2) operator that appends ``nbytes`` zero bytes to a CRC32 state (zlib's method)."""
-
-    def times(mat: Sequence[int], vec: int) -> int:
-        out, i = 0, 0
-        while vec:
-            if vec & 1:
-                out ^= mat[i]
-            vec, i = vec >> 1, i + 1
-        return out
-
-    op: list[int] = [1 << n for n in range(32)]  # identity
-    step = [0xEDB88320, *(1 << n for n in range(31))]  # one zero bit
-    for _ in range(3):  # -> one zero byte
-        step = [times(step, step[n]) for n in range(32)]
-    while nbytes:
-        if nbytes & 1:
-            op = [times(step, op[n]) for n in range(32)]
-        nbytes >>= 1
-        if nbytes:
-            step = [times(step, step[n]) for n in range(32)]
-    return tuple(op)
-
-
-def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
-    """CRC32 of ``A + B`` from CRC32(A), CRC32(B) and len(B), like zlib's ``crc32_combine``."""
-    op, out, i = _crc_shift(len2), 0, 0
-    while crc1:
-        if crc1 & 1:
-            out ^= op[i]
-        crc1, i = crc1 >> 1, i + 1
-    return out ^ crc2
+        return crc32(mv[head : head + t.nbytes])
 
 
 _ALIGN = 4096
@@ -442,7 +410,8 @@ class _Writer:
     """Background threads running write jobs (in order of start); the first failure is kept
     and reported by :meth:`check` / :meth:`close`, and later jobs are skipped."""
 
-    def __init__(self, threads: int = 1) -> None:
+    def __init__(self, threads: int = 1, init: Callable[[], None] | None = None) -> None:
+        self.init = init
         self.jobs: queue.SimpleQueue[tuple[Callable[[], None] | None, threading.Event] | None] = queue.SimpleQueue()
         self.error: BaseException | None = None
         self.threads = [threading.Thread(target=self._run, name="ckptbridge-write", daemon=True)
@@ -451,6 +420,8 @@ class _Writer:
             th.start()
 
     def _run(self) -> None:
+        if self.init:
+            self.init()
         while (item := self.jobs.get()) is not None:
             job, done = item
             try:
@@ -479,6 +450,15 @@ class _Writer:
             th.join()
         if not abort:
             self.check()
+
+
+_BACKGROUND_NICE = 10
+
+
+def _lower_priority() -> None:
+    """Give the calling thread a lower CPU priority (Linux nice values are per thread)."""
+    with contextlib.suppress(OSError, AttributeError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), _BACKGROUND_NICE)
 
 
 def _pwrite_all(fd: int, buf: mmap.mmap, lo: int, hi: int, at: int) -> None:

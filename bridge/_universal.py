@@ -35,6 +35,7 @@ import numpy as np
 
 from . import _dtypes
 from ._checkpoint import CheckpointIndex
+from ._crc import crc32
 from ._errors import (
     FormatError,
     IncompleteCheckpointError,
@@ -157,12 +158,14 @@ def write_rank(
     on_piece: Callable[[Piece], None] | None = None,
     token: str = "",
     images: Mapping[str, Any] | None = None,
+    background: bool = False,
 ) -> str:
     """Write this rank's pieces into the staging dir and its partial manifest; returns the staging dir.
 
     ``images``: page-aligned buffers, by relative file path, that already hold
     those files' bytes as :func:`plan_rank` and ``file_layout`` place them
     (the Checkpointer snapshots into them); such files are written without a copy.
+    ``background``: write at a lower CPU priority (see ``write_files``).
     """
     stage = staging(path, token)
     os.makedirs(os.path.join(stage, "data"), exist_ok=True)
@@ -171,7 +174,8 @@ def write_rank(
              for rel, _, spec in plan]
     owners = [(rel, group) for rel, group, _ in plan]
     piece_of = {id(e): p for spec, (_, group) in zip(specs, owners) for e, p in zip(spec.entries, group)}
-    written = write_files(specs, on_entry=(lambda e: on_piece(piece_of[id(e)])) if on_piece else None)
+    written = write_files(specs, on_entry=(lambda e: on_piece(piece_of[id(e)])) if on_piece else None,
+                          background=background)
     frags: list[dict[str, Any]] = []
     for (rel, group), ws in zip(owners, written):
         for w, p in zip(ws, group):
@@ -412,7 +416,7 @@ def verify(path: str) -> list[str]:
                 if frag.checksum is None:
                     problems.append(f"{loc.file}: tensor {name!r} state {sname!r} has no checksum")
                     continue
-                got = f"crc32:{zlib.crc32(fragment_bytes(frag)):08x}"
+                got = f"crc32:{crc32(fragment_bytes(frag)):08x}"
                 if got != frag.checksum:
                     problems.append(
                         f"{loc.file}: tensor {name!r} state {sname!r} at {frag.box.offset}: "

@@ -336,3 +336,24 @@ def test_index_is_fast_and_reads_no_tensor_data(runs_dir: str) -> None:
     assert isinstance(ckpt, Checkpoint)
     assert ckpt.stats.bytes_read == 0
     assert len(ckpt) == 39
+
+
+def test_cli_convert_only_some_states(runs_dir: str, tmp_path: object) -> None:
+    """``convert --states`` writes just those states (what ds_to_universal writes), bitwise;
+    a state no tensor has is an error naming it, and nothing is written."""
+    import subprocess
+    import sys
+
+    src = os.path.join(runs_dir, "s2_bf16_w2", "ckpt")
+    out = os.path.join(str(tmp_path), "u")
+    cli = [sys.executable, "-m", "ckptbridge._cli", "convert", src]
+    r = subprocess.run([*cli, out, "--states", ",".join(STATES)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    a, b = cb_open(src), cb_open(out)
+    for n in a:
+        assert set(b[n].states) == set(STATES)
+        for k in STATES:
+            assert _same(b[n].state(k).read(), a[n].state(k).read())
+    bad = os.path.join(str(tmp_path), "bad")
+    r = subprocess.run([*cli, bad, "--states", "fp32,exp_avgsq"], capture_output=True, text=True)
+    assert r.returncode == 2 and "'exp_avgsq'" in r.stderr and not os.path.exists(bad)

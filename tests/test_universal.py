@@ -303,17 +303,20 @@ def test_a_failing_producer_stops_the_write_pipeline_cleanly(tmp_path):
         np.testing.assert_array_equal(fh.get_tensor("a2"), np.ones(1 << 20, np.float32))
 
 
-def test_crc32_combine_matches_zlib():
+def test_crc32_and_combine_match_zlib():
     import zlib
 
     from hypothesis import given, settings
     from hypothesis import strategies as hs
 
-    from ckptbridge._safetensors import crc32_combine
+    from ckptbridge._crc import combine_py, crc32, crc32_combine
 
     @settings(max_examples=200, deadline=None)
     @given(hs.binary(max_size=3000), hs.binary(max_size=3000))
     def check(a: bytes, b: bytes) -> None:
-        assert crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
+        want = zlib.crc32(a + b)
+        assert crc32(a + b) == want
+        assert crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == want
+        assert combine_py(zlib.crc32(a), zlib.crc32(b), len(b)) == want  # the fallback without zlib-ng
 
     check()
