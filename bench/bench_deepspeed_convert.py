@@ -26,6 +26,7 @@ before each rep (needs root) and waits a few seconds.
 
     python bench/bench_deepspeed_convert.py                       # makes /tmp/ckptbridge_bench_ds
     python bench/bench_deepspeed_convert.py --ckpt RUN/ckpt --reps 3 --json out.json
+    python bench/bench_deepspeed_convert.py --out /dev/shm/cb   # outputs in memory: no disk floor
 """
 
 from __future__ import annotations
@@ -68,7 +69,10 @@ import mmap, os, sys, threading
 import numpy  # noqa: F401  (every converter here imports it)
 path, nbytes, block = sys.argv[1], int(sys.argv[2]), 16 << 20
 buf = mmap.mmap(-1, block); buf.write(os.urandom(block))
-fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o644)
+try:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o644)
+except OSError:  # tmpfs: no O_DIRECT
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
 offs = list(range(0, nbytes, block))
 def run(k):
     for o in offs[k::3]:
@@ -147,6 +151,8 @@ def main() -> None:
     ap.add_argument("--ckpt", default=None, help="DeepSpeed checkpoint root (default: make one)")
     ap.add_argument("--workdir", default="/tmp/ckptbridge_bench_ds")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--out", default=None, help="where outputs go (default WORKDIR/out); e.g. /dev/shm/x "
+                    "to take the disk out of the comparison")
     ap.add_argument("--cold", action="store_true")
     ap.add_argument("--only", default="ds,ds_w1,convert,convert3,reshard,floor")
     ap.add_argument("--json", default=None)
@@ -165,7 +171,7 @@ def main() -> None:
         tag = fh.read().strip()
     tag_dir = os.path.join(ckpt, tag)
     nbytes = state_bytes(tag_dir)
-    out = os.path.join(a.workdir, "out")
+    out = a.out or os.path.join(a.workdir, "out")
     py = sys.executable
     cli = [py, "-c", "import sys; from ckptbridge._cli import main; sys.exit(main(sys.argv[1:]))"]
     cmds = {

@@ -439,7 +439,7 @@ class _Writer:
 
     def check(self) -> None:
         if self.error is not None:
-            raise OSError(f"write failed: {self.error}") from self.error
+            raise OSError(getattr(self.error, "errno", None), f"write failed: {self.error}") from self.error
 
     def close(self, abort: bool = False) -> None:
         if abort and self.error is None:
@@ -461,11 +461,14 @@ def _lower_priority() -> None:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), _BACKGROUND_NICE)
 
 
-def _pwrite_all(fd: int, buf: mmap.mmap, lo: int, hi: int, at: int) -> None:
-    with memoryview(buf) as mv:
-        while lo < hi:
-            n = os.pwrite(fd, mv[lo:hi], at)
-            lo, at = lo + n, at + n
+def _pwrite_all(fd: int, buf: mmap.mmap, lo: int, hi: int, at: int, path: str = "") -> None:
+    try:
+        with memoryview(buf) as mv:
+            while lo < hi:
+                n = os.pwrite(fd, mv[lo:hi], at)
+                lo, at = lo + n, at + n
+    except OSError as err:
+        raise OSError(err.errno, f"{path}: writing bytes {at}-{at + hi - lo}: {err.strerror}") from err
 
 
 class _NewFile:
@@ -502,7 +505,7 @@ class _NewFile:
         fd, at = self.fd, self.pos
         self.pos += n
         if not self.direct:
-            return lambda: _pwrite_all(fd, buf, start, start + n, at)
+            return lambda: _pwrite_all(fd, buf, start, start + n, at, self.path)
         head = at % _ALIGN
         lo = start - head
         if head != len(self.carry) or lo < 0:
@@ -512,7 +515,7 @@ class _NewFile:
         end = start + n
         whole = lo + (end - lo) // _ALIGN * _ALIGN
         self.carry = buf[whole:end]
-        return (lambda: _pwrite_all(fd, buf, lo, whole, at - head)) if whole > lo else None
+        return (lambda: _pwrite_all(fd, buf, lo, whole, at - head, self.path)) if whole > lo else None
 
     def finish_after(self, writes: Sequence[threading.Event]) -> Callable[[], None]:
         """The job that, once ``writes`` are done, writes the last partial block, trims the
@@ -532,7 +535,7 @@ class _NewFile:
                 try:
                     block[: len(self.carry)] = self.carry
                     block[len(self.carry) : _ALIGN] = bytes(_ALIGN - len(self.carry))
-                    _pwrite_all(self.fd, block, 0, _ALIGN, self.pos - len(self.carry))
+                    _pwrite_all(self.fd, block, 0, _ALIGN, self.pos - len(self.carry), self.path)
                 finally:
                     _POOL.give(block)
             if self.direct:

@@ -320,3 +320,32 @@ def test_crc32_and_combine_match_zlib():
         assert combine_py(zlib.crc32(a), zlib.crc32(b), len(b)) == want  # the fallback without zlib-ng
 
     check()
+
+
+def test_disk_full_mid_convert_names_the_file_and_keeps_the_old_checkpoint(tmp_path, monkeypatch):
+    """ENOSPC from the writer threads surfaces as an OSError naming the data file; nothing hangs,
+    the existing checkpoint at the destination is untouched, and a retry succeeds."""
+    import errno
+
+    sd = {f"t{i}": torch.randn(256, 1024) for i in range(6)}
+    torch.save(sd, tmp_path / "a.pt")
+    ckptbridge.convert(tmp_path / "a.pt", tmp_path / "u")
+    before = _files_bytes(tmp_path / "u")
+    calls = [0]
+    real = os.pwrite
+
+    def full(fd, data, at):
+        calls[0] += 1
+        if calls[0] > 3:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd, data, at)
+
+    monkeypatch.setattr(os, "pwrite", full)
+    with pytest.raises(OSError, match=r"param-r00000-00000\.safetensors.*No space left") as err:
+        ckptbridge.convert(tmp_path / "a.pt", tmp_path / "u", overwrite=True)
+    assert err.value.errno == errno.ENOSPC
+    monkeypatch.setattr(os, "pwrite", real)
+    assert _files_bytes(tmp_path / "u") == before and ckptbridge.verify(str(tmp_path / "u")) == []
+    assert not [p for p in os.listdir(tmp_path) if ".partial" in p]  # the failed attempt cleaned up
+    ckptbridge.convert(tmp_path / "a.pt", tmp_path / "u", overwrite=True)
+    assert ckptbridge.verify(str(tmp_path / "u")) == []
