@@ -13,9 +13,11 @@ taken from each file, so tests and benchmarks can assert them::
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import threading
+import weakref
 from collections import Counter
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -66,6 +68,7 @@ class FileCache:
         self._lock = threading.Lock()
         self._maps: dict[str, mmap.mmap | bytes] = {}
         self._fds: dict[str, int] = {}
+        weakref.finalize(self, _close_all, self._fds)  # a cache dropped without close() leaks no fds
         self.stats = ReadStats()
         self.verify = verify
         self.max_workers = max_workers or min(8, (os.cpu_count() or 1) * 2)
@@ -174,15 +177,20 @@ class FileCache:
                     except BufferError:  # an array still views it; the GC will close it
                         pass
             self._maps.clear()
-            for fd in self._fds.values():
-                os.close(fd)
-            self._fds.clear()
+            _close_all(self._fds)
 
     def __enter__(self) -> FileCache:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _close_all(fds: dict[str, int]) -> None:
+    for fd in fds.values():
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    fds.clear()
 
 
 def execute(ops: Sequence[CopyOp], out: np.ndarray, files: FileCache, label: str = "tensor") -> int:
