@@ -198,7 +198,7 @@ class _BufferSet:
         layout = tuple((rel, tuple((p.tensor, p.box, p.dtype) for p in group)) for rel, group, _ in plan)
         if layout == self.layout:
             return
-        self.images = {}
+        self.images, self.arrays = {}, {}  # drop the old layout's buffers
         for rel, group, spec in plan:
             _, offsets, size = file_layout(spec.entries, spec.metadata)
             image = self.images[rel] = mmap.mmap(-1, max(size, 1))
