@@ -133,9 +133,10 @@ def test_matches_deepspeed_tools_and_engine(runs_dir: str, name: str) -> None:
             assert _same(view.read(), _np(t)), f"{name}: {n} != zero_to_fp32"
 
 
-@pytest.mark.parametrize("name", sorted(n for n, r in BY_NAME.items() if r["dtype"] == "bf16"))
-def test_bf16_module_weights(runs_dir: str, name: str) -> None:
-    """``param`` = the bf16 module weights stored in the checkpoint (ZeRO-1/2 / BF16_Optimizer)."""
+@pytest.mark.parametrize("name", sorted(n for n, r in BY_NAME.items() if r["dtype"] in ("bf16", "fp16")))
+def test_16bit_module_weights(runs_dir: str, name: str) -> None:
+    """``param`` = the bf16/fp16 module weights stored in the checkpoint (ZeRO-1/2 / BF16_Optimizer)."""
+    half = ml_dtypes.bfloat16 if BY_NAME[name]["dtype"] == "bf16" else np.float16
     run = os.path.join(runs_dir, name)
     ckpt = cb_open(os.path.join(run, "ckpt"))
     with_param = [n for n in ckpt if "param" in ckpt[n].states]
@@ -147,9 +148,9 @@ def test_bf16_module_weights(runs_dir: str, name: str) -> None:
     ref = _load(ref_path) if os.path.exists(ref_path) else None
     for n in with_param:
         got = ckpt[n].state("param").read()
-        assert got.dtype == ml_dtypes.bfloat16
-        if "fp32" in ckpt[n].states:  # engine-independent: bf16 weights = round(fp32 master)
-            assert _same(got, ckpt[n].state("fp32").read().astype(ml_dtypes.bfloat16))
+        assert got.dtype == half
+        if "fp32" in ckpt[n].states:  # engine-independent: 16-bit weights = round(fp32 master)
+            assert _same(got, ckpt[n].state("fp32").read().astype(half))
         if ref is not None:
             assert _same(got, _np(ref[n]))
 

@@ -33,9 +33,9 @@ STATES = ("fp32", "exp_avg", "exp_avg_sq")
 
 
 def _resume(tmp: str, label: str, ckpt_root: str, ws: int, stage: int, steps: int = 2,
-            dump: bool = False) -> dict:
+            dump: bool = False, dtype: str = "bf16") -> dict:
     out = os.path.join(tmp, label)
-    args = ["--stage", str(stage), "--dtype", "bf16", "--steps", str(steps), "--resume_universal", ckpt_root,
+    args = ["--stage", str(stage), "--dtype", dtype, "--steps", str(steps), "--resume_universal", ckpt_root,
             "--out", out, "--no_save"]
     if dump:
         args += ["--dump_loaded", os.path.join(out, "loaded.pt")]
@@ -98,3 +98,18 @@ def test_zero3_checkpoint_resumes_under_zero2(runs_dir: str, tmp_path: object) -
     run = _resume(tmp, "ours_ws1_s2", ours, ws=1, stage=2, steps=1, dump=True)
     _assert_loaded_equals(run["loaded"], src)
     assert np.isfinite(run["losses"]).all()
+
+
+@pytest.mark.heavy
+def test_fp16_checkpoint_resumes_like_deepspeeds_own_universal(runs_dir: str, tmp_path: object) -> None:  # noqa: F811
+    """fp16 ZeRO-2 (dynamic loss scaling) at world size 2 -> ZeRO-1 at world size 1: the same
+    next-step losses as resuming from DeepSpeed's own ds_to_universal output (in the fixture)."""
+    tmp = str(tmp_path)
+    src = os.path.join(runs_dir, "s2_fp16_w2", "ckpt")
+    ours = os.path.join(tmp, "ours")
+    reshard(src, ours, to="deepspeed-universal")
+    theirs_run = _resume(tmp, "theirs", src, ws=1, stage=1, dtype="fp16")
+    ours_run = _resume(tmp, "ours", ours, ws=1, stage=1, dtype="fp16", dump=True)
+    assert len(ours_run["losses"]) == 2 and np.isfinite(ours_run["losses"]).all()
+    assert ours_run["losses"] == theirs_run["losses"]
+    _assert_loaded_equals(ours_run["loaded"], src)

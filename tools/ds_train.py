@@ -119,7 +119,7 @@ def dump_state(engine, path: str, rank: int) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--stage", type=int, required=True)
-    ap.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    ap.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--out", required=True)
     ap.add_argument("--resume_universal", default=None)
@@ -175,6 +175,14 @@ def main() -> None:
         "bf16": {"enabled": args.dtype == "bf16"},
         "wall_clock_breakdown": False,
     }
+    if args.dtype == "fp16":
+        # DeepSpeed's CPU accelerator reports fp16 only where oneDNN has fp16 kernels; torch's CPU
+        # fp16 ops are slow but correct, which is all a tiny fixture needs. Everything else (the
+        # ZeRO optimizer, dynamic loss scaling, the checkpoint files) is DeepSpeed's own code.
+        from deepspeed.accelerator import get_accelerator
+
+        get_accelerator().is_fp16_supported = lambda: True
+        cfg["fp16"] = {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 100}
     if args.bf16_optimizer:
         cfg["data_types"] = {"grad_accum_dtype": "fp32"}
     if args.resume_universal:
