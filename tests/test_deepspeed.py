@@ -193,7 +193,7 @@ def test_megatron_deepspeed_tensor_parallel(runs_dir: str, name: str) -> None:
     assert any(r["rule"] == "Pad" for r in ckpt.rules)
     mp1 = [f for f in ckpt["blocks.0.fc.weight"].state("exp_avg").fragments if "mp_rank_01" in f.location.file]
     assert mp1 and all(f.box.offset[0] >= 48 for f in mp1)
-    if ckpt.extra["ds_config"]["bf16"]["enabled"]:
+    if ckpt.extra["ds_config"]["bf16"]["enabled"] and BY_NAME[name]["stage"] < 3:  # ZeRO-3: no 16-bit copy
         for n in ckpt:
             assert _same(ckpt[n].state("param").read(), ckpt[n].state("fp32").read().astype(ml_dtypes.bfloat16))
 
