@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 
 import ml_dtypes
@@ -207,6 +208,23 @@ def test_pipeline_parallel_layer_files(runs_dir: str) -> None:
     assert all("mp_rank_01" in os.path.basename(f) for f in stage1)
     weights = {f.location.file for f in ckpt["4.lm_head.weight"].state("param").fragments}
     assert [os.path.basename(f) for f in weights] == ["layer_04-model_states.pt"]
+
+
+def test_3d_pipeline_tensor_data_parallel(runs_dir: str) -> None:
+    """Megatron-DeepSpeed 3D (TP2 x PP2 x DP2): per-layer files per TP rank
+    (``layer_XX-model_YY``) merge with the universal_checkpoint_info patterns; the optimizer's
+    model-parallel ranks are (stage, TP rank). Bitwise vs ds_to_universal: the test above."""
+    ckpt = cb_open(os.path.join(runs_dir, "pp2_tp2_s1_bf16_w8", "ckpt"))
+    assert (ckpt.provenance["tp"], ckpt.provenance["pp"], ckpt.provenance["dp"]) == (2, 2, 2)
+    assert ckpt["1.fc.weight"].shape == (96, 24)  # column parallel: 2 x [48, 24]
+    assert ckpt["3.fc_out.weight"].shape == (24, 96)  # row parallel: 2 x [24, 48]
+    assert ckpt["4.lm_head.weight"].shape == (101, 24)  # vocab padded to 102, cropped
+    weights = sorted(os.path.basename(f.location.file) for f in ckpt["3.fc_out.weight"].state("param").fragments)
+    assert weights == ["layer_03-model_00-model_states.pt", "layer_03-model_01-model_states.pt"]
+    last_stage = {os.path.basename(f.location.file) for f in ckpt["4.lm_head.weight"].state("exp_avg").fragments}
+    assert last_stage and all(re.search(r"mp_rank_0[23]_optim", f) for f in last_stage)
+    for n in ckpt:  # the module's bf16 weights agree with the fp32 master, TP shards included
+        assert _same(ckpt[n].state("param").read(), ckpt[n].state("fp32").read().astype(ml_dtypes.bfloat16))
 
 
 def test_extra_is_json_and_names_the_optimizer(runs_dir: str) -> None:

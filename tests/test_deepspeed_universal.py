@@ -32,7 +32,8 @@ def test_registered() -> None:
     assert WRITERS["deepspeed-universal"] == "ckptbridge.adapters.deepspeed_universal:write"
 
 
-@pytest.mark.parametrize("name", ["s2_bf16_w2", "s3_fp32_w4", "s1_bf16opt_w2", "tp2_s2_bf16_w4"])
+@pytest.mark.parametrize("name", ["s2_bf16_w2", "s3_fp32_w4", "s1_bf16opt_w2", "tp2_s2_bf16_w4", "s2_fp16_w2",
+                                  "tp2_s3_bf16_w4", "pp2_tp2_s1_bf16_w8"])
 def test_files_equal_ds_to_universal(runs_dir: str, tmp_path: object, name: str) -> None:  # noqa: F811
     dst = os.path.join(str(tmp_path), "out")
     src = cb_open(os.path.join(runs_dir, name, "ckpt"))

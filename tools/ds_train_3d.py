@@ -1,0 +1,139 @@
+#!/usr/bin/env python
+"""Megatron-DeepSpeed's 3D layout: a ``PipelineModule`` with tensor-parallel layers, trained with
+ZeRO-1 on CPU/gloo (TP x PP x DP ranks), then saved.
+
+Per-layer weights go to ``layer_{idx:02d}-model_{tp:02d}-model_states.pt`` (one file per layer
+and tensor-parallel rank), ``mp_rank_{mp:02d}_model_states.pt`` per model-parallel rank and
+``zero_pp_rank_{dp}_mp_rank_{mp:02d}_optim_states.pt`` per (dp, mp) rank, with the
+``universal_checkpoint_info`` patterns Megatron-DeepSpeed records (names carry the layer index,
+as ``PipelineModule`` names its layers)::
+
+    python -m torch.distributed.run --nproc_per_node=8 tools/ds_train_3d.py --tp 2 --pp 2 --out /tmp/3d
+
+The tensor-parallel math is ``tools/ds_train_tp.py``'s: column-parallel ``fc``, row-parallel
+``fc_out`` (replicated bias after the all-reduce), vocabulary-parallel ``lm_head`` over a
+vocabulary padded to a multiple of tp, replicated embedding and LayerNorms.
+"""
+
+import argparse
+import json
+import os
+import re
+
+import torch
+import torch.distributed as tdist
+import torch.nn as nn
+import torch.nn.functional as F
+from ds_train_tp import _CopyToTP, _GatherLast, _ReduceFromTP
+
+VOCAB, CTX, BATCH, D = 101, 16, 8, 24
+TP: dict = {}  # the tensor-parallel group, rank and size, filled once the pipeline grid exists
+
+
+class Embed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(VOCAB, D)  # replicated
+
+    def forward(self, idx):
+        return self.wte(idx)
+
+
+class MLP(nn.Module):
+    def __init__(self, tp: int) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(D)
+        self.fc = nn.Linear(D, 4 * D // tp)  # column parallel
+        self.fc_out = nn.Linear(4 * D // tp, D, bias=False)  # row parallel
+        self.fc_out_bias = nn.Parameter(torch.zeros(D))
+
+    def forward(self, x):
+        h = F.gelu(self.fc(_CopyToTP.apply(self.ln(x), TP["group"])))
+        return x + _ReduceFromTP.apply(self.fc_out(h), TP["group"]) + self.fc_out_bias
+
+
+class Head(nn.Module):
+    def __init__(self, tp: int) -> None:
+        super().__init__()
+        self.ln_f = nn.LayerNorm(D)
+        self.lm_head = nn.Linear(D, -(-VOCAB // tp), bias=False)  # vocabulary parallel
+
+    def forward(self, x):
+        logits = self.lm_head(_CopyToTP.apply(self.ln_f(x), TP["group"]))
+        return _GatherLast.apply(logits, TP["group"], TP["rank"], TP["size"])[..., :VOCAB]
+
+
+def loss_fn(logits, targets):
+    return F.cross_entropy(logits.float().reshape(-1, VOCAB), targets.reshape(-1))
+
+
+REPLICATED = [r"\d+\.wte\.weight", r"\d+\.ln\.(weight|bias)", r"\d+\.ln_f\.(weight|bias)", r"\d+\.fc_out_bias"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(allow_abbrev=False)
+    ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--pp", type=int, default=2)
+    ap.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--local_rank", type=int, default=-1)
+    args = ap.parse_args()
+    if os.environ.get("DS_SKIP_SHM_OP") == "1":
+        import deepspeed.comm.torch as _dct
+
+        _dct.build_shm_op = lambda: None
+    import deepspeed
+    from deepspeed.pipe import LayerSpec, PipelineModule
+    from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    ws = tdist.get_world_size()
+    dp = ws // (args.tp * args.pp)
+    topo = PipeModelDataParallelTopology(num_pp=args.pp, num_mp=args.tp, num_dp=dp)
+    torch.manual_seed(1234)  # replicated parameters: the same init on every rank
+    layers = [LayerSpec(Embed), *(LayerSpec(MLP, args.tp) for _ in range(3)), LayerSpec(Head, args.tp)]
+    model = PipelineModule(layers=layers, topology=topo, loss_fn=loss_fn, partition_method="uniform")
+    grid = model._grid
+    TP.update(group=grid.get_slice_parallel_group(), rank=grid.get_slice_parallel_rank(), size=args.tp)
+    torch.manual_seed(5678 + TP["rank"])  # sharded parameters: each TP rank its own slice
+    for n, p in model.named_parameters():
+        if not any(re.fullmatch(pat, n) for pat in REPLICATED):
+            with torch.no_grad():
+                p.normal_(0, 0.05)
+    model.universal_checkpoint_info = {
+        "universal_checkpoint_version": 0.2,
+        "tp_replicated_parameter_patterns": REPLICATED,
+        "parameter_with_row_parallelism_patterns": [r"\d+\.fc_out\.weight"],
+        "vocabulary_parameter_patterns": [r"\d+\.lm_head\.weight"],
+        "original_vocab_size": VOCAB,
+    }
+    cfg = {
+        "train_batch_size": BATCH, "train_micro_batch_size_per_gpu": BATCH // dp // 2,
+        "gradient_accumulation_steps": 2, "steps_per_print": 10**9,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1, "torch_adam": True}},
+        "zero_optimization": {"stage": 1},
+        "bf16": {"enabled": args.dtype == "bf16"},
+    }
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+
+    def batches():
+        step = 0
+        while True:
+            g = torch.Generator().manual_seed(1000 + step)
+            data = torch.randint(0, VOCAB, (BATCH // dp // 2, CTX + 1), generator=g)
+            step += 1
+            yield data[:, :-1], data[:, 1:]
+
+    it = batches()
+    losses = [float(engine.train_batch(data_iter=it)) for _ in range(args.steps)]
+    engine.save_checkpoint(os.path.join(args.out, "ckpt"), tag=f"global_step{engine.global_steps}")
+    if tdist.get_rank() == 0:
+        with open(os.path.join(args.out, "meta.json"), "w") as fh:
+            json.dump({"stage": 1, "world_size": ws, "tp": args.tp, "pp": args.pp, "dtype": args.dtype,
+                       "losses": losses, "global_steps": engine.global_steps}, fh)
+    tdist.barrier()
+
+
+if __name__ == "__main__":
+    main()
