@@ -22,9 +22,11 @@ Generic (any DCP checkpoint, not only Megatron's), so the torch/DCP adapter can 
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ckptbridge._errors import FormatError, MissingShardError
@@ -61,11 +63,36 @@ class DcpMetadata:
     path: str
     tensors: Mapping[str, DcpTensor]
     objects: Mapping[str, tuple[str, int, int]]  # fqn -> (file, offset, length)
-    raw: Any  # the Opaque Metadata record (planner_data, storage_meta ...)
+    raw: Any  # the Opaque Metadata record (planner_data, storage_meta ...); rank 0's if per rank
+    planner_data: Mapping[str, Any] = field(default_factory=dict)  # fqn -> key path, all files
+
+
+_RANK_METADATA = re.compile(r"__(\d+)\.metadata")
 
 
 def is_dcp_dir(path: str) -> bool:
-    return os.path.isdir(path) and os.path.isfile(os.path.join(path, ".metadata"))
+    """``.metadata``, or the per-rank ``__<rank>.metadata`` files of ``dcp.save(use_collectives=False)``."""
+    if not os.path.isdir(path):
+        return False
+    return os.path.isfile(os.path.join(path, ".metadata")) or os.path.isfile(os.path.join(path, "__0.metadata"))
+
+
+def metadata_files(path: str) -> list[str]:
+    """The metadata pickles of a DCP directory: ``.metadata``, else every rank's ``__<rank>.metadata``
+    (written without rank coordination; ranks must run 0..N-1 without a gap)."""
+    main = os.path.join(path, ".metadata")
+    if os.path.isfile(main):
+        return [main]
+    ranks = sorted(int(m.group(1)) for f in os.listdir(path) if (m := _RANK_METADATA.fullmatch(f)))
+    if not ranks:
+        raise MissingShardError(f"{main}: DCP metadata file not found (not a finished checkpoint?)")
+    missing = sorted(set(range(ranks[-1] + 1)) - set(ranks))
+    if missing:
+        raise MissingShardError(
+            f"{path}: per-rank DCP metadata found for ranks {ranks} but __{missing[0]}.metadata "
+            f"(rank(s) {missing}) is missing"
+        )
+    return [os.path.join(path, f"__{r}.metadata") for r in ranks]
 
 
 def _fields(obj: Any) -> dict[str, Any]:
@@ -85,11 +112,40 @@ def _dtype_of(props: Any, where: str) -> str:
 
 
 def read_metadata(path: str) -> DcpMetadata:
-    """Parse ``path/.metadata`` with the safe unpickler (no torch, no code execution)."""
+    """Parse ``path/.metadata`` with the safe unpickler (no torch, no code execution).
+
+    A checkpoint saved without rank coordination has one ``__<rank>.metadata`` per rank
+    instead, each describing that rank's own chunks: they are merged into one global view
+    (a chunk several ranks saved, e.g. a replicated tensor, is taken from the lowest rank, as
+    DCP's own deduplication would), which torch itself can only load back rank by rank.
+    """
     path = os.fspath(path)
-    meta_file = os.path.join(path, ".metadata")
-    if not os.path.isfile(meta_file):
-        raise MissingShardError(f"{meta_file}: DCP metadata file not found (not a finished checkpoint?)")
+    parts = [_read_one(path, f) for f in metadata_files(path)]
+    if len(parts) == 1:
+        return parts[0]
+    tensors: dict[str, DcpTensor] = {}
+    objects: dict[str, tuple[str, int, int]] = {}
+    planner: dict[str, Any] = {}
+    for part in parts:
+        for fqn, t in part.tensors.items():
+            have = tensors.get(fqn)
+            if have is None:
+                tensors[fqn] = t
+                continue
+            if (have.dtype, have.size) != (t.dtype, t.size):
+                raise FormatError(f"{path}: tensor {fqn!r} is {have.size} {have.dtype} in one rank's metadata "
+                                  f"and {t.size} {t.dtype} in another's")
+            seen = {c.offsets for c in have.chunks}
+            tensors[fqn] = dataclasses.replace(have, chunks=have.chunks + tuple(
+                c for c in t.chunks if c.offsets not in seen))
+        for fqn, loc in part.objects.items():
+            objects.setdefault(fqn, loc)
+        for fqn, key in part.planner_data.items():
+            planner.setdefault(fqn, key)
+    return DcpMetadata(path, tensors, objects, parts[0].raw, planner)
+
+
+def _read_one(path: str, meta_file: str) -> DcpMetadata:
     if os.path.getsize(meta_file) > _MAX_METADATA:
         raise FormatError(f"{meta_file}: implausibly large metadata file")
     with open(meta_file, "rb") as fh:
@@ -138,7 +194,8 @@ def read_metadata(path: str) -> DcpMetadata:
                 objects[fqn] = loc
         else:
             raise FormatError(f"{meta_file}: unknown storage metadata {kind!r} for {fqn!r}")
-    return DcpMetadata(path, tensors, objects, raw)
+    planner = f.get("planner_data")
+    return DcpMetadata(path, tensors, objects, raw, dict(planner) if isinstance(planner, Mapping) else {})
 
 
 def _embedded_archive(file: str, start: int, length: int, what: str) -> tuple[Any, dict[str, tuple[int, int]]]:

@@ -55,7 +55,6 @@ from ckptbridge._model import (
     TensorState,
     c_strides,
 )
-from ckptbridge._pickle import Opaque
 from ckptbridge._read import FileCache, read_state
 from ckptbridge._rules import Rename, rules_to_json
 from ckptbridge._torchzip import strip_tensors
@@ -77,7 +76,7 @@ _MAX_BYTE_ITEM = 1 << 20
 
 
 def detect(path: str) -> bool:
-    """A directory with DCP's ``.metadata`` (never raises)."""
+    """A directory with DCP's ``.metadata`` or per-rank ``__0.metadata`` (never raises)."""
     return is_dcp_dir(path)
 
 
@@ -143,10 +142,7 @@ def _safetensors_header(file: str, offset: int) -> tuple[dict[str, Any], int]:
 
 
 def _key_paths(meta: DcpMetadata) -> dict[str, tuple[Any, ...]]:
-    planner = meta.raw.fields.get("planner_data") if isinstance(meta.raw, Opaque) else None
-    if not isinstance(planner, Mapping):
-        return {}
-    return {str(k): tuple(v) for k, v in planner.items() if isinstance(v, (tuple, list)) and v}
+    return {str(k): tuple(v) for k, v in meta.planner_data.items() if isinstance(v, (tuple, list)) and v}
 
 
 def _key_path(paths: Mapping[str, tuple[Any, ...]], fqn: str) -> tuple[Any, ...]:

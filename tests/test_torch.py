@@ -18,6 +18,7 @@ import torch
 from _dist import run
 from torch.distributed.tensor import Replicate, Shard
 
+import ckptbridge
 import ckptbridge._open as cb_open
 from ckptbridge.adapters import torch as cbt
 
@@ -331,3 +332,39 @@ def test_fsdp2_over_tp_strided_shards_save_and_load(jobs):
             assert set(res[key]) == set(ref)
             for n, v in ref.items():
                 np.testing.assert_array_equal(res[key][n], v, err_msg=f"{key} {n}")
+
+
+def _save_uncoordinated(rank: int, world: int, out: str) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    g = torch.Generator().manual_seed(0)
+    full, rep = torch.randn(10, 6, generator=g), torch.randn(7, generator=g)
+    sd = {"model": {"w": distribute_tensor(full, mesh, [Shard(0)]), "cols": distribute_tensor(full.t().contiguous(),
+                                                                                              mesh, [Shard(1)]),
+                    "r": distribute_tensor(rep, mesh, [Replicate()]), "own": torch.full((3,), float(rank))},
+          "step": 5}
+    dcp.save(sd, checkpoint_id=out, use_collectives=False)
+
+
+def test_dcp_saved_without_rank_coordination_merges_per_rank_metadata(tmp_path):
+    """``dcp.save(use_collectives=False)`` writes ``__<rank>.metadata`` per rank and no global
+    ``.metadata``; the ranks' views merge into one checkpoint (chunks several ranks saved come
+    from rank 0, like DCP's own dedup), and a missing rank's metadata is named."""
+    out = str(tmp_path / "c")
+    run(_save_uncoordinated, 3, out)
+    assert {".metadata", "__0.metadata", "__2.metadata"} & set(os.listdir(out)) == {"__0.metadata", "__2.metadata"}
+    g = torch.Generator().manual_seed(0)
+    full, rep = torch.randn(10, 6, generator=g), torch.randn(7, generator=g)
+    ckpt = cb_open.open(out)
+    assert ckpt.format == "dcp" and ckpt.step == 5
+    np.testing.assert_array_equal(ckpt["w"].read(), full.numpy())
+    np.testing.assert_array_equal(ckpt["cols"].read(), full.t().numpy())
+    np.testing.assert_array_equal(ckpt["r"].read(), rep.numpy())
+    np.testing.assert_array_equal(ckpt["own"].read(), np.zeros(3, np.float32))  # rank 0's copy
+    assert len(ckpt["w"].fragments) == 3
+    os.remove(os.path.join(out, "__1.metadata"))
+    with pytest.raises(ckptbridge.MissingShardError, match=r"__1\.metadata"):
+        cb_open.open(out)
