@@ -17,6 +17,7 @@ import mmap
 import os
 import queue
 import struct
+import sys
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -456,9 +457,11 @@ _BACKGROUND_NICE = 10
 
 
 def _lower_priority() -> None:
-    """Give the calling thread a lower CPU priority (Linux nice values are per thread)."""
-    with contextlib.suppress(OSError, AttributeError):
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), _BACKGROUND_NICE)
+    """Give the calling thread a lower CPU priority (Linux only: there nice values are per thread;
+    elsewhere the id would name a process)."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), _BACKGROUND_NICE)
 
 
 def _pwrite_all(fd: int, buf: mmap.mmap, lo: int, hi: int, at: int, path: str = "") -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 import numpy as np
 import pytest
@@ -349,3 +350,25 @@ def test_disk_full_mid_convert_names_the_file_and_keeps_the_old_checkpoint(tmp_p
     assert not [p for p in os.listdir(tmp_path) if ".partial" in p]  # the failed attempt cleaned up
     ckptbridge.convert(tmp_path / "a.pt", tmp_path / "u", overwrite=True)
     assert ckptbridge.verify(str(tmp_path / "u")) == []
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice values are Linux's")
+def test_background_writes_run_below_the_training_threads(tmp_path):
+    """The checkpointer's flush (``background=True``) reads and writes on threads with a higher
+    nice value; the caller's own thread keeps its priority."""
+    import threading
+
+    import ckptbridge._safetensors as st
+
+    seen = []
+
+    def data():
+        seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        return np.ones(8, np.float32)
+
+    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    st.write_files([st.FileSpec(str(tmp_path / "a.safetensors"), [st.Entry("x", "float32", (8,), data)])],
+                   background=True)
+    st.write_files([st.FileSpec(str(tmp_path / "b.safetensors"), [st.Entry("x", "float32", (8,), data)])])
+    assert seen == [min(mine + st._BACKGROUND_NICE, 19), mine]
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine
