@@ -5,6 +5,8 @@ Imported by ``ckptbridge._async`` only when a torch value is saved.
 
 from __future__ import annotations
 
+import mmap
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -33,6 +35,22 @@ def as_torch(out: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
     if dtype == torch.bfloat16:
         return torch.from_numpy(out.view(np.int16)).view(torch.bfloat16)
     return torch.from_numpy(out)
+
+
+def pin_host(buf: mmap.mmap) -> Callable[[], None]:
+    """Page-lock a host buffer for CUDA (``cudaHostRegister``, as torch's own DCP stager does), so
+    device-to-host snapshot copies are DMA transfers; returns the undo."""
+    from torch.cuda import _pin_memory_utils
+
+    view = np.frombuffer(buf, np.uint8)
+    addr = int(view.ctypes.data)
+    del view
+    _pin_memory_utils.pin_memory(addr, len(buf))
+    return lambda: _pin_memory_utils.unpin_memory(addr)
+
+
+def _pin_for(t: torch.Tensor) -> Callable[[mmap.mmap], Callable[[], None]] | None:
+    return pin_host if t.is_cuda and torch.cuda.is_available() else None
 
 
 def _copier(t: torch.Tensor) -> Any:
@@ -70,10 +88,10 @@ def torch_leaves(name: str, value: Any, lazy_keys: Any) -> list[Leaf]:
         box, writes = dtensor_box(value)
         local = value.to_local()
         return [Leaf(name, dtype_name(local), tuple(value.shape), box, _copier(local),
-                     lazy=local.data_ptr() in lazy_keys, write=writes, key=local.data_ptr())]
+                     lazy=local.data_ptr() in lazy_keys, write=writes, key=local.data_ptr(), pin=_pin_for(local))]
     shape = tuple(value.shape)
     return [Leaf(name, dtype_name(value), shape, Box.full(shape), _copier(value),
-                 lazy=value.data_ptr() in lazy_keys, key=value.data_ptr(), per_process=True)]
+                 lazy=value.data_ptr() in lazy_keys, key=value.data_ptr(), per_process=True, pin=_pin_for(value))]
 
 
 def optimizer_tensor_keys(optimizer: torch.optim.Optimizer) -> set[int]:

@@ -85,6 +85,7 @@ class Leaf:
     write: bool = True
     key: Any = None  # identity of the live tensor, for guards
     per_process: bool = False  # a plain tensor every process holds: treated as replicated, rank 0 writes
+    pin: Callable[[mmap.mmap], Callable[[], None]] | None = None  # page-locks host buffers (CUDA tensors)
 
     @property
     def buffer_key(self) -> str:
@@ -180,6 +181,11 @@ def leaves_of(
     return leaves, extra
 
 
+def _pinner(leaves: list[Leaf]) -> Callable[[mmap.mmap], Callable[[], None]] | None:
+    """How to page-lock host buffers for these leaves (set by adapters for device tensors), if at all."""
+    return next((leaf.pin for leaf in leaves if leaf.pin is not None), None)
+
+
 class _BufferSet:
     """Host buffers reused from save to save (allocated on first use per shape/dtype)."""
 
@@ -187,17 +193,23 @@ class _BufferSet:
         self.arrays: dict[str, np.ndarray] = {}
         self.images: dict[str, mmap.mmap] = {}  # data files' bytes, by relative path: flushed without a copy
         self.layout: tuple[Any, ...] | None = None
+        self.unpin: list[Callable[[], None]] = []  # undo page-locking of the images, if pinned
         self.busy = threading.Event()
         self.step: int | None = None  # the snapshot these buffers hold, for the host tier
         self.leaves: list[Leaf] = []
         self.extra: dict[str, Any] = {}
 
-    def lay_out(self, plan: list[tuple[str, list[Piece], FileSpec]]) -> None:
+    def lay_out(self, plan: list[tuple[str, list[Piece], FileSpec]],
+                pin: Callable[[mmap.mmap], Callable[[], None]] | None = None) -> None:
         """Place the written leaves' buffers inside page-aligned images of their data files
-        (kept while the layout holds), so the flush writes them with no copy."""
+        (kept while the layout holds), so the flush writes them with no copy. ``pin``
+        page-locks each image (device-to-host copies of CUDA tensors then run at DMA speed)."""
         layout = tuple((rel, tuple((p.tensor, p.box, p.dtype) for p in group)) for rel, group, _ in plan)
         if layout == self.layout:
+            if pin is not None and not self.unpin:
+                self.unpin = [pin(image) for image in self.images.values()]
             return
+        self.release()
         self.images, self.arrays = {}, {}  # drop the old layout's buffers
         for rel, group, spec in plan:
             _, offsets, size = file_layout(spec.entries, spec.metadata)
@@ -207,6 +219,14 @@ class _BufferSet:
                 arr = np.frombuffer(image, _dtypes.to_numpy(p.dtype), count=p.box.size, offset=at)
                 self.arrays[key] = arr.reshape(p.box.shape)
         self.layout = layout
+        if pin is not None:
+            self.unpin = [pin(image) for image in self.images.values()]
+
+    def release(self) -> None:
+        """Unpin the images (before they are dropped or the checkpointer closes)."""
+        for undo in self.unpin:
+            undo()
+        self.unpin = []
 
     def get(self, leaf: Leaf) -> np.ndarray:
         arr = self.arrays.get(leaf.buffer_key)
@@ -305,7 +325,7 @@ class Checkpointer:
                 raise CheckpointError(f"local state must be tensors or numbers: {sorted(own_extra)}")
             leaves += [dataclasses.replace(leaf, per_process=False) for leaf in own]
         buffers = self._acquire_buffers()
-        buffers.lay_out(self._plan(leaves))
+        buffers.lay_out(self._plan(leaves), _pinner(leaves))
         job = _Job(step, leaves, {**found_extra, **dict(extra or {})}, buffers)
         eager = [leaf for leaf in leaves if not leaf.lazy]
         job.pending_lazy = [leaf for leaf in leaves if leaf.lazy]
@@ -324,7 +344,7 @@ class Checkpointer:
         """
         leaves, _ = leaves_of(state)
         for b in self._buffers:
-            b.lay_out(self._plan(leaves))
+            b.lay_out(self._plan(leaves), _pinner(leaves))
             for leaf in leaves:
                 leaf.copy(b.get(leaf))
 
@@ -372,6 +392,8 @@ class Checkpointer:
         self._snapshots.put(None)
         for t in self._threads:
             t.join(timeout=60)
+        for b in self._buffers:
+            b.release()
 
     def __enter__(self) -> Checkpointer:
         return self

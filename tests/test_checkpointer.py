@@ -265,3 +265,46 @@ def test_flush_writes_from_the_snapshot_buffers_without_a_copy(tmp_path, monkeyp
         c = ckptbridge.open(got)
         for k, v in sd.items():
             assert c[k].read().tobytes() == v.tobytes()
+
+
+def test_host_images_are_page_locked_for_cuda_tensors_and_unlocked_after(tmp_path, monkeypatch):
+    """For CUDA tensors the snapshot images are registered with CUDA (``cudaHostRegister`` via
+    torch's own ``_pin_memory_utils``, as DCP's stager does) and unregistered when the layout
+    changes or the checkpointer closes. No GPU here: the CUDA calls are recorded, and CPU
+    tensors stand in for CUDA ones."""
+    import mmap as _mmap
+
+    from torch.cuda import _pin_memory_utils
+
+    import ckptbridge.adapters._async_torch as at
+
+    pinned: dict[int, int] = {}
+    log = []
+
+    def pin_memory(addr: int, size: int) -> None:
+        assert addr % _mmap.PAGESIZE == 0 and addr not in pinned
+        pinned[addr] = size
+        log.append(("pin", addr))
+
+    def unpin_memory(addr: int) -> None:
+        del pinned[addr]
+        log.append(("unpin", addr))
+
+    monkeypatch.setattr(_pin_memory_utils, "pin_memory", pin_memory)
+    monkeypatch.setattr(_pin_memory_utils, "unpin_memory", unpin_memory)
+    monkeypatch.setattr(at, "_pin_for", lambda t: at.pin_host)  # every tensor "is on a GPU"
+    model = _tiny_model()
+    ck = Checkpointer(tmp_path / "ck", keep_last=2)
+    ck.save(1, {"model": model.state_dict()})
+    ck.save(2, {"model": model.state_dict()})
+    ck.wait()
+    images = [img for b in ck._buffers for img in b.images.values()]
+    assert len(images) == 2 and sorted(pinned.values()) == sorted(len(i) for i in images)
+    assert set(pinned) == {np.frombuffer(i, np.uint8).ctypes.data for i in images}
+    ck.save(3, {"model": model.state_dict(), "extra": torch.ones(5)})  # a new layout for one set
+    ck.wait()
+    assert len(pinned) == 2 and sum(1 for k, _ in log if k == "unpin") == 1
+    ck.close()
+    assert pinned == {}
+    c = ckptbridge.open(step_dir(str(tmp_path / "ck"), 3))
+    np.testing.assert_array_equal(c["extra"].read(), np.ones(5, np.float32))
