@@ -109,6 +109,7 @@ def worker(rank: int, world: int, args: argparse.Namespace, port: int) -> None:
               flush=True)
         os._exit(3)
     ck.close()
+    dist.barrier()  # no rank tears gloo down while a peer still talks to it (that aborts the peer)
     dist.destroy_process_group()
 
 

@@ -72,6 +72,8 @@ def _rank_job(rank: int, world: int, port: int, ckpt_path: str, steps: int, mode
         result = ("error", f"{err!r}\n{traceback.format_exc()}")
     with open(os.path.join(result_dir, f"rank{rank}.pkl"), "wb") as fh:
         pickle.dump(result, fh)
+    if result[0] == "ok":
+        dist.barrier()  # no rank tears gloo down while a peer still talks to it (that aborts the peer)
     dist.destroy_process_group()
 
 
