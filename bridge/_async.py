@@ -89,7 +89,12 @@ class Leaf:
 
     @property
     def buffer_key(self) -> str:
-        return f"{self.name}@{','.join(map(str, self.box.offset))}"
+        return buffer_key(self.name, self.box)
+
+
+def buffer_key(name: str, box: Box) -> str:
+    """The host buffer of one leaf (a tensor, or this rank's box of it)."""
+    return f"{name}@{','.join(map(str, box.offset))}"
 
 
 @dataclass(frozen=True)
@@ -205,21 +210,17 @@ class _BufferSet:
         (kept while the layout holds), so the flush writes them with no copy. ``pin``
         page-locks each image (device-to-host copies of CUDA tensors then run at DMA speed)."""
         layout = tuple((rel, tuple((p.tensor, p.box, p.dtype) for p in group)) for rel, group, _ in plan)
-        if layout == self.layout:
-            if pin is not None and not self.unpin:
-                self.unpin = [pin(image) for image in self.images.values()]
-            return
-        self.release()
-        self.images, self.arrays = {}, {}  # drop the old layout's buffers
-        for rel, group, spec in plan:
-            _, offsets, size = file_layout(spec.entries, spec.metadata)
-            image = self.images[rel] = mmap.mmap(-1, max(size, 1))
-            for p, at in zip(group, offsets):
-                key = f"{p.tensor}@{','.join(map(str, p.box.offset))}"
-                arr = np.frombuffer(image, _dtypes.to_numpy(p.dtype), count=p.box.size, offset=at)
-                self.arrays[key] = arr.reshape(p.box.shape)
-        self.layout = layout
-        if pin is not None:
+        if layout != self.layout:
+            self.release()
+            self.images, self.arrays = {}, {}  # drop the old layout's buffers
+            for rel, group, spec in plan:
+                _, offsets, size = file_layout(spec.entries, spec.metadata)
+                image = self.images[rel] = mmap.mmap(-1, max(size, 1))
+                for p, at in zip(group, offsets):
+                    arr = np.frombuffer(image, _dtypes.to_numpy(p.dtype), count=p.box.size, offset=at)
+                    self.arrays[buffer_key(p.tensor, p.box)] = arr.reshape(p.box.shape)
+            self.layout = layout
+        if pin is not None and not self.unpin:
             self.unpin = [pin(image) for image in self.images.values()]
 
     def release(self) -> None:

@@ -118,10 +118,11 @@ def convert(
     """
     ckpt = as_checkpoint(src)
     tensors = apply_rules(ckpt.tensors, rules) if rules else ckpt.tensors
-    unknown = set(states or ()) - {s for t in tensors.values() for s in t.states}
+    have = {s for t in tensors.values() for s in t.states}
+    unknown = set(states or ()) - have
     if unknown:
-        have = sorted({s for t in tensors.values() for s in t.states})
-        raise TensorNotFoundError(f"{ckpt.path}: no tensor has state(s) {sorted(unknown)}; states here: {have}")
+        raise TensorNotFoundError(
+            f"{ckpt.path}: no tensor has state(s) {sorted(unknown)}; states here: {sorted(have)}")
     view = Checkpoint(type(ckpt.index)(
         ckpt.format, ckpt.path, tensors, ckpt.step, ckpt.extra, ckpt.rules, ckpt.provenance
     ), ckpt.files)

@@ -250,6 +250,9 @@ def write_files(files: Sequence[FileSpec], on_entry: Callable[[Entry], None] | N
             return spec.image, tasks[k].at, _from_image(spec.image, tasks[k])
         return slots[slot_of[k]], tasks[k].at % _ALIGN, _produce(spec.path, tasks[k], slots[slot_of[k]])
 
+    first: dict[int, int] = {}
+    for k, t in enumerate(tasks):
+        first.setdefault(t.file, k)
     last = {t.file: k for k, t in enumerate(tasks)}
     outs: dict[int, _NewFile] = {}
     results: list[list[Written]] = [[] for _ in files]
@@ -272,8 +275,7 @@ def write_files(files: Sequence[FileSpec], on_entry: Callable[[Entry], None] | N
                     if on_entry:
                         on_entry(t.item)
             if last[t.file] == k:
-                first = min(j for j, u in enumerate(tasks) if u.file == t.file)
-                writer.put(outs.pop(t.file).finish_after(written[first : k + 1]))
+                writer.put(outs.pop(t.file).finish_after(written[first[t.file] : k + 1]))
         writer.close()
     except BaseException:
         stop.set()

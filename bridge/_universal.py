@@ -172,12 +172,11 @@ def write_rank(
     plan = plan_rank(path, pieces, rank, max_file_bytes, token)
     specs = [dataclasses.replace(spec, image=images[rel]) if images and rel in images else spec
              for rel, _, spec in plan]
-    owners = [(rel, group) for rel, group, _ in plan]
-    piece_of = {id(e): p for spec, (_, group) in zip(specs, owners) for e, p in zip(spec.entries, group)}
+    piece_of = {id(e): p for _, group, spec in plan for e, p in zip(spec.entries, group)}
     written = write_files(specs, on_entry=(lambda e: on_piece(piece_of[id(e)])) if on_piece else None,
                           background=background)
     frags: list[dict[str, Any]] = []
-    for (rel, group), ws in zip(owners, written):
+    for (rel, group, _), ws in zip(plan, written):
         for w, p in zip(ws, group):
             frags.append({
                 "tensor": p.tensor, "state": p.state, "dtype": p.dtype,
