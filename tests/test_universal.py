@@ -352,10 +352,10 @@ def test_disk_full_mid_convert_names_the_file_and_keeps_the_old_checkpoint(tmp_p
     assert ckptbridge.verify(str(tmp_path / "u")) == []
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice values are Linux's")
 def test_background_writes_run_below_the_training_threads(tmp_path):
     """The checkpointer's flush (``background=True``) reads and writes on threads with a higher
-    nice value; the caller's own thread keeps its priority."""
+    nice value on Linux (elsewhere a thread id is not a process id, so priorities stay as they
+    are); the caller's own thread keeps its priority either way."""
     import threading
 
     import ckptbridge._safetensors as st
@@ -370,5 +370,6 @@ def test_background_writes_run_below_the_training_threads(tmp_path):
     st.write_files([st.FileSpec(str(tmp_path / "a.safetensors"), [st.Entry("x", "float32", (8,), data)])],
                    background=True)
     st.write_files([st.FileSpec(str(tmp_path / "b.safetensors"), [st.Entry("x", "float32", (8,), data)])])
-    assert seen == [min(mine + st._BACKGROUND_NICE, 19), mine]
+    lowered = min(mine + st._BACKGROUND_NICE, 19) if sys.platform.startswith("linux") else mine
+    assert seen == [lowered, mine]
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine
