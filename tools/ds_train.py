@@ -137,15 +137,11 @@ def main() -> None:
     ap.add_argument("--local_rank", type=int, default=-1)
     args = ap.parse_args()
 
-    if os.environ.get("DS_SKIP_SHM_OP") == "1":
-        # skip DeepSpeed's JIT g++ build of the CPU shm all-reduce op (inference only; training unaffected)
-        import deepspeed.comm.torch as _dct
-
-        _dct.build_shm_op = lambda: None
     import deepspeed
     from deepspeed import comm as dist
+    from make_deepspeed_ckpt import init_gloo
 
-    deepspeed.init_distributed(dist_backend="gloo")
+    init_gloo()
     rank, ws = dist.get_rank(), dist.get_world_size()
     micro = GLOBAL_BATCH // ws
 

@@ -16,27 +16,16 @@ vocabulary padded to a multiple of tp, replicated embedding and LayerNorms.
 """
 
 import argparse
-import json
-import os
 import re
 
 import torch
 import torch.distributed as tdist
 import torch.nn as nn
 import torch.nn.functional as F
+from ds_train_pp import VOCAB, D, Embed, ds_config, loss_fn, train_and_save
 from ds_train_tp import _CopyToTP, _GatherLast, _ReduceFromTP
 
-VOCAB, CTX, BATCH, D = 101, 16, 8, 24
 TP: dict = {}  # the tensor-parallel group, rank and size, filled once the pipeline grid exists
-
-
-class Embed(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.wte = nn.Embedding(VOCAB, D)  # replicated
-
-    def forward(self, idx):
-        return self.wte(idx)
 
 
 class MLP(nn.Module):
@@ -63,10 +52,6 @@ class Head(nn.Module):
         return _GatherLast.apply(logits, TP["group"], TP["rank"], TP["size"])[..., :VOCAB]
 
 
-def loss_fn(logits, targets):
-    return F.cross_entropy(logits.float().reshape(-1, VOCAB), targets.reshape(-1))
-
-
 REPLICATED = [r"\d+\.wte\.weight", r"\d+\.ln\.(weight|bias)", r"\d+\.ln_f\.(weight|bias)", r"\d+\.fc_out_bias"]
 
 
@@ -79,15 +64,12 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--local_rank", type=int, default=-1)
     args = ap.parse_args()
-    if os.environ.get("DS_SKIP_SHM_OP") == "1":
-        import deepspeed.comm.torch as _dct
-
-        _dct.build_shm_op = lambda: None
     import deepspeed
     from deepspeed.pipe import LayerSpec, PipelineModule
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+    from make_deepspeed_ckpt import init_gloo
 
-    deepspeed.init_distributed(dist_backend="gloo")
+    init_gloo()
     ws = tdist.get_world_size()
     dp = ws // (args.tp * args.pp)
     topo = PipeModelDataParallelTopology(num_pp=args.pp, num_mp=args.tp, num_dp=dp)
@@ -108,31 +90,9 @@ def main() -> None:
         "vocabulary_parameter_patterns": [r"\d+\.lm_head\.weight"],
         "original_vocab_size": VOCAB,
     }
-    cfg = {
-        "train_batch_size": BATCH, "train_micro_batch_size_per_gpu": BATCH // dp // 2,
-        "gradient_accumulation_steps": 2, "steps_per_print": 10**9,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1, "torch_adam": True}},
-        "zero_optimization": {"stage": 1},
-        "bf16": {"enabled": args.dtype == "bf16"},
-    }
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
-
-    def batches():
-        step = 0
-        while True:
-            g = torch.Generator().manual_seed(1000 + step)
-            data = torch.randint(0, VOCAB, (BATCH // dp // 2, CTX + 1), generator=g)
-            step += 1
-            yield data[:, :-1], data[:, 1:]
-
-    it = batches()
-    losses = [float(engine.train_batch(data_iter=it)) for _ in range(args.steps)]
-    engine.save_checkpoint(os.path.join(args.out, "ckpt"), tag=f"global_step{engine.global_steps}")
-    if tdist.get_rank() == 0:
-        with open(os.path.join(args.out, "meta.json"), "w") as fh:
-            json.dump({"stage": 1, "world_size": ws, "tp": args.tp, "pp": args.pp, "dtype": args.dtype,
-                       "losses": losses, "global_steps": engine.global_steps}, fh)
-    tdist.barrier()
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                           config=ds_config(dp, args.dtype))
+    train_and_save(engine, args.out, dp, args.steps, {"tp": args.tp, "pp": args.pp, "dtype": args.dtype})
 
 
 if __name__ == "__main__":

@@ -61,27 +61,33 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--local_rank", type=int, default=-1)
     args = ap.parse_args()
-    if os.environ.get("DS_SKIP_SHM_OP") == "1":
-        import deepspeed.comm.torch as _dct
-
-        _dct.build_shm_op = lambda: None
     import deepspeed
     from deepspeed.pipe import LayerSpec, PipelineModule
+    from make_deepspeed_ckpt import init_gloo
 
-    deepspeed.init_distributed(dist_backend="gloo")
+    init_gloo()
     torch.manual_seed(1234)
     layers = [LayerSpec(Embed), LayerSpec(MLP), LayerSpec(MLP), LayerSpec(MLP), LayerSpec(Head)]
     model = PipelineModule(layers=layers, num_stages=args.pp, loss_fn=loss_fn, partition_method="uniform")
-    ws = torch.distributed.get_world_size()
-    dp = ws // args.pp
-    cfg = {
+    dp = torch.distributed.get_world_size() // args.pp
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                           config=ds_config(dp, args.dtype))
+    train_and_save(engine, args.out, dp, args.steps, {"pp": args.pp, "dtype": args.dtype})
+
+
+def ds_config(dp: int, dtype: str) -> dict:
+    """ZeRO-1 AdamW, two micro-batches per step (what a pipeline needs to overlap stages)."""
+    return {
         "train_batch_size": BATCH, "train_micro_batch_size_per_gpu": BATCH // dp // 2,
         "gradient_accumulation_steps": 2, "steps_per_print": 10**9,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1, "torch_adam": True}},
         "zero_optimization": {"stage": 1},
-        "bf16": {"enabled": args.dtype == "bf16"},
+        "bf16": {"enabled": dtype == "bf16"},
     }
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+
+
+def train_and_save(engine, out: str, dp: int, steps: int, meta: dict) -> None:
+    """``steps`` pipeline steps on seeded batches, then the checkpoint and (rank 0) ``meta.json``."""
 
     def batches():
         step = 0
@@ -92,11 +98,11 @@ def main() -> None:
             yield data[:, :-1], data[:, 1:]
 
     it = batches()
-    losses = [float(engine.train_batch(data_iter=it)) for _ in range(args.steps)]
-    engine.save_checkpoint(os.path.join(args.out, "ckpt"), tag=f"global_step{engine.global_steps}")
+    losses = [float(engine.train_batch(data_iter=it)) for _ in range(steps)]
+    engine.save_checkpoint(os.path.join(out, "ckpt"), tag=f"global_step{engine.global_steps}")
     if torch.distributed.get_rank() == 0:
-        with open(os.path.join(args.out, "meta.json"), "w") as fh:
-            json.dump({"stage": 1, "world_size": ws, "pp": args.pp, "dtype": args.dtype, "losses": losses,
+        with open(os.path.join(out, "meta.json"), "w") as fh:
+            json.dump({"stage": 1, "world_size": torch.distributed.get_world_size(), **meta, "losses": losses,
                        "global_steps": engine.global_steps}, fh)
     torch.distributed.barrier()
 

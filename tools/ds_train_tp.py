@@ -152,13 +152,10 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--local_rank", type=int, default=-1)
     args = ap.parse_args()
-    if os.environ.get("DS_SKIP_SHM_OP") == "1":
-        import deepspeed.comm.torch as _dct
-
-        _dct.build_shm_op = lambda: None
     import deepspeed
+    from make_deepspeed_ckpt import init_gloo
 
-    deepspeed.init_distributed(dist_backend="gloo")
+    init_gloo()
     mpu = Mpu(args.tp)
     torch.manual_seed(1234)  # replicated parameters: same init on every rank
     model = TPModel(args.d_model, args.n_layer, mpu)

@@ -32,6 +32,19 @@ def env() -> dict[str, str]:
     return e
 
 
+def init_gloo() -> None:
+    """In a training script under torchrun: ``deepspeed.init_distributed`` on gloo. With
+    ``DS_SKIP_SHM_OP=1`` (set by :func:`env`) DeepSpeed's JIT g++ build of its CPU shared-memory
+    all-reduce op is skipped (inference only; training is unaffected)."""
+    if os.environ.get("DS_SKIP_SHM_OP") == "1":
+        import deepspeed.comm.torch as dct
+
+        dct.build_shm_op = lambda: None
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
