@@ -47,6 +47,19 @@ def _ds_reference() -> dict:
         return json.load(fh)
 
 
+def _torch_loss(ckpt) -> tuple:
+    """The torch GPT filled with the checkpoint's fp32 weights: a batch and its loss."""
+    import torch
+
+    from examples.models import torch_gpt as T
+
+    model = T.TinyGPT()
+    model.load_state_dict({n: torch.from_numpy(a) for n, a in ckpt.state_dict("fp32").items()})
+    x, y = T.make_batch(4)
+    with torch.no_grad():
+        return x, y, model(x, y).item()
+
+
 def _view(ckpt, rules):
     tensors = apply_rules(ckpt.tensors, list(rules))
     return ckptbridge.Checkpoint(ckptbridge.CheckpointIndex("mapped", ckpt.path, tensors, ckpt.step), ckpt.files)
@@ -105,19 +118,13 @@ def test_flax_model_computes_the_torch_model():
     missing transpose of the square matrices (shapes still fit) does not."""
     import flax  # noqa: F401  (a missing extra must fail, not skip)
     import jax.numpy as jnp
-    import torch
     from flax import nnx
 
     from ckptbridge.adapters import flax as cbflax
     from examples.models import flax_gpt as F
-    from examples.models import torch_gpt as T
 
     with ckptbridge.open(DS_CKPT) as ckpt:
-        model = T.TinyGPT()
-        model.load_state_dict({n: torch.from_numpy(a) for n, a in ckpt.state_dict("fp32").items()})
-        x, y = T.make_batch(4)
-        with torch.no_grad():
-            want = model(x, y).item()
+        x, y, want = _torch_loss(ckpt)
         graphdef, params = F.split_params(F.GPT(nnx.Rngs(0), scan=False))
         xs, ys = jnp.asarray(x.numpy()), jnp.asarray(y.numpy())
         loaded = cbflax.load(ckpt, params, rules=gpt_rules.torch_to_flax(60, scan=False))
@@ -135,18 +142,12 @@ def test_linen_model_loads_the_same_rules():
     import jax
     import jax.numpy as jnp
     import optax
-    import torch
 
     from ckptbridge.adapters import flax as cbflax
     from examples.models import linen_gpt as L
-    from examples.models import torch_gpt as T
 
     with ckptbridge.open(DS_CKPT) as ckpt:
-        model = T.TinyGPT()
-        model.load_state_dict({n: torch.from_numpy(a) for n, a in ckpt.state_dict("fp32").items()})
-        x, y = T.make_batch(4)
-        with torch.no_grad():
-            want = model(x, y).item()
+        x, y, want = _torch_loss(ckpt)
         xs, ys = jnp.asarray(x.numpy()), jnp.asarray(y.numpy())
         linen = L.GPT()
         variables = jax.eval_shape(linen.init, jax.random.key(0), xs)
