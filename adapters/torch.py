@@ -18,6 +18,8 @@ into the local tensor's memory. Any format ckptbridge opens is a source::
     cbt.load_module(fsdp_model, "run/global_step3")           # fill an (FSDP2) model in place
     cbt.load_optimizer(adamw, fsdp_model, "run/global_step3") # exp_avg, exp_avg_sq, step
     cbt.save("out/ckpt", fsdp_model.state_dict(), optimizer=adamw, module=fsdp_model, step=100)
+    ck.save(step, cbt.train_state(fsdp_model, adamw), optimizer=adamw)   # asynchronous Checkpointer
+    cbt.load_train_state(ck.path_of(ck.latest()), fsdp_model, adamw)     # resume at any world size
 
 Names that differ between checkpoint and model are mapped with rules
 (``rules=[Rename(r"^module\\.", "")]``, see :mod:`ckptbridge._rules`).
@@ -576,3 +578,9 @@ def save(
     if status[0] is not None:
         raise FormatError(f"{path}: commit on rank 0 failed: {status[0]}")
     return path
+
+
+# ---------------------------------------------------------------- training state for the Checkpointer
+
+from ckptbridge.adapters._train_state import load_train_state as load_train_state  # noqa: E402
+from ckptbridge.adapters._train_state import train_state as train_state  # noqa: E402

@@ -47,7 +47,9 @@ if TYPE_CHECKING:
         TruncatedError,
         UnknownFormatError,
         UnsafePickleError,
+        WatchdogError,
     )
+    from ._health import EXIT_FAULTY, EXIT_RESTART, Verdict, WatchdogPolicy
     from ._html import ReshardPlan
     from ._model import Box, FileRegion, Fragment, LogicalTensor, TensorState, flat_range_fragments
     from ._open import detect_format, open
@@ -68,6 +70,7 @@ if TYPE_CHECKING:
         apply_rules,
     )
     from ._universal import verify
+    from ._watchdog import Watchdog
 
 _LAZY = {  # public name -> module: imported on first use, so the CLI and core start fast
     "Checkpointer": "._async",
@@ -89,6 +92,11 @@ _LAZY = {  # public name -> module: imported on first use, so the CLI and core s
     "TruncatedError": "._errors",
     "UnknownFormatError": "._errors",
     "UnsafePickleError": "._errors",
+    "WatchdogError": "._errors",
+    "EXIT_FAULTY": "._health",
+    "EXIT_RESTART": "._health",
+    "Verdict": "._health",
+    "WatchdogPolicy": "._health",
     "ReshardPlan": "._html",
     "Box": "._model",
     "FileRegion": "._model",
@@ -114,6 +122,7 @@ _LAZY = {  # public name -> module: imported on first use, so the CLI and core s
     "Unstack": "._rules",
     "apply_rules": "._rules",
     "verify": "._universal",
+    "Watchdog": "._watchdog",
 }
 
 
@@ -131,6 +140,8 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
+    "EXIT_FAULTY",
+    "EXIT_RESTART",
     "Box",
     "Checkpoint",
     "CheckpointError",
@@ -165,6 +176,10 @@ __all__ = [
     "UnknownFormatError",
     "UnsafePickleError",
     "Unstack",
+    "Verdict",
+    "Watchdog",
+    "WatchdogError",
+    "WatchdogPolicy",
     "__version__",
     "apply_rules",
     "convert",

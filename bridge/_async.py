@@ -294,6 +294,7 @@ class Checkpointer:
         self._errors: list[BaseException] = []
         self._hooks: list[Any] = []
         self._jax_guarded = False
+        self._failed: frozenset[int] = frozenset()  # ranks given up on (abandon): their pieces never come
         os.makedirs(self.root, exist_ok=True)
         if self.rank == 0:
             self._clean_incomplete(before=None)
@@ -384,6 +385,12 @@ class Checkpointer:
         for job in jobs:
             job.flushed.wait()
         self._raise_background_error()
+
+    def abandon(self, ranks: Any) -> None:
+        """Give up on saves that still need pieces from ``ranks`` (failed peers): they are
+        never committed and fail at once instead of after ``commit_timeout``; every save whose
+        pieces all arrive still commits. Used by :class:`ckptbridge.Watchdog` on a fault."""
+        self._failed = self._failed | frozenset(int(r) for r in ranks)
 
     def close(self) -> None:
         self.wait()
@@ -581,6 +588,9 @@ class Checkpointer:
         deadline = time.monotonic() + self.commit_timeout
         want = [os.path.join(stage, f"manifest.r{r:05d}.json") for r in range(self.world_size)]
         while not all(os.path.exists(w) for w in want):
+            lost = sorted(r for r in self._failed if r < len(want) and not os.path.exists(want[r]))
+            if lost:
+                raise CheckpointError(f"{stage}: not committed, ranks {lost} failed before writing their pieces")
             if time.monotonic() > deadline:
                 missing = [r for r, w in enumerate(want) if not os.path.exists(w)]
                 raise CheckpointError(f"{stage}: ranks {missing} did not finish within {self.commit_timeout}s")

@@ -53,3 +53,7 @@ class ShapeMismatchError(CheckpointError, ValueError):
 
 class IncompleteCheckpointError(CheckpointError, ValueError):
     """A universal directory without its commit marker: it was never finished."""
+
+
+class WatchdogError(CheckpointError, RuntimeError):
+    """The fault detector cannot run: no job store to report through, or a bad setting."""

@@ -1,33 +1,59 @@
-"""Elastic restart after a fault: 4 ranks -> one dies -> resume on 3 ranks (uneven shards).
+"""Elastic restart on torchrun: find the faulty rank, restart on the healthy ones, resume.
 
-    python examples/elastic_restart.py ROOT --world 4 --steps 8 --kill-rank 3 --kill-step 5
-    python examples/elastic_restart.py ROOT --world 3 --steps 8          # resumes from ROOT
-    python examples/elastic_restart.py REF  --world 4 --steps 8          # an uninterrupted run
+    python examples/elastic_restart.py demo ROOT --fault kill     # or --fault stop; one command
 
-A small MLP is trained with FSDP2 (``fully_shard``) on CPU/gloo ranks. Every
-step, each rank checkpoints its own shards of the parameters and of the Adam
-moments asynchronously (``ckptbridge.Checkpointer``, lazily copied, guarded
-by the optimizer hook); rank 0 commits a step once every rank's pieces are
-on disk. When a rank dies, the others notice at their next collective (a
-short gloo timeout), report it and exit with status 3, without hanging; the
-step in flight is never committed. A relaunch with any number of ranks reads
-the newest complete step, each rank reading only the bytes of its own shards
-(30 rows over 3 ranks: 10/10/10; 10 outputs: 4/4/2), and training continues:
-the losses printed (``LOSS step value``) continue those of an uninterrupted
-run. The global batch is fixed, so the math is the same on any world size
-(up to floating-point reduction order).
+starts a c10d rendezvous store on 127.0.0.1 and four torchrun agents on this
+machine (four "nodes", one rank each), kills (SIGKILL) or stops (SIGSTOP) one
+rank at a random moment of a random step, and prints what happened: the
+watchdog names the faulty rank in one log line, the healthy ranks commit the
+last complete checkpoint and exit with status 75, the faulty node's agent is
+isolated, torchrun restarts the group on the three remaining nodes, and
+training resumes from ``Checkpointer.latest()`` at world size 3, each rank
+reading only the bytes of its own (uneven) FSDP2 shards. The losses
+(``LOSS step value``) continue those of an uninterrupted run: the global batch
+is fixed, so the math is the same on any world size up to reduction order.
+
+Each node runs the stock launcher; ``demo`` runs, per node::
+
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes=3:4 --nproc-per-node=1 --max-restarts=3 --rdzv-backend=c10d \\
+        --rdzv-endpoint=127.0.0.1:PORT --rdzv-id=JOB --local-addr=127.0.0.1 \\
+        --rdzv-conf=is_host=0,last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=2 \\
+        examples/elastic_restart.py train ROOT --steps 16
+
+(``is_host=0``: the rendezvous store runs in the demo process, like an etcd
+server, so that isolating any node never takes the store with it;
+``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: see ``AGENT_ENV``; the short keep-alive
+lets the rendezvous drop an isolated node within 2 s, by the end of its 2 s last call.) The training
+loop is ``train()``: a small MLP under FSDP2 on gloo, checkpointed every step
+with ``ckptbridge.Checkpointer`` and watched by ``ckptbridge.Watchdog``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
+import faulthandler
+import json
+import logging
 import os
+import signal
+import socket
+import subprocess
 import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass
 
 import numpy as np
 
 GLOBAL_BATCH, D_IN, HIDDEN, D_OUT = 24, 16, 30, 10
+RDZV_CONF = "last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=2,join_timeout=120"
+# Each round's rank-0 worker serves the workers' store: with torch's shared agent store (the
+# default), agents keep the address of the first round's rank-0 node, so a restart without that
+# node waits for a store that is gone (torch 2.13). Gloo talks over loopback.
+AGENT_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "GLOO_SOCKET_IFNAME": "lo"}
 
 
 def batch(step: int) -> tuple[np.ndarray, np.ndarray]:
@@ -36,19 +62,77 @@ def batch(step: int) -> tuple[np.ndarray, np.ndarray]:
     return x, np.tanh(x @ np.ones((D_IN, D_OUT), np.float32) / 4).astype(np.float32)
 
 
-def worker(rank: int, world: int, args: argparse.Namespace, port: int) -> None:
+@dataclass(frozen=True)
+class Fault:
+    """Inject a signal into global rank ``rank`` (of the first attempt), ``delay`` seconds
+    into step ``step``."""
+
+    rank: int
+    step: int
+    signal: str = "kill"  # kill (SIGKILL) | stop (SIGSTOP)
+    delay: float = 0.0
+
+
+def emit(path: str | None, **event: object) -> None:
+    """Append one JSON line (one write: lines of concurrent processes never interleave)."""
+    if path:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, (json.dumps(event) + "\n").encode())
+        finally:
+            os.close(fd)
+
+
+def _inject(fault: Fault, root: str, events: str | None, step: int) -> None:
+    """Arm the fault once per job (a marker file), on a timer: it lands mid-step."""
+    try:
+        os.close(os.open(os.path.join(root, "fault-injected"), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return
+    sig = signal.SIGKILL if fault.signal == "kill" else signal.SIGSTOP
+
+    def fire() -> None:
+        emit(events, ev="fault", rank=fault.rank, step=step, signal=fault.signal, pid=os.getpid(),
+             host=socket.gethostname(), time=time.time())
+        os.kill(os.getpid(), sig)
+
+    threading.Timer(fault.delay, fire).start()
+
+
+def _break_shards(ckpt: object, model: object, mesh: object) -> None:
+    """Negative control: every rank takes the next rank's shard where the shapes agree."""
+    import torch
+
+    from ckptbridge.adapters import torch as cbt
+
+    other = (mesh.get_coordinate()[0] + 1) % mesh.size()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            local = p.to_local()
+            shape, pairs = cbt.local_boxes(p.shape, mesh.shape, [other], p.placements)
+            if tuple(shape) == tuple(local.shape) and len(pairs) == 1:
+                local.copy_(torch.from_numpy(ckpt[f"model.{name}"].read(pairs[0][0])))
+
+
+def train(root: str, steps: int, *, fault: Fault | None = None, events: str | None = None,
+          timeout: float = 60.0, keep_all: bool = False, broken: str | None = None) -> None:
+    """One rank of the job (run by torchrun; ``torch.distributed`` is set up from its env)."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor import DTensor
 
     import ckptbridge
-    from ckptbridge.adapters._async_torch import dtensor_box
+    from ckptbridge.adapters import torch as cbt
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=args.timeout))
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>` prints every stack
+    logging.basicConfig(format="%(asctime)s %(message)s")
+    logging.getLogger("ckptbridge.watchdog").setLevel(logging.INFO)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    emit(events, ev="start", rank=rank, world=world, pid=os.getpid(), attempt=attempt, time=time.time())
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(D_IN, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, D_OUT))
     mesh = init_device_mesh("cpu", (world,))
@@ -57,43 +141,40 @@ def worker(rank: int, world: int, args: argparse.Namespace, port: int) -> None:
             fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    names = {p: n for n, p in model.named_parameters()}
-    ck = ckptbridge.Checkpointer(args.root, keep_last=3, commit_timeout=args.timeout)
-
-    def state() -> dict:
-        out = {"model": {n: p for p, n in names.items()}}
-        for key in ("exp_avg", "exp_avg_sq"):
-            out[key] = {names[p]: s[key] for p, s in opt.state.items()}
-        out["adam_step"] = {names[p]: s["step"] for p, s in opt.state.items()}
-        return out
-
+    # one token per attempt, the same on every rank (agents count restarts separately), so that
+    # pieces of an abandoned attempt never mix with this one's in a staging directory
+    token = [uuid.uuid4().hex[:8] if rank == 0 else None]
+    dist.broadcast_object_list(token, src=0)
+    job = f"{os.environ.get('TORCHELASTIC_RUN_ID', 'job')}-{token[0]}"
+    ck = ckptbridge.Checkpointer(root, keep_last=None if keep_all else 3, commit_timeout=timeout, job_id=job)
     start = 0
     latest = ck.latest()
     if latest is not None:  # resume: each rank reads only its own boxes
+        t0 = time.perf_counter()
         ckpt = ckptbridge.open(ck.path_of(latest))
-        with torch.no_grad():
-            for p, n in names.items():
-                box, _ = dtensor_box(p)
-                p.to_local().copy_(torch.from_numpy(ckpt[f"model.{n}"].read(box)))
-                opt.state[p] = {
-                    "step": torch.tensor(float(ckpt[f"adam_step.{n}"].read())),
-                    **{k: DTensor.from_local(torch.from_numpy(ckpt[f"{k}.{n}"].read(box)), p.device_mesh,
-                                             p.placements, run_check=False, shape=p.shape, stride=p.stride())
-                       for k in ("exp_avg", "exp_avg_sq")},
-                }
+        cbt.load_train_state(ckpt, model, None if broken == "no-optimizer" else opt)
+        if broken == "wrong-shard":
+            _break_shards(ckpt, model, mesh)
         start = latest + 1
+        emit(events, ev="resumed", rank=rank, world=world, step=latest, bytes=ckpt.stats.bytes_read,
+             seconds=time.perf_counter() - t0, time=time.time())
         if rank == 0:
             print(f"RESUMED from step {latest} on {world} ranks, read {ckpt.stats.bytes_read} bytes on rank 0",
                   flush=True)
     per_rank = GLOBAL_BATCH // world
-    try:
-        for step in range(start, args.steps):
-            if step == args.kill_step and rank == args.kill_rank:
-                print(f"rank {rank} dies at step {step}", flush=True)
-                os._exit(1)
+    def on_fault(verdicts: list) -> None:  # what this rank is about to do (for the tests)
+        faulty = sorted(v.rank for v in verdicts)
+        emit(events, ev="verdict", rank=rank, faulty=faulty, time=time.time(),
+             code=ckptbridge.EXIT_FAULTY if rank in faulty else ckptbridge.EXIT_RESTART)
+
+    with ckptbridge.Watchdog(ck, on_fault=on_fault) as wd:
+        emit(events, ev="ready", rank=rank, world=world, time=time.time())
+        for step in range(start, steps):
+            if fault is not None and step == fault.step and rank == fault.rank and attempt == "0":
+                _inject(fault, root, events, step)
             x, y = batch(step)
             lo = rank * per_rank
-            xb, yb = torch.from_numpy(x[lo : lo + per_rank]), torch.from_numpy(y[lo : lo + per_rank])
+            xb, yb = torch.from_numpy(x[lo: lo + per_rank]), torch.from_numpy(y[lo: lo + per_rank])
             loss = (model(xb) - yb).pow(2).mean()
             opt.zero_grad()
             loss.backward()
@@ -102,43 +183,115 @@ def worker(rank: int, world: int, args: argparse.Namespace, port: int) -> None:
             dist.all_reduce(total)
             if rank == 0:
                 print(f"LOSS {step} {total.item():.9g}", flush=True)
-            ck.save(step, state(), optimizer=opt)
+                emit(events, ev="loss", step=step, loss=total.item(), world=world, time=time.time())
+            ck.save(step, cbt.train_state(model, opt), optimizer=opt)
+            wd.step(step)
         ck.wait()
-    except RuntimeError as err:  # a peer is gone: collectives time out
-        print(f"rank {rank}: lost a peer at step {step} ({type(err).__name__}); exiting for a restart",
-              flush=True)
-        os._exit(3)
     ck.close()
-    dist.barrier()  # no rank tears gloo down while a peer still talks to it (that aborts the peer)
+    emit(events, ev="done", rank=rank, world=world, time=time.time())
+    dist.barrier()  # no rank tears gloo down while a peer still talks to it
     dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------ launching (the demo)
+
+
+def rendezvous_store() -> tuple[object, int]:
+    """The c10d rendezvous store, served from this process on 127.0.0.1 only."""
+    import torch.distributed as dist
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(128)
+    port = sock.getsockname()[1]
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, multi_tenant=True,
+                          master_listen_fd=sock.fileno())
+    return (store, sock), port
+
+
+def agent_command(port: int, job: str, root: str, steps: int, *, nodes: int = 4, fault: Fault | None = None,
+                  events: str | None = None, extra: tuple[str, ...] = ()) -> list[str]:
+    """The torchrun command of one node."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes - 1}:{nodes}", "--nproc-per-node=1",
+           "--max-restarts=3", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={job}",
+           "--local-addr=127.0.0.1", f"--rdzv-conf=is_host=0,{RDZV_CONF}", "--monitor-interval=0.1",
+           os.path.abspath(__file__), "train", root, "--steps", str(steps)]
+    if fault is not None:
+        cmd += ["--fault-rank", str(fault.rank), "--fault-step", str(fault.step), "--fault-signal", fault.signal,
+                "--fault-delay", str(fault.delay)]
+    if events:
+        cmd += ["--events", events]
+    return cmd + list(extra)
+
+
+def demo(root: str, steps: int, fault: Fault | None, nodes: int = 4, timeout: float = 300.0) -> int:
+    os.makedirs(root, exist_ok=True)
+    events = os.path.join(root, "events.jsonl")
+    _store, port = rendezvous_store()  # kept alive until the agents are done
+    env = {**os.environ, **AGENT_ENV, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    job = uuid.uuid4().hex[:8]
+    agents = [subprocess.Popen(agent_command(port, job, root, steps, nodes=nodes, fault=fault, events=events),
+                               env=env) for _ in range(nodes)]
+    deadline = time.monotonic() + timeout
+    codes = []
+    for a in agents:
+        try:
+            codes.append(a.wait(timeout=max(1.0, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            a.kill()
+            codes.append(a.wait())
+    print(f"AGENTS exited {codes}", flush=True)
+    faults = os.path.join(root, "faults.jsonl")
+    if os.path.exists(faults):
+        with open(faults) as fh:
+            for line in fh:
+                v = json.loads(line)
+                print(f"FAULT rank {v['rank']} ({v['kind']}) on {v['host']}, judged after "
+                      f"{v['silent']:.2f}s of silence", flush=True)
+    with open(events) as fh:
+        evs = [json.loads(line) for line in fh]
+    for e in evs:
+        if e["ev"] == "fault":
+            print(f"INJECTED {e['signal']} into rank {e['rank']} at step {e['step']}", flush=True)
+    worlds = sorted({e["world"] for e in evs if e["ev"] == "done"})
+    print(f"FINISHED on world size {worlds}", flush=True)
+    with contextlib.suppress(Exception):  # a stopped rank that nothing isolated: do not leave it behind
+        for e in evs:
+            if e["ev"] == "fault":
+                os.kill(e["pid"], signal.SIGKILL)
+    return 0 if worlds else 1
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("root")
-    ap.add_argument("--world", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--kill-rank", type=int, default=-1)
-    ap.add_argument("--kill-step", type=int, default=-1)
-    ap.add_argument("--timeout", type=float, default=20.0, help="seconds before a lost peer is noticed")
+    sub = ap.add_subparsers(dest="mode", required=True)
+    for name in ("train", "demo"):
+        p = sub.add_parser(name)
+        p.add_argument("root")
+        p.add_argument("--steps", type=int, default=16)
+        p.add_argument("--fault-rank", type=int, default=-1)
+        p.add_argument("--fault-step", type=int, default=-1)
+        p.add_argument("--fault-signal", choices=("kill", "stop"), default="kill")
+        p.add_argument("--fault-delay", type=float, default=0.02)
+        p.add_argument("--events", default=None)
+    sub.choices["train"].add_argument("--timeout", type=float, default=60.0)
+    sub.choices["train"].add_argument("--keep-all", action="store_true")
+    sub.choices["train"].add_argument("--broken", choices=("no-optimizer", "wrong-shard"), default=None,
+                                      help="negative controls for the tests: a deliberately wrong resume")
+    sub.choices["demo"].add_argument("--fault", choices=("kill", "stop", "none"), default="kill")
     args = ap.parse_args(argv)
-    if GLOBAL_BATCH % args.world:
-        raise SystemExit(f"--world must divide the global batch {GLOBAL_BATCH}")
-    import socket
-
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.start_processes(worker, args=(args.world, args, port), nprocs=args.world, join=False,
-                             start_method="spawn")
-    codes = []
-    for proc in ctx.processes:
-        proc.join()
-        codes.append(proc.exitcode)
-    print(f"EXIT codes {codes}", flush=True)
-    return 0 if all(c == 0 for c in codes) else 3
+    if args.mode == "train":
+        fault = Fault(args.fault_rank, args.fault_step, args.fault_signal, args.fault_delay) \
+            if args.fault_rank >= 0 else None
+        train(args.root, args.steps, fault=fault, events=args.events, timeout=args.timeout,
+              keep_all=args.keep_all, broken=args.broken)
+        return 0
+    rng = np.random.default_rng()
+    fault = None if args.fault == "none" else Fault(
+        int(rng.integers(4)) if args.fault_rank < 0 else args.fault_rank,
+        int(rng.integers(3, args.steps - 4)) if args.fault_step < 0 else args.fault_step,
+        args.fault, float(rng.uniform(0, 0.05)))
+    return demo(args.root, args.steps, fault)
 
 
 if __name__ == "__main__":
