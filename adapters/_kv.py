@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import queue
 import threading
 import time
 from collections.abc import Callable
@@ -29,42 +28,64 @@ class StoreTimeout(WatchdogError, TimeoutError):
     """A store call did not return in time (its server may be stopped or gone)."""
 
 
-class _Caller:
-    """Runs calls on one helper thread; a call that outlives ``timeout`` raises
-    :class:`StoreTimeout` and retires the thread (and, through ``on_stuck``, its connection)."""
+class _Worker:
+    """One helper thread; ``request``/``reply`` are locks used as binary semaphores (the
+    cheapest hand-off there is: every wakeup costs CPU on a virtual machine)."""
 
-    def __init__(self, timeout: float, on_stuck: Callable[[], None] | None = None) -> None:
-        self.timeout, self.on_stuck = timeout, on_stuck
-        self._lock = threading.Lock()
-        self._jobs: queue.Queue[Any] | None = None
+    def __init__(self) -> None:
+        self.request, self.reply = threading.Lock(), threading.Lock()
+        self.request.acquire()
+        self.reply.acquire()
+        self.fn: Callable[[], Any] | None = None
+        self.result: tuple[bool, Any] = (False, None)
+        self.busy, self.since, self.late = False, 0.0, False
+        threading.Thread(target=self._run, name="ckptbridge-kv", daemon=True).start()
 
-    def _worker(self, jobs: queue.Queue[Any]) -> None:
+    def _run(self) -> None:
         while True:
-            item = jobs.get()
-            if item is None:
+            self.request.acquire()
+            fn = self.fn
+            if fn is None:
                 return
-            fn, out = item
             try:
-                out.put((True, fn()))
+                self.result = (True, fn())
             except BaseException as err:
-                out.put((False, err))
+                self.result = (False, err)
+            self.reply.release()
+            self.busy = False  # after the release: a caller that sees it idle can take the reply
+
+
+class _Caller:
+    """Runs calls on a helper thread, each bounded by ``timeout``. A late call is not
+    abandoned at once: until it returns, later calls fail at once (no new connection, no
+    reply read out of turn); one stuck for ``retire_after`` seconds retires the thread and,
+    through ``on_stuck``, its connection."""
+
+    def __init__(self, timeout: float, on_stuck: Callable[[], None] | None = None,
+                 retire_after: float = 5.0) -> None:
+        self.timeout, self.on_stuck, self.retire_after = timeout, on_stuck, retire_after
+        self._lock = threading.Lock()
+        self._worker: _Worker | None = None
 
     def __call__(self, fn: Callable[[], Any], timeout: float | None = None) -> Any:
         with self._lock:  # one call at a time per connection, from any thread
-            if self._jobs is None:
-                self._jobs = queue.Queue()
-                threading.Thread(target=self._worker, args=(self._jobs,), name="ckptbridge-kv",
-                                 daemon=True).start()
-            out: queue.Queue[Any] = queue.Queue()
-            self._jobs.put((fn, out))
-            try:
-                ok, value = out.get(timeout=self.timeout if timeout is None else timeout)
-            except queue.Empty:
-                self._jobs.put(None)  # the stuck thread ends once its call returns, if ever
-                self._jobs = None  # the next call gets a new thread
+            w = self._worker
+            if w is not None and w.busy:
+                if time.monotonic() - w.since < self.retire_after:
+                    raise StoreTimeout("an earlier store call has not returned yet")
+                self._worker = w = None
                 if self.on_stuck is not None:
                     self.on_stuck()
-                raise StoreTimeout(f"a store call did not return within {self.timeout:.2f}s") from None
+            if w is None:
+                w = self._worker = _Worker()
+            elif w.late:  # the late call returned since: consume its reply
+                w.reply.acquire()
+            w.busy, w.since, w.late, w.fn = True, time.monotonic(), False, fn
+            w.request.release()
+            if not w.reply.acquire(timeout=self.timeout if timeout is None else timeout):
+                w.late = True
+                raise StoreTimeout(f"a store call did not return within {self.timeout:.2f}s")
+            ok, value = w.result
         if not ok:
             raise value
         return value
@@ -96,21 +117,23 @@ class TorchKV:
             self._fresh = False
         return self.store
 
-    def reconnect(self) -> None:
-        """A fresh connection before the next call (a reply that timed out must never be read
-        as the answer to the next request). Only for connections this object opened itself."""
-        self._retire()
-
     def set(self, key: str, value: str) -> None:
         self._call(lambda: self._store().set(key, value))
 
     def init_verdict(self) -> None:
         self._call(lambda: self._store().compare_set("verdict", "", ""))  # exists (empty) from now on
 
-    def snapshot(self, world: int) -> tuple[dict[int, str], str]:
+    def snapshot(self, world: int, beat: tuple[str, str] | None = None) -> tuple[dict[int, str], str]:
+        """Every rank's beat and the verdict (after writing ``beat`` = (key, value), in the same call)."""
         keys = [f"beat/{r}" for r in range(world)] + ["verdict"]
-        values = self._call(lambda: self._store().multi_get(keys))
-        text = [v.decode("utf-8", "replace") for v in values]
+
+        def call() -> list[bytes]:
+            store = self._store()
+            if beat is not None:
+                store.set(*beat)
+            return store.multi_get(keys)
+
+        text = [v.decode("utf-8", "replace") for v in self._call(call)]
         return dict(enumerate(text[:-1])), text[-1]
 
     def claim(self, key: str, value: str) -> str:
@@ -137,19 +160,21 @@ class JaxKV:
         self.host_rank = 0
         self._call = _Caller(timeout)
 
-    def reconnect(self) -> None:
-        pass  # the jax.distributed client reconnects by itself
-
     def set(self, key: str, value: str) -> None:
         self._call(lambda: self.client.key_value_set(self.prefix + key, value, allow_overwrite=True))
 
     def init_verdict(self) -> None:
         pass  # absent until claimed; snapshot lists a directory
 
-    def snapshot(self, world: int) -> tuple[dict[int, str], str]:
+    def snapshot(self, world: int, beat: tuple[str, str] | None = None) -> tuple[dict[int, str], str]:
+        def call() -> list[tuple[str, str]]:
+            if beat is not None:
+                self.client.key_value_set(self.prefix + beat[0], beat[1], allow_overwrite=True)
+            return self.client.key_value_dir_get(self.prefix)
+
         beats: dict[int, str] = {}
         verdict = ""
-        for key, value in self._call(lambda: self.client.key_value_dir_get(self.prefix)):
+        for key, value in self._call(call):
             rel = key[len(self.prefix):] if key.startswith(self.prefix) else key
             if rel.startswith("beat/"):
                 beats[int(rel[5:])] = value

@@ -150,6 +150,7 @@ class Watchdog:
         # sampler counters (written by the watchdog thread)
         self._samples = self._waits = 0
         self._marked = 0
+        self._code_waits: dict[Any, bool] = {}  # code object -> inside a wait_frames file
         self._waiting = False  # main thread's state at the last sample, and since when (monotonic)
         self._state_since = time.monotonic()
         self._main = threading.main_thread().ident
@@ -161,6 +162,7 @@ class Watchdog:
         self._flagged: set[int] = set()
         self._store_ok = time.monotonic()
         self._store_lost = False  # judged unreachable: nothing more is said through it
+        self._cpu_at_exit = 0.0
         self._sig_r = self._sig_w = -1
         self._old_wakeup = -1
         self._old_term: Any = None
@@ -184,6 +186,17 @@ class Watchdog:
     def bound(self) -> float:
         """The detection bound for a silent rank right now (seconds): ``bound_periods * P``."""
         return self.policy.bound(self.period)
+
+    @property
+    def cpu_seconds(self) -> float:
+        """CPU time the watchdog thread has used so far (Linux; 0.0 where unknown)."""
+        t = self._thread
+        if t is None or t.ident is None or not t.is_alive() or not hasattr(time, "pthread_getcpuclockid"):
+            return self._cpu_at_exit
+        try:
+            return time.clock_gettime(time.pthread_getcpuclockid(t.ident))
+        except (OSError, ValueError):
+            return self._cpu_at_exit
 
     def start(self) -> Watchdog:
         """Register this rank in the store, wait for every rank to register, start watching."""
@@ -284,19 +297,26 @@ class Watchdog:
     # ---------------------------------------------------------------- the thread
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        finally:
+            self._cpu_at_exit = time.thread_time()
+
+    def _loop(self) -> None:
+        # one wakeup per beat interval (jittered) samples the main thread and, when due, beats:
+        # on virtual machines every wakeup costs tens of microseconds of CPU
         interval = self.policy.interval
-        sample = min(0.005, interval / 4)
         next_beat = time.monotonic()
         while not self._halt.is_set():
             self._sample()
             now = time.monotonic()
-            if now >= next_beat:
+            if now >= next_beat - interval / 2:
                 next_beat = now + interval
                 try:
                     self._beat(now)
                 except Exception as err:  # never let the detector kill the rank
                     log.exception("watchdog on rank %d: %s", self.rank, err)
-            wait = sample * random.uniform(0.5, 1.5)  # jitter: no aliasing with the step period
+            wait = interval * random.uniform(0.5, 1.5)  # jitter: no aliasing with the step period
             if self._sig_r >= 0:
                 ready, _, _ = select.select([self._sig_r], [], [], wait)
                 if ready and signal.SIGTERM in _drain_pipe(self._sig_r):
@@ -308,10 +328,13 @@ class Watchdog:
         waiting = self._marked > 0
         if not waiting:
             frame = sys._current_frames().get(self._main) if hasattr(sys, "_current_frames") else None
-            depth = 0
+            depth, known = 0, self._code_waits
             while frame is not None and depth < 48:
-                name = frame.f_code.co_filename
-                if any(m in name for m in self.wait_frames):
+                code = frame.f_code
+                hit = known.get(code)
+                if hit is None:
+                    hit = known[code] = any(m in code.co_filename for m in self.wait_frames)
+                if hit:
                     waiting = True
                     break
                 frame, depth = frame.f_back, depth + 1
@@ -331,8 +354,8 @@ class Watchdog:
         try:
             held = now - self._state_since
             state = held if self._waiting else -held
-            self._kv.set(f"beat/{self.rank}", Beat(self._seq, self._step, period, busy, state).encode())
-            raw, verdict = self._kv.snapshot(self.world_size)
+            beat = (f"beat/{self.rank}", Beat(self._seq, self._step, period, busy, state).encode())
+            raw, verdict = self._kv.snapshot(self.world_size, beat)
         except Exception as err:
             self._store_failed(now, err)
             return
@@ -389,8 +412,6 @@ class Watchdog:
         ``init_process_group`` or of torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1,
         process 0 of jax.distributed), that rank is the faulty one; no verdict can be
         claimed, so the lowest healthy rank speaks and isolates."""
-        with contextlib.suppress(Exception):
-            self._kv.reconnect()
         host_rank = getattr(self._kv, "host_rank", None)
         silent = now - self._store_ok
         if host_rank in self._seen and host_rank != self.rank:  # its beats stopped even earlier
@@ -401,7 +422,9 @@ class Watchdog:
         if silent < self.policy.hang_periods * self.period and not gone:
             return
         self._store_lost = True
-        if host_rank is None or host_rank == self.rank:
+        if host_rank == self.rank:
+            return  # the server runs in this very process: slow for everyone, not dead
+        if host_rank is None:
             self._judged([Verdict("unreachable", -1, "?", -1, self._step, silent, self.period,
                                   f"the job's store does not answer ({type(err).__name__}: {err})",
                                   self.rank, time.time())], claimed=True)

@@ -115,7 +115,7 @@ def _break_shards(ckpt: object, model: object, mesh: object) -> None:
 
 
 def train(root: str, steps: int, *, fault: Fault | None = None, events: str | None = None,
-          timeout: float = 60.0, keep_all: bool = False, broken: str | None = None) -> None:
+          timeout: float = 60.0, keep_all: bool = False, broken: str | None = None, watchdog: bool = True) -> None:
     """One rank of the job (run by torchrun; ``torch.distributed`` is set up from its env)."""
     import torch
     import torch.distributed as dist
@@ -167,7 +167,9 @@ def train(root: str, steps: int, *, fault: Fault | None = None, events: str | No
         emit(events, ev="verdict", rank=rank, faulty=faulty, time=time.time(),
              code=ckptbridge.EXIT_FAULTY if rank in faulty else ckptbridge.EXIT_RESTART)
 
-    with ckptbridge.Watchdog(ck, on_fault=on_fault) as wd:
+    # watchdog=False: the stock behaviour (bench/bench_elastic.py's peer): a lost peer surfaces as
+    # a failed collective, or a gloo timeout for a stopped one, and torchrun restarts every node
+    with ckptbridge.Watchdog(ck, on_fault=on_fault) if watchdog else _NoWatchdog() as wd:
         emit(events, ev="ready", rank=rank, world=world, time=time.time())
         for step in range(start, steps):
             if fault is not None and step == fault.step and rank == fault.rank and attempt == "0":
@@ -191,6 +193,11 @@ def train(root: str, steps: int, *, fault: Fault | None = None, events: str | No
     emit(events, ev="done", rank=rank, world=world, time=time.time())
     dist.barrier()  # no rank tears gloo down while a peer still talks to it
     dist.destroy_process_group()
+
+
+class _NoWatchdog(contextlib.nullcontext):
+    def step(self, step: int) -> None:
+        pass
 
 
 # ------------------------------------------------------------------ launching (the demo)
@@ -224,13 +231,15 @@ def agent_command(port: int, job: str, root: str, steps: int, *, nodes: int = 4,
     return cmd + list(extra)
 
 
-def demo(root: str, steps: int, fault: Fault | None, nodes: int = 4, timeout: float = 300.0) -> int:
+def demo(root: str, steps: int, fault: Fault | None, nodes: int = 4, timeout: float = 300.0,
+         extra: tuple[str, ...] = ()) -> int:
     os.makedirs(root, exist_ok=True)
     events = os.path.join(root, "events.jsonl")
     _store, port = rendezvous_store()  # kept alive until the agents are done
     env = {**os.environ, **AGENT_ENV, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     job = uuid.uuid4().hex[:8]
-    agents = [subprocess.Popen(agent_command(port, job, root, steps, nodes=nodes, fault=fault, events=events),
+    agents = [subprocess.Popen(agent_command(port, job, root, steps, nodes=nodes, fault=fault, events=events,
+                                             extra=extra),
                                env=env) for _ in range(nodes)]
     deadline = time.monotonic() + timeout
     codes = []
@@ -276,22 +285,26 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--events", default=None)
     sub.choices["train"].add_argument("--timeout", type=float, default=60.0)
     sub.choices["train"].add_argument("--keep-all", action="store_true")
+    sub.choices["train"].add_argument("--no-watchdog", action="store_true", help="the stock behaviour, for comparison")
     sub.choices["train"].add_argument("--broken", choices=("no-optimizer", "wrong-shard"), default=None,
                                       help="negative controls for the tests: a deliberately wrong resume")
     sub.choices["demo"].add_argument("--fault", choices=("kill", "stop", "none"), default="kill")
+    sub.choices["demo"].add_argument("--no-watchdog", action="store_true", help="stock torchrun, for comparison")
+    sub.choices["demo"].add_argument("--timeout", type=float, default=60.0, help="gloo timeout of the workers")
     args = ap.parse_args(argv)
     if args.mode == "train":
         fault = Fault(args.fault_rank, args.fault_step, args.fault_signal, args.fault_delay) \
             if args.fault_rank >= 0 else None
         train(args.root, args.steps, fault=fault, events=args.events, timeout=args.timeout,
-              keep_all=args.keep_all, broken=args.broken)
+              keep_all=args.keep_all, broken=args.broken, watchdog=not args.no_watchdog)
         return 0
     rng = np.random.default_rng()
     fault = None if args.fault == "none" else Fault(
         int(rng.integers(4)) if args.fault_rank < 0 else args.fault_rank,
         int(rng.integers(3, args.steps - 4)) if args.fault_step < 0 else args.fault_step,
         args.fault, float(rng.uniform(0, 0.05)))
-    return demo(args.root, args.steps, fault)
+    extra = ("--timeout", str(args.timeout), *(("--no-watchdog",) if args.no_watchdog else ()))
+    return demo(args.root, args.steps, fault, extra=extra)
 
 
 if __name__ == "__main__":
