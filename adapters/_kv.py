@@ -276,8 +276,11 @@ def store_for(rank: int, world: int, store: Any = None, job: str | None = None,
     if store is not None and type(store).__module__.startswith("torch"):
         token = _agreed_token(rank) if torch_up else "0"
         return TorchKV(store, f"ckptbridge/watchdog/{run}/{token}/", None, timeout=timeout)
+    # jax.distributed's store answers over gRPC (milliseconds, more under load) and a stopped
+    # coordinator aborts the whole job anyway (JAX's design): its calls get a longer bound
+    jax_timeout = max(timeout, 0.5)
     if store is not None:
-        return JaxKV(store, f"ckptbridge/watchdog/{run}/", timeout=timeout)
+        return JaxKV(store, f"ckptbridge/watchdog/{run}/", timeout=jax_timeout)
     if torch_up:
         prefix = f"ckptbridge/watchdog/{run}/{_agreed_token(rank)}/"
         addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
@@ -289,6 +292,6 @@ def store_for(rank: int, world: int, store: Any = None, job: str | None = None,
 
         return TorchKV(distributed_c10d._get_default_store(), prefix, 0, timeout=timeout)
     if client is not None:
-        return JaxKV(client, f"ckptbridge/watchdog/{run}/", timeout=timeout)
+        return JaxKV(client, f"ckptbridge/watchdog/{run}/", timeout=jax_timeout)
     raise WatchdogError("no job store to report through: initialise torch.distributed (e.g. under "
                         "torchrun) or jax.distributed first, or pass store=")

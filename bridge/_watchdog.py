@@ -12,7 +12,7 @@ job's own store (torchrun's / ``init_process_group``'s TCPStore, or the
         for step in range(start, steps):
             train_step(step)
             ck.save(step, state, optimizer=opt)
-            wd.step(step)                         # a few hundred nanoseconds
+            wd.step(step)                         # no I/O, no lock: a few microseconds
 
 Each rank publishes a heartbeat several times per step period, with its
 recent step time and how much of it was spent outside collectives (sampled
@@ -22,6 +22,8 @@ peers; ``with wd.waiting():`` marks other waits). Every rank judges the others:
 - a rank silent for ``hang_periods`` step periods (its process killed, stopped
   or unable to run) is named, within ``3 * max(P, min_period)`` of the fault
   (``P``: the job's median step time; same-host processes seen gone: at once);
+- a rank that beats but whose main thread stays outside collectives while every
+  other rank waits in one, for ``hung_periods``, is ``hung``;
 - a rank computing ``straggler_factor`` times the others' median, consistently,
   is flagged as a straggler (logged, ``on_straggler`` called; not fatal).
 
@@ -31,7 +33,8 @@ last complete checkpoint is committed (never a partial one: saves that needed
 the faulty rank's pieces are abandoned, see :meth:`Checkpointer.abandon`),
 isolates the faulty rank if it runs on this host (kills it and, under
 torchrun, its elastic agent, so that the agent does not bring it back into the
-next rendezvous), and exits with :data:`EXIT_RESTART` (75). A rank that is
+next rendezvous; the lowest healthy rank does it), and exits with
+:data:`EXIT_RESTART` (75). A rank that is
 itself named exits with :data:`EXIT_FAULTY` (69); success is 0. Under
 ``torchrun --nnodes=MIN:MAX --max-restarts K`` the agents then restart the
 group on the remaining nodes, and training resumes from
@@ -164,7 +167,6 @@ class Watchdog:
         self._store_lost = False  # judged unreachable: nothing more is said through it
         self._cpu_at_exit = 0.0
         self._sig_r = self._sig_w = -1
-        self._old_wakeup = -1
         self._old_term: Any = None
 
     # ---------------------------------------------------------------- public
@@ -492,7 +494,7 @@ class Watchdog:
         t0 = time.monotonic()
         self._drain(faulty)
         t1 = time.monotonic()
-        log.info("ckptbridge.watchdog: rank %d drained (%.2fs)", self.rank, t1 - t0)
+        log.debug("ckptbridge.watchdog: rank %d drained (%.2fs)", self.rank, t1 - t0)
         if self.isolate:  # the lowest healthy rank isolates (a self-reported rank cannot)
             self._isolate(fatal, self.rank == min(r for r in range(self.world_size) if r not in faulty))
         t2 = time.monotonic()
@@ -542,7 +544,7 @@ class Watchdog:
                 peer = self.peers.get(v.rank)
                 if peer is None or peer.host != host or v.rank == self.rank:
                     continue
-                log.info("ckptbridge.watchdog: isolating rank %d: pid %d (start %s), agent %s (start %s)",
+                log.debug("ckptbridge.watchdog: isolating rank %d: pid %d (start %s), agent %s (start %s)",
                          v.rank, peer.pid, peer.start, peer.agent_pid, peer.agent_start)
                 if v.kind != "failed":
                     _procs.stop(peer.pid, peer.start, signal.SIGKILL, timeout=5.0)
