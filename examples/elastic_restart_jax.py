@@ -43,6 +43,48 @@ def emit(path: str | None, **event: object) -> None:
             os.close(fd)
 
 
+def batch(step: int) -> tuple:
+    import numpy as np
+
+    rng = np.random.default_rng(1000 + step)
+    x = rng.standard_normal((BATCH, D_IN)).astype(np.float32)
+    return x, np.tanh(x[:, :D_OUT]).astype(np.float32)
+
+
+def build(mesh: object) -> tuple:
+    """Weights and AdamW state sharded by rows over ``mesh``, and the jitted train step."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    rows = NamedSharding(mesh, PartitionSpec("data", None))
+    k1, k2 = jax.random.split(jax.random.key(0))
+    params = {"w1": jax.device_put(jax.random.normal(k1, (HIDDEN, D_IN)) * 0.3, rows),
+              "w2": jax.device_put(jax.random.normal(k2, (HIDDEN, D_OUT)) * 0.3, rows)}
+    tx = optax.adamw(1e-2, weight_decay=0.1)
+
+    def loss_fn(p, x, y):
+        return jnp.mean((jnp.tanh(x @ p["w1"].T) @ p["w2"] - y) ** 2)
+
+    def train_step(p, s, x, y):
+        loss, g = jax.value_and_grad(loss_fn)(p, x, y)
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s, loss
+
+    return params, tx.init(params), jax.jit(train_step)
+
+
+def reference_losses(steps: int, mesh: object) -> list[float]:
+    """The uninterrupted run in this process (no jax.distributed), on ``mesh``."""
+    params, opt_state, step_fn = build(mesh)
+    out = []
+    for step in range(steps):
+        params, opt_state, loss = step_fn(params, opt_state, *batch(step))
+        out.append(float(loss))
+    return out
+
+
 def worker(args: argparse.Namespace) -> int:
     os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={DEVICES}"
     os.environ["JAX_PLATFORMS"] = "cpu"
@@ -51,9 +93,7 @@ def worker(args: argparse.Namespace) -> int:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(f"127.0.0.1:{args.port}", num_processes=args.nproc, process_id=args.pid,
                                initialization_timeout=120)
-    import jax.numpy as jnp
     import numpy as np
-    import optax
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
     import ckptbridge
@@ -64,21 +104,7 @@ def worker(args: argparse.Namespace) -> int:
     mesh = Mesh(np.array(jax.devices()), ("data",))
     rows = NamedSharding(mesh, PartitionSpec("data", None))  # 48 rows: 6 per device on 8, 8 on 6
     replicated = NamedSharding(mesh, PartitionSpec())
-    k1, k2 = jax.random.split(jax.random.key(0))
-    params = {"w1": jax.device_put(jax.random.normal(k1, (HIDDEN, D_IN)) * 0.3, rows),
-              "w2": jax.device_put(jax.random.normal(k2, (HIDDEN, D_OUT)) * 0.3, rows)}
-    tx = optax.adamw(1e-2, weight_decay=0.1)
-    opt_state = tx.init(params)
-
-    def loss_fn(p, x, y):
-        return jnp.mean((jnp.tanh(x @ p["w1"].T) @ p["w2"] - y) ** 2)
-
-    def train_step(p, s, x, y):
-        loss, g = jax.value_and_grad(loss_fn)(p, x, y)
-        u, s = tx.update(g, s, p)
-        return optax.apply_updates(p, u), s, loss
-
-    step_fn = jax.jit(train_step)
+    params, opt_state, step_fn = build(mesh)
     ck = ckptbridge.Checkpointer(args.root, keep_last=None, rank=rank, world_size=world, job_id=args.job)
     start = 0
     latest = ck.latest()
@@ -113,10 +139,7 @@ def worker(args: argparse.Namespace) -> int:
                     os.kill(os.getpid(), sig)
 
                 threading.Timer(args.fault_delay, fire).start()
-            rng = np.random.default_rng(1000 + step)
-            x = rng.standard_normal((BATCH, D_IN)).astype(np.float32)
-            y = np.tanh(x[:, :D_OUT]).astype(np.float32)
-            params, opt_state, loss = step_fn(params, opt_state, x, y)
+            params, opt_state, loss = step_fn(params, opt_state, *batch(step))
             loss = float(loss)
             if rank == 0:
                 print(f"LOSS {step} {loss:.9g}", flush=True)
