@@ -58,6 +58,10 @@ def recovery(workdir: str, signal: str, watchdog: bool, steps: int) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env={**env, "OMP_NUM_THREADS": "1"})
     text = out.stdout + out.stderr
+    with open(os.path.join(root, "demo.log"), "w") as fh:
+        fh.write(text)
+    if not os.path.exists(os.path.join(root, "events.jsonl")):
+        raise RuntimeError(f"the demo produced no events (see {root}/demo.log):\n{text[-3000:]}")
     with open(os.path.join(root, "events.jsonl")) as fh:
         ev = [json.loads(line) for line in fh]
     fault = next(e for e in ev if e["ev"] == "fault")

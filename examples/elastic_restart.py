@@ -231,6 +231,18 @@ def agent_command(port: int, job: str, root: str, steps: int, *, nodes: int = 4,
     return cmd + list(extra)
 
 
+_TOGETHER = """
+import os, sys, time
+import torch.distributed.run as run
+go, i = sys.argv[1], sys.argv[2]
+open(f"{go}.{i}", "w").close()
+while not os.path.exists(go):
+    time.sleep(0.05)
+sys.argv = ["torchrun", *sys.argv[3:]]
+sys.exit(run.main())
+"""
+
+
 def demo(root: str, steps: int, fault: Fault | None, nodes: int = 4, timeout: float = 300.0,
          extra: tuple[str, ...] = ()) -> int:
     os.makedirs(root, exist_ok=True)
@@ -238,9 +250,18 @@ def demo(root: str, steps: int, fault: Fault | None, nodes: int = 4, timeout: fl
     _store, port = rendezvous_store()  # kept alive until the agents are done
     env = {**os.environ, **AGENT_ENV, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     job = uuid.uuid4().hex[:8]
-    agents = [subprocess.Popen(agent_command(port, job, root, steps, nodes=nodes, fault=fault, events=events,
-                                             extra=extra),
-                               env=env) for _ in range(nodes)]
+    # the nodes start together: each imports torchrun's module, then waits for the others before
+    # calling torchrun's main (`torchrun` is torch.distributed.run:main), so that the first
+    # rendezvous round does not close on three nodes while a slow fourth is still importing torch
+    go = os.path.join(root, f".go-{job}")
+    agents = []
+    for i in range(nodes):
+        cmd = agent_command(port, job, root, steps, nodes=nodes, fault=fault, events=events, extra=extra)
+        agents.append(subprocess.Popen([sys.executable, "-c", _TOGETHER, go, str(i), *cmd[3:]], env=env))
+    while len([n for n in os.listdir(root) if n.startswith(f".go-{job}.")]) < nodes:
+        time.sleep(0.1)
+    with open(go, "w"):
+        pass
     deadline = time.monotonic() + timeout
     codes = []
     for a in agents:
@@ -250,6 +271,9 @@ def demo(root: str, steps: int, fault: Fault | None, nodes: int = 4, timeout: fl
             a.kill()
             codes.append(a.wait())
     print(f"AGENTS exited {codes}", flush=True)
+    for name in os.listdir(root):
+        if name.startswith(".go-"):
+            os.remove(os.path.join(root, name))
     faults = os.path.join(root, "faults.jsonl")
     if os.path.exists(faults):
         with open(faults) as fh:

@@ -95,6 +95,22 @@ def test_straggler_and_hung_rules() -> None:
     assert hung(seen, peers, wall=0.0, me=0, policy=POLICY) == []
 
 
+def test_checkpointer_abandon_gives_up_on_a_failed_rank_at_once(tmp_path: Path) -> None:
+    """Rank 0 of two commits a step only with rank 1's pieces; once rank 1 is abandoned the save
+    fails at once instead of after commit_timeout, and nothing is committed."""
+    import numpy as np
+
+    ck = ckptbridge.Checkpointer(tmp_path, rank=0, world_size=2, commit_timeout=60, job_id="t")
+    ck.save(3, {"w": np.arange(8, dtype=np.float32)})
+    time.sleep(0.3)  # the flush waits for rank 1's manifest
+    t0 = time.monotonic()
+    ck.abandon([1])
+    with pytest.raises(ckptbridge.CheckpointError, match=r"ranks \[1\] failed"):
+        ck.wait()
+    assert time.monotonic() - t0 < 5 and ck.latest() is None
+    ck.close()
+
+
 def test_import_does_not_load_torch_or_jax() -> None:
     import subprocess
     import sys
