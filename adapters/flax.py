@@ -43,10 +43,27 @@ from typing import Any
 
 import numpy as np
 
-from .._checkpoint import Checkpoint, CheckpointIndex
-from .._errors import FormatError
-from .._model import WEIGHT_STATES, LogicalTensor, TensorState
-from .._rules import Rename, Rule, Stack, State, Transpose, Unstack, apply_rules, rules_to_json
+from ckptbridge.plugin import (
+    WEIGHT_STATES,
+    Checkpoint,
+    FileCache,
+    FormatError,
+    LogicalTensor,
+    Rename,
+    Rule,
+    ShapeMismatchError,
+    Stack,
+    State,
+    TensorState,
+    Transpose,
+    Unstack,
+    read_state,
+    rules_to_json,
+    weight_state_for,
+)
+from ckptbridge.plugin import dtypes as _dtypes
+
+from .jax import _as_checkpoint, flatten, load_arrays, path_name, save_pieces, tree_pieces
 
 __all__ = [
     "AdamGroup",
@@ -69,7 +86,6 @@ PARAMS_PREFIX = "params/"
 
 def flatten_state(tree: Any) -> dict[str, Any]:
     """``{"/"-joined key path: leaf}`` of a params / optimizer tree (NNX ``State`` -> pure dict first)."""
-    from .jax import flatten
 
     if hasattr(tree, "to_pure_dict"):
         tree = tree.to_pure_dict()
@@ -164,10 +180,6 @@ def group_names(names: Sequence[str], weight_names: Sequence[str] | None = None)
     return out
 
 
-def _weight_state(dtype: str) -> str:
-    return "param" if dtype in ("bfloat16", "float16") else "fp32"
-
-
 def group_train_state(
     raw: Mapping[str, TensorState], read_count: Any = None
 ) -> tuple[dict[str, LogicalTensor], list[dict[str, Any]]]:
@@ -177,7 +189,6 @@ def group_train_state(
     ``count`` the scalar ``step``. Returns the tensors and the (descriptive) rules applied.
     Names not part of a train state keep their own logical tensor.
     """
-    from .._read import FileCache, read_state
 
     g = group_names(list(raw))
     tensors: dict[str, LogicalTensor] = {}
@@ -190,7 +201,7 @@ def group_train_state(
         states: dict[str, TensorState] = {}
         if "weights" in native:
             w = raw[native["weights"]]
-            states[_weight_state(w.dtype)] = w
+            states[weight_state_for(w.dtype)] = w
         for s in ("exp_avg", "exp_avg_sq"):
             if s in native:
                 states[s] = raw[native[s]]
@@ -202,10 +213,10 @@ def group_train_state(
             scalars["step"] = counts[cname]
         tensors[uni] = LogicalTensor(uni, states, scalars)
     for n in g.rest:
-        tensors.setdefault(n, LogicalTensor(n, {_weight_state(raw[n].dtype): raw[n]}))
+        tensors.setdefault(n, LogicalTensor(n, {weight_state_for(raw[n].dtype): raw[n]}))
     rules: list[Rule] = []
     if any(n.startswith(PARAMS_PREFIX) for n in raw):
-        kinds = sorted({_weight_state(raw[n].dtype) for n in raw if n.startswith(PARAMS_PREFIX)})
+        kinds = sorted({weight_state_for(raw[n].dtype) for n in raw if n.startswith(PARAMS_PREFIX)})
         rules.append(State(r"^params/(.*)$", r"\1", "|".join(kinds)))
     for grp in g.groups:
         pre = re.escape(grp.prefix + "/") if grp.prefix else ""
@@ -238,7 +249,6 @@ def save(
     """
     import jax
 
-    from .jax import save_pieces, tree_pieces
 
     flat_params = {_strip_params(n): v for n, v in flatten_state(params).items()}
     flat_opt = flatten_state(opt_state) if opt_state is not None else {}
@@ -273,28 +283,13 @@ def save(
 # ------------------------------------------------------------------ load
 
 
-def _with_rules(ckpt: Checkpoint, rules: Sequence[Any]) -> Checkpoint:
-    if not rules:
-        return ckpt
-    from .._rules import rule_from_json
-
-    parsed = [r if isinstance(r, Rule) else rule_from_json(r) for r in rules]
-    tensors = apply_rules(ckpt.index.tensors, parsed)
-    idx = ckpt.index
-    index = CheckpointIndex(idx.format, idx.path, tensors, idx.step, idx.extra,
-                            (*idx.rules, *rules_to_json(parsed)), idx.provenance)
-    return Checkpoint(index, ckpt.files)
-
-
 def _fill(ckpt: Checkpoint, target: Any, assign: Any, dtype: Any) -> Any:
     """Fill every leaf of ``target``: ``assign(name)`` gives ``(tensor, state)``, a scalar or None (keep)."""
     import jax
 
-    from .jax import load_arrays
 
     pure = target.to_pure_dict() if hasattr(target, "to_pure_dict") else target
     flat, treedef = jax.tree_util.tree_flatten_with_path(pure)
-    from .jax import path_name
 
     leaves = [leaf for _, leaf in flat]
     reqs, where = [], []
@@ -318,8 +313,6 @@ def _fill(ckpt: Checkpoint, target: Any, assign: Any, dtype: Any) -> Any:
             view = ckpt[tname].state(state) if state else ckpt[tname]
             arr = view.read(dtype=None if want is None else np.dtype(want).name)
             if hasattr(leaf, "shape") and tuple(leaf.shape) != arr.shape:
-                from .._errors import ShapeMismatchError
-
                 raise ShapeMismatchError(f"{ckpt.path}: tensor {tname!r} has shape {arr.shape}, "
                                          f"the target {name!r} expects {tuple(leaf.shape)}")
             leaves[i] = arr
@@ -357,11 +350,10 @@ def load(
     checkpoint's tensors first. Returns ``params`` (or ``(params, opt_state)``
     when ``opt_state`` is given) filled with the checkpoint's values.
     """
-    from .jax import _as_checkpoint
 
     ckpt, owned = _as_checkpoint(source)
     try:
-        view = _with_rules(ckpt, rules)
+        view = ckpt.with_rules(rules)
         tensors = view.index.tensors
         linen = hasattr(params, "keys") and "params" in params and len(params) == 1 and not hasattr(
             params, "to_pure_dict")
@@ -421,11 +413,10 @@ def abstract_params(source: Any, rules: Sequence[Any] = (), sharding: Any = None
     """
     import jax
 
-    from .jax import _as_checkpoint
 
     ckpt, owned = _as_checkpoint(source)
     try:
-        tensors = _with_rules(ckpt, rules).index.tensors
+        tensors = ckpt.with_rules(rules).index.tensors
         out: dict[str, Any] = {}
         for name, t in tensors.items():
             st = t.state()
@@ -443,8 +434,6 @@ def abstract_params(source: Any, rules: Sequence[Any] = (), sharding: Any = None
 
 
 def _np_dtype(name: str) -> Any:
-    from .. import _dtypes
-
     return _dtypes.to_numpy(name)
 
 

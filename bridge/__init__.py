@@ -27,34 +27,40 @@ Framework adapters live in ``ckptbridge.adapters`` (``.jax``, ``.torch``,
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
-
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from ._version import __version__
+
 if TYPE_CHECKING:
-    from ._async import Checkpointer, SaveStats
     from ._checkpoint import Checkpoint, CheckpointIndex, TensorView
-    from ._convert import DiffRow, convert, diff, export
+    from ._checkpointer import Checkpointer, SaveStats
+    from ._convert import DiffRow, convert, diff, export, trace
     from ._errors import (
         CheckpointError,
         CorruptionError,
         FormatError,
         IncompleteCheckpointError,
+        MissingExtraError,
         MissingShardError,
+        OptionError,
         ShapeMismatchError,
         TensorNotFoundError,
         TruncatedError,
         UnknownFormatError,
         UnsafePickleError,
+        WriteError,
     )
+    from ._formats import Format, formats
     from ._html import ReshardPlan
     from ._model import Box, FileRegion, Fragment, LogicalTensor, TensorState, flat_range_fragments
     from ._open import detect_format, open
     from ._plan import CopyOp, plan
     from ._reshard import reshard
     from ._rules import (
+        FlatPartition,
         Fuse,
+        Join,
         Pad,
         Rename,
         Renumber,
@@ -63,15 +69,18 @@ if TYPE_CHECKING:
         Shard,
         Split,
         Stack,
+        State,
         Transpose,
         Unstack,
         apply_rules,
+        rule_from_json,
+        rules_to_json,
     )
     from ._universal import verify
 
 _LAZY = {  # public name -> module: imported on first use, so the CLI and core start fast
-    "Checkpointer": "._async",
-    "SaveStats": "._async",
+    "Checkpointer": "._checkpointer",
+    "SaveStats": "._checkpointer",
     "Checkpoint": "._checkpoint",
     "CheckpointIndex": "._checkpoint",
     "TensorView": "._checkpoint",
@@ -79,16 +88,22 @@ _LAZY = {  # public name -> module: imported on first use, so the CLI and core s
     "convert": "._convert",
     "diff": "._convert",
     "export": "._convert",
+    "trace": "._convert",
     "CheckpointError": "._errors",
     "CorruptionError": "._errors",
     "FormatError": "._errors",
     "IncompleteCheckpointError": "._errors",
+    "MissingExtraError": "._errors",
     "MissingShardError": "._errors",
+    "OptionError": "._errors",
     "ShapeMismatchError": "._errors",
     "TensorNotFoundError": "._errors",
     "TruncatedError": "._errors",
     "UnknownFormatError": "._errors",
     "UnsafePickleError": "._errors",
+    "WriteError": "._errors",
+    "Format": "._formats",
+    "formats": "._formats",
     "ReshardPlan": "._html",
     "Box": "._model",
     "FileRegion": "._model",
@@ -101,7 +116,9 @@ _LAZY = {  # public name -> module: imported on first use, so the CLI and core s
     "CopyOp": "._plan",
     "plan": "._plan",
     "reshard": "._reshard",
+    "FlatPartition": "._rules",
     "Fuse": "._rules",
+    "Join": "._rules",
     "Pad": "._rules",
     "Rename": "._rules",
     "Renumber": "._rules",
@@ -110,9 +127,12 @@ _LAZY = {  # public name -> module: imported on first use, so the CLI and core s
     "Shard": "._rules",
     "Split": "._rules",
     "Stack": "._rules",
+    "State": "._rules",
     "Transpose": "._rules",
     "Unstack": "._rules",
     "apply_rules": "._rules",
+    "rule_from_json": "._rules",
+    "rules_to_json": "._rules",
     "verify": "._universal",
 }
 
@@ -140,12 +160,17 @@ __all__ = [
     "CorruptionError",
     "DiffRow",
     "FileRegion",
+    "FlatPartition",
+    "Format",
     "FormatError",
     "Fragment",
     "Fuse",
     "IncompleteCheckpointError",
+    "Join",
     "LogicalTensor",
+    "MissingExtraError",
     "MissingShardError",
+    "OptionError",
     "Pad",
     "Rename",
     "Renumber",
@@ -157,6 +182,7 @@ __all__ = [
     "Shard",
     "Split",
     "Stack",
+    "State",
     "TensorNotFoundError",
     "TensorState",
     "TensorView",
@@ -165,6 +191,7 @@ __all__ = [
     "UnknownFormatError",
     "UnsafePickleError",
     "Unstack",
+    "WriteError",
     "__version__",
     "apply_rules",
     "convert",
@@ -172,8 +199,12 @@ __all__ = [
     "diff",
     "export",
     "flat_range_fragments",
+    "formats",
     "open",
     "plan",
     "reshard",
+    "rule_from_json",
+    "rules_to_json",
+    "trace",
     "verify",
 ]

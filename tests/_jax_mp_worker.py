@@ -21,7 +21,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-import ckptbridge._open as cbopen  # noqa: E402
+import ckptbridge as cbopen  # noqa: E402
 from ckptbridge.adapters import jax as cbjax  # noqa: E402
 
 ref = np.arange(32 * 16, dtype=np.float32).reshape(32, 16)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import _dist
 import numpy as np
 
-from ckptbridge._async import Checkpointer, committed_steps
+from ckptbridge import Checkpointer
+from ckptbridge._checkpointer import committed_steps
 
 
 def test_jax_loop_with_donated_buffers(tmp_path):

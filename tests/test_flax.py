@@ -15,12 +15,20 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from test_deepspeed import runs_dir  # noqa: F401  (session fixture: the unpacked DeepSpeed runs)
 
-import ckptbridge._open as cbopen
-from ckptbridge._checkpoint import Checkpoint, CheckpointIndex
-from ckptbridge._model import Box
-from ckptbridge._rules import Rename, Stack, Transpose, apply_rules, rule_from_json, rules_to_json
-from ckptbridge._universal import Piece, save
+import ckptbridge as cbopen
+from ckptbridge import Checkpoint, CheckpointIndex
 from ckptbridge.adapters import flax as cbflax
+from ckptbridge.plugin import (
+    Box,
+    Piece,
+    Rename,
+    Stack,
+    Transpose,
+    apply_rules,
+    rule_from_json,
+    rules_to_json,
+)
+from ckptbridge.plugin import write_universal as save
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 D, V, L, OUT = 8, 10, 3, 4

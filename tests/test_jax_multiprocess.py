@@ -8,7 +8,7 @@ import sys
 
 import numpy as np
 
-import ckptbridge._open as cbopen
+import ckptbridge as cbopen
 
 WORKER = os.path.join(os.path.dirname(__file__), "_jax_mp_worker.py")
 

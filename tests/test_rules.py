@@ -8,8 +8,9 @@ import numpy as np
 import torch
 
 import ckptbridge
-from ckptbridge._model import Box
-from ckptbridge._rules import (
+import ckptbridge.plugin
+from ckptbridge.plugin import (
+    Box,
     Fuse,
     Rename,
     Shard,
@@ -64,7 +65,7 @@ def test_split_and_fuse_grouped_query_qkv(tmp_path):
     st = c.tensors["qkv"].state()
     q, k, v = split(st, 0, (q_per_group * hd, hd, hd), groups)
     arr = qkv.numpy().reshape(groups, q_per_group + 2, hd, hidden)
-    view = lambda s: ckptbridge._read.read_state(s, None, c.files)  # noqa: E731
+    view = lambda s: ckptbridge.plugin.read_state(s, None, c.files)  # noqa: E731
     np.testing.assert_array_equal(view(q), arr[:, :q_per_group].reshape(-1, hidden))
     np.testing.assert_array_equal(view(k), arr[:, q_per_group].reshape(-1, hidden))
     np.testing.assert_array_equal(view(v), arr[:, q_per_group + 1].reshape(-1, hidden))

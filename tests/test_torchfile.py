@@ -12,8 +12,7 @@ import pytest
 import torch
 
 import ckptbridge
-from ckptbridge._pickle import Opaque, safe_loads
-from ckptbridge._torchzip import TorchArchive
+from ckptbridge.adapters.torchfile import Opaque, TorchArchive, safe_loads
 
 
 def test_module_and_optimizer_state_read_in_place(tmp_path):

@@ -90,15 +90,15 @@ def saved_args(path: str) -> tuple[dict[str, Any], int | None]:
     pickle-free reader from the checkpoint's first rank file (``common.pt`` for torch_dist).
 
     Only the args are read here, not the tensors: megatron-core alone judges the weights."""
-    from ckptbridge._torchzip import TorchArchive
-    from ckptbridge.adapters._megatron_common import (
+    from ckptbridge.adapters.megatron._common import (
         args_dict,
         is_dist_dir,
         plain,
         rank_dirs,
         resolve_iter_dir,
     )
-    from ckptbridge.adapters._megatron_layout import MegatronConfig
+    from ckptbridge.adapters.megatron._layout import MegatronConfig
+    from ckptbridge.adapters.torchfile import TorchArchive
 
     it_dir, _ = resolve_iter_dir(path)
     if is_dist_dir(it_dir):
@@ -183,7 +183,7 @@ def load_legacy(model: Any, path: str, args: Any, tp: int, pp: int) -> dict[str,
     import torch
     from megatron.core import parallel_state as ps
 
-    from ckptbridge.adapters._megatron_common import rank_dir_name, resolve_iter_dir
+    from ckptbridge.adapters.megatron._common import rank_dir_name, resolve_iter_dir
 
     it_dir, _ = resolve_iter_dir(path)
     f = os.path.join(it_dir, rank_dir_name(ps.get_tensor_model_parallel_rank(),
@@ -208,7 +208,7 @@ def load_dist(model: Any, path: str) -> None:
     """megatron-core's own ``dist_checkpointing.load`` (it reshards onto this model's layout)."""
     from megatron.core import dist_checkpointing
 
-    from ckptbridge.adapters._megatron_common import resolve_iter_dir
+    from ckptbridge.adapters.megatron._common import resolve_iter_dir
 
     it_dir, _ = resolve_iter_dir(path)
     sharded = model.sharded_state_dict()

@@ -1,0 +1,463 @@
+"""Lazy, asynchronous, multi-level checkpointing straight into the universal layout.
+
+Training state does not change between optimizer steps, so a checkpoint can
+be copied to host memory while forward/backward runs (DataStates-LLM), then
+written to local disk, then copied to a persistent place, all in the
+background. Training waits only when the next optimizer step would change a
+tensor that is not copied yet::
+
+    ckpt = Checkpointer("ckpts", keep_last=3, persistent="s3://bucket/run1")
+    for step in range(steps):
+        loss = train_step()                      # torch: forward, backward
+        ckpt.save(step, {"model": model.state_dict(), "optim": opt.state_dict()},
+                  optimizer=opt)                  # returns at once; opt.step() waits if needed
+        opt.step()
+    ckpt.wait()
+    state = ckpt.restore()                        # latest complete step, as numpy
+    ckpt.restore_into(model.state_dict())         # or in place into live tensors
+
+Levels: (1) host buffers, allocated once and reused (two sets, so one can
+flush while the next snapshot fills the other); (2) a universal directory
+``root/step_<N>`` on local disk, committed by a marker written last only once
+every rank finished; (3) optionally a copy under ``persistent`` (a directory
+or any fsspec URL), its marker copied last too.
+
+Multi-process: sharded values (DTensors, JAX arrays) are written by the
+rank holding replica 0 of each shard; a plain tensor or array is taken to be
+replicated (as under DDP) and written by rank 0 only; state that differs per
+rank (RNG, data position) goes in ``save(..., local={...})`` and is stored by
+every rank under ``rank<r>.<name>``.
+
+Capture rules: a tensor the caller registered a guard for (the optimizer's
+parameters and state, via ``optimizer=``; JAX arrays when the train step is
+wrapped with :meth:`Checkpointer.guard`) is copied lazily in the background;
+every other tensor is copied before ``save`` returns, so the caller may
+change it in place the moment ``save`` returns. A restored step is always
+bitwise the state at the moment ``save`` was called.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import queue
+import shutil
+import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .. import _dtypes
+from .._commit import staging_path
+from .._errors import CheckpointError, IncompleteCheckpointError, MissingShardError
+from .._open import open as open_checkpoint
+from .._safetensors import FileSpec
+from .._universal import MARKER, Piece, commit_universal, plan_rank, write_rank
+from .host import BufferSet
+from .leaves import Capture, Leaf, flatten, leaves_of, pinner, provider_for, providers
+from .persist import persist
+from .steps import (
+    clean_incomplete,
+    committed_steps,
+    record_owner,
+    remove_checkpoint,
+    step_dir,
+    steps_to_drop,
+)
+
+log = logging.getLogger("ckptbridge.checkpointer")
+
+
+@dataclass(frozen=True)
+class SaveStats:
+    """Timing of one save. ``stall_seconds`` is what training waited (in ``save`` and in guards)."""
+
+    step: int
+    bytes: int
+    stall_seconds: float
+    snapshot_seconds: float
+    flush_seconds: float
+    persist_seconds: float | None
+    committed: bool
+
+    @property
+    def flush_gbps(self) -> float:
+        return self.bytes / self.flush_seconds / 1e9 if self.flush_seconds > 0 else float("inf")
+
+
+@dataclass
+class _Job:
+    step: int
+    leaves: list[Leaf]
+    extra: dict[str, Any]
+    buffers: BufferSet
+    snapshot_done: threading.Event = field(default_factory=threading.Event)
+    flushed: threading.Event = field(default_factory=threading.Event)
+    stall: float = 0.0
+    snapshot_seconds: float = 0.0
+    error: BaseException | None = None
+    pending_lazy: list[Leaf] = field(default_factory=list)
+
+
+class Checkpointer:
+    """Asynchronous multi-level checkpointing into universal directories (see module docs).
+
+    ``rank``/``world_size`` default to torch.distributed's when it is
+    initialised, else 0/1. Every rank calls ``save`` with its own shards; rank
+    0 commits a step once all ranks' pieces are on disk (it polls for them,
+    up to ``commit_timeout`` seconds, so no collective runs in a background
+    thread).
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        keep_last: int | None = 3,
+        keep_every: int | None = None,
+        persistent: str | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+        commit_timeout: float = 600.0,
+        host_tier: bool = True,
+        job_id: str | None = None,
+    ) -> None:
+        self.root = os.fspath(root)
+        self.keep_last, self.keep_every = keep_last, keep_every
+        self.persistent = persistent
+        self.rank, self.world_size = _dist_info(rank, world_size)
+        self.commit_timeout = commit_timeout
+        self.host_tier = host_tier
+        # every rank of one job must agree on the token; separate jobs must not
+        self.token = job_id or os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("SLURM_JOB_ID") or (
+            uuid.uuid4().hex[:12] if self.world_size == 1 else "job")
+        self.stats: list[SaveStats] = []
+        self._buffers = [BufferSet(), BufferSet()]
+        self._next_buffer = 0
+        self._snapshots: queue.Queue[_Job | None] = queue.Queue()
+        self._flushes: queue.Queue[_Job | None] = queue.Queue()
+        self._pending: list[_Job] = []
+        self._lock = threading.Lock()
+        self._errors: list[BaseException] = []
+        self._hooks: list[Any] = []
+        self._jax_guarded = False
+        os.makedirs(self.root, exist_ok=True)
+        if self.rank == 0:
+            clean_incomplete(self.root, None, self.commit_timeout)
+        self._threads = [
+            threading.Thread(target=self._snapshot_loop, name="ckptbridge-snapshot", daemon=True),
+            threading.Thread(target=self._flush_loop, name="ckptbridge-flush", daemon=True),
+        ]
+        for t in self._threads:
+            t.start()
+
+    # ---------------------------------------------------------------- saving
+
+    def save(self, step: int, state: Any, *, optimizer: Any = None, extra: Mapping[str, Any] | None = None,
+             local: Any = None) -> None:
+        """Checkpoint ``state`` (nested dicts of torch/JAX/numpy tensors and plain values) as ``step``.
+
+        Returns as soon as every unguarded tensor is copied to host memory.
+        ``local`` holds this rank's own state (saved by every rank as ``rank<r>.*``).
+        With ``optimizer`` (a torch optimizer), its parameters and state are
+        copied lazily and its ``step()`` waits for that copy.
+        """
+        self._raise_background_error()
+        t0 = time.perf_counter()
+        lazy_keys = self._guard_optimizer(optimizer) if optimizer is not None else set()
+        leaves, found_extra = leaves_of(state, Capture(frozenset(lazy_keys), self._jax_guarded))
+        if local is not None:  # numbers become 0-d arrays so that every rank's values are stored
+            numeric = {k: np.asarray(v) if isinstance(v, (bool, int, float)) else v for k, v in flatten(local)}
+            own, own_extra = leaves_of({f"rank{self.rank}": numeric})
+            if own_extra:
+                raise CheckpointError(f"local state must be tensors or numbers: {sorted(own_extra)}")
+            leaves += [dataclasses.replace(leaf, per_process=False) for leaf in own]
+        buffers = self._acquire_buffers()
+        buffers.lay_out(self._plan(leaves), pinner(leaves))
+        job = _Job(step, leaves, {**found_extra, **dict(extra or {})}, buffers)
+        eager = [leaf for leaf in leaves if not leaf.lazy]
+        job.pending_lazy = [leaf for leaf in leaves if leaf.lazy]
+        for leaf in eager:
+            leaf.copy(buffers.get(leaf))
+        with self._lock:
+            self._pending.append(job)
+        job.stall = time.perf_counter() - t0
+        self._snapshots.put(job)
+
+    def reserve(self, state: Any) -> None:
+        """Allocate and touch the host buffers for ``state`` now, outside the training loop.
+
+        Optional: without it the first two saves pay for fresh memory (slow
+        on virtual machines that return freed memory to the host).
+        """
+        leaves, _ = leaves_of(state)
+        for b in self._buffers:
+            b.lay_out(self._plan(leaves), pinner(leaves))
+            for leaf in leaves:
+                leaf.copy(b.get(leaf))
+
+    def guard(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """Wrap a JAX train step (e.g. one with ``donate_argnums``): each call first waits
+        for pending snapshots, so donated buffers are never read after donation, and
+        JAX arrays passed to ``save`` are captured lazily meanwhile."""
+        def guarded(*args: Any, **kwargs: Any) -> Any:
+            self.wait_snapshots()
+            return fn(*args, **kwargs)
+
+        guarded.__wrapped__ = fn  # type: ignore[attr-defined]
+        self._jax_guarded = True
+        return guarded
+
+    def wait_snapshots(self) -> float:
+        """Block until every pending snapshot is in host memory; return seconds waited."""
+        t0 = time.perf_counter()
+        with self._lock:
+            jobs = list(self._pending)
+        for job in jobs:
+            job.snapshot_done.wait()
+        waited = time.perf_counter() - t0
+        if jobs and waited > 0:
+            jobs[-1].stall += waited
+        self._raise_background_error()
+        return waited
+
+    def _before_optimizer_step(self, *_: Any) -> None:
+        """The optimizer pre-hook: its step may change tensors still being copied (returns None,
+        as torch requires of a pre-hook that leaves the step's arguments alone)."""
+        self.wait_snapshots()
+
+    def wait(self) -> None:
+        """Block until every save so far is flushed, committed and persisted."""
+        with self._lock:
+            jobs = list(self._pending)
+        for job in jobs:
+            job.flushed.wait()
+        self._raise_background_error()
+
+    def close(self) -> None:
+        self.wait()
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        self._snapshots.put(None)
+        for t in self._threads:
+            t.join(timeout=60)
+        for b in self._buffers:
+            b.release()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---------------------------------------------------------------- reading
+
+    def latest(self) -> int | None:
+        """The newest complete step under ``root`` (or ``persistent`` if root has none)."""
+        steps = committed_steps(self.root)
+        if not steps and self.persistent and "://" not in self.persistent:
+            steps = committed_steps(self.persistent)
+        return steps[-1] if steps else None
+
+    def path_of(self, step: int) -> str:
+        local = step_dir(self.root, step)
+        if os.path.exists(os.path.join(local, MARKER)):
+            return local
+        if self.persistent and "://" not in self.persistent:
+            remote = step_dir(self.persistent, step)
+            if os.path.exists(os.path.join(remote, MARKER)):
+                return remote
+        raise IncompleteCheckpointError(f"{local}: step {step} has no complete checkpoint")
+
+    def restore(self, step: int | None = None) -> dict[str, Any]:
+        """The saved state of ``step`` (default latest) as a flat dict name -> numpy array
+        (plus its non-tensor values). Served from the host tier when it still holds that step."""
+        step = self.latest() if step is None else step
+        if step is None:
+            raise MissingShardError(f"{self.root}: no complete checkpoint to restore")
+        held = self._host_tier(step)
+        if held is not None:
+            return held
+        with open_checkpoint(self.path_of(step)) as ckpt:
+            out: dict[str, Any] = {name: ckpt[name].read() for name in ckpt}
+            out.update(ckpt.extra.get("values", {}))
+        return out
+
+    def restore_into(self, state: Any, step: int | None = None) -> int:
+        """Copy a saved step into live tensors of the same structure (torch in place; numpy in place).
+        Returns the step restored."""
+        step = self.latest() if step is None else step
+        flat = self.restore(step)
+        for name, value in flatten(state):
+            if name not in flat:
+                continue
+            provider = provider_for(value)
+            if provider is not None and provider.copy_into is not None:
+                provider.copy_into(value, flat[name])
+            elif isinstance(value, np.ndarray):
+                np.copyto(value, flat[name])
+        return int(step) if step is not None else -1
+
+    def _host_tier(self, step: int) -> dict[str, Any] | None:
+        if not self.host_tier or self.world_size != 1:
+            return None
+        for b in self._buffers:
+            if b.step == step and not b.busy.is_set():
+                return b.held()
+        return None
+
+    # ---------------------------------------------------------------- internals
+
+    def _guard_optimizer(self, optimizer: Any) -> set[int]:
+        provider = provider_for(optimizer)
+        if provider is None or provider.guard_keys is None:
+            names = ", ".join(p.name for p in providers()) or "none installed"
+            raise CheckpointError(f"optimizer=: no runtime knows a {type(optimizer).__module__}."
+                                  f"{type(optimizer).__qualname__} (runtimes: {names})")
+        if not any(getattr(h, "_ckptbridge_opt", None) is optimizer for h in self._hooks):
+            handle = optimizer.register_step_pre_hook(self._before_optimizer_step)
+            handle._ckptbridge_opt = optimizer
+            self._hooks.append(handle)
+        return provider.guard_keys(optimizer)
+
+    def _pieces(self, leaves: list[Leaf], arrays: Mapping[str, np.ndarray] | None = None) -> list[Piece]:
+        """The pieces this rank writes (replicated plain tensors only on rank 0)."""
+        return [Piece(leaf.name, "param", leaf.dtype, leaf.global_shape, leaf.box,
+                      arrays[leaf.buffer_key] if arrays is not None else np.empty(0))
+                for leaf in leaves if leaf.write and (self.rank == 0 or not leaf.per_process)]
+
+    def _plan(self, leaves: list[Leaf]) -> list[tuple[str, list[Piece], FileSpec]]:
+        return plan_rank(self.root, self._pieces(leaves), self.rank)
+
+    def _acquire_buffers(self) -> BufferSet:
+        b = self._buffers[self._next_buffer]
+        self._next_buffer = (self._next_buffer + 1) % len(self._buffers)
+        t0 = time.perf_counter()
+        while b.busy.is_set():  # both sets in flight: wait for the older flush
+            with self._lock:
+                older = [j for j in self._pending if j.buffers is b]
+            for j in older:
+                j.flushed.wait()
+            if not older:
+                break
+        waited = time.perf_counter() - t0
+        if waited > 0.001:
+            log.info("save waited %.3fs for a buffer set (flushes are slower than saves)", waited)
+        b.busy.set()
+        b.step = None
+        return b
+
+    def _snapshot_loop(self) -> None:
+        while True:
+            job = self._snapshots.get()
+            if job is None:
+                self._flushes.put(None)
+                return
+            t0 = time.perf_counter()
+            try:
+                for leaf in job.pending_lazy:
+                    leaf.copy(job.buffers.get(leaf))
+            except BaseException as err:  # surfaced on the next save/wait
+                job.error = err
+            job.snapshot_seconds = time.perf_counter() - t0
+            job.snapshot_done.set()
+            self._flushes.put(job)
+
+    def _flush_loop(self) -> None:
+        while True:
+            job = self._flushes.get()
+            if job is None:
+                return
+            try:
+                if job.error is not None:
+                    raise job.error
+                self._flush(job)
+            except BaseException as err:
+                log.error("checkpoint of step %s failed: %s", job.step, err)
+                with self._lock:
+                    self._errors.append(err)
+                job.buffers.busy.clear()
+                job.flushed.set()
+                with self._lock:
+                    self._pending.remove(job)
+
+    def _flush(self, job: _Job) -> None:
+        t0 = time.perf_counter()
+        dst = step_dir(self.root, job.step)
+        pieces = self._pieces(job.leaves, job.buffers.arrays)
+        nbytes = sum(p.box.size * _dtypes.itemsize(p.dtype) for p in pieces)
+        stage = staging_path(dst, self.token)
+        os.makedirs(stage, exist_ok=True)
+        record_owner(stage, self.rank)
+        write_rank(dst, pieces, self.rank, token=self.token, images=job.buffers.images, background=True)
+        committed = False
+        if self.rank == 0:
+            self._await_ranks(stage)
+            try:
+                commit_universal(dst, self.world_size, step=job.step, extra={"values": job.extra},
+                       provenance={"writer": "ckptbridge.Checkpointer", "world_size": self.world_size},
+                       token=self.token)
+                committed = True
+            except FileExistsError:  # another job committed this step first: theirs stays
+                log.warning("step %d was committed by another writer; discarding ours", job.step)
+                shutil.rmtree(stage, ignore_errors=True)
+        flush_s = time.perf_counter() - t0
+        job.buffers.step, job.buffers.leaves, job.buffers.extra = job.step, job.leaves, job.extra
+        job.buffers.busy.clear()
+        persist_s = None
+        if committed:
+            if self.persistent:
+                t1 = time.perf_counter()
+                persist(dst, self.persistent)
+                persist_s = time.perf_counter() - t1
+            self._retain()
+        stats = SaveStats(job.step, nbytes, job.stall, job.snapshot_seconds, flush_s, persist_s, committed)
+        self.stats.append(stats)
+        log.info("step %d: %.1f MB, stall %.4fs, snapshot %.3fs, flush %.3fs (%.2f GB/s)%s",
+                 job.step, nbytes / 1e6, stats.stall_seconds, stats.snapshot_seconds, flush_s,
+                 stats.flush_gbps, f", persist {persist_s:.3f}s" if persist_s is not None else "")
+        job.flushed.set()
+        with self._lock:
+            self._pending.remove(job)
+
+    def _await_ranks(self, stage: str) -> None:
+        deadline = time.monotonic() + self.commit_timeout
+        want = [os.path.join(stage, f"manifest.r{r:05d}.json") for r in range(self.world_size)]
+        while not all(os.path.exists(w) for w in want):
+            if time.monotonic() > deadline:
+                missing = [r for r, w in enumerate(want) if not os.path.exists(w)]
+                raise CheckpointError(f"{stage}: ranks {missing} did not finish within {self.commit_timeout}s")
+            time.sleep(0.01)
+
+    def _retain(self) -> None:
+        steps = committed_steps(self.root)
+        if not steps:
+            return
+        clean_incomplete(self.root, steps[-1], self.commit_timeout)
+        for s in steps_to_drop(steps, self.keep_last, self.keep_every):
+            remove_checkpoint(step_dir(self.root, s))
+
+    def _raise_background_error(self) -> None:
+        with self._lock:
+            if self._errors:
+                err = self._errors.pop(0)
+                raise CheckpointError(f"a background checkpoint failed: {err}") from err
+
+
+def _dist_info(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    if rank is not None and world_size is not None:
+        return rank, world_size
+    import sys
+
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return (dist.get_rank() if rank is None else rank,
+                dist.get_world_size() if world_size is None else world_size)
+    return (rank or 0, world_size or 1)
+
