@@ -37,6 +37,7 @@ and shapes; the rules themselves move fragment boxes and strides only.
 from __future__ import annotations
 
 import re
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -85,12 +86,37 @@ PARAMS_PREFIX = "params/"
 
 
 def flatten_state(tree: Any) -> dict[str, Any]:
-    """``{"/"-joined key path: leaf}`` of a params / optimizer tree (NNX ``State`` -> pure dict first)."""
-
+    """``{"/"-joined key path: leaf}`` of a params / optimizer tree (NNX ``State`` -> pure dict first;
+    Flax's boxed leaves, ``nn.Partitioned`` / ``nn.LogicallyPartitioned``, are leaves of their own)."""
     if hasattr(tree, "to_pure_dict"):
         tree = tree.to_pure_dict()
-    flat, _ = flatten(tree)
-    return dict(flat)
+    flat, _ = flatten(tree, is_leaf=_is_box)
+    return {name: _unbox(leaf) for name, leaf in flat}
+
+
+def _is_box(x: Any) -> bool:
+    """A Flax ``AxisMetadata`` box (what ``model.init`` returns under ``nn.with_logical_partitioning``)."""
+    meta = sys.modules.get("flax.core.meta")
+    return meta is not None and isinstance(x, meta.AxisMetadata)
+
+
+def _unbox(leaf: Any) -> Any:
+    """A box's raw value (``unbox()`` would also apply its sharding constraint, which abstract
+    targets such as ``ShapeDtypeStruct`` cannot take)."""
+    return leaf.value if _is_box(leaf) else leaf
+
+
+def _box_sharding(box: Any) -> Any:
+    """The sharding a boxed leaf asks for: its value's, else its logical names on its mesh."""
+    sh = getattr(_unbox(box), "sharding", None)
+    if sh is not None or getattr(box, "mesh", None) is None:
+        return sh
+    import flax.linen as nn
+    from jax.sharding import NamedSharding
+
+    if isinstance(box, nn.LogicallyPartitioned):  # logical names -> mesh axes by its rules (or the context's)
+        return NamedSharding(box.mesh, nn.logical_to_mesh_axes(box.names, box.rules))
+    return NamedSharding(box.mesh, box.get_partition_spec())
 
 
 def _strip_params(name: str) -> str:
@@ -289,23 +315,25 @@ def _fill(ckpt: Checkpoint, target: Any, assign: Any, dtype: Any) -> Any:
 
 
     pure = target.to_pure_dict() if hasattr(target, "to_pure_dict") else target
-    flat, treedef = jax.tree_util.tree_flatten_with_path(pure)
-
-    leaves = [leaf for _, leaf in flat]
+    flat, treedef = jax.tree_util.tree_flatten_with_path(pure, is_leaf=_is_box)
+    boxes = {i: leaf for i, (_, leaf) in enumerate(flat) if _is_box(leaf)}
+    leaves = [_unbox(leaf) for _, leaf in flat]
+    shardings = {i: _box_sharding(b) for i, b in boxes.items()}
     reqs, where = [], []
-    for i, (kp, leaf) in enumerate(flat):
+    for i, (kp, _) in enumerate(flat):
+        leaf = leaves[i]
         name = path_name(kp)
         got = assign(name)
         if got is None:
             continue
         if not isinstance(got, tuple):  # a scalar (the Adam count)
             value = np.asarray(got, dtype=getattr(leaf, "dtype", None))
-            sh = getattr(leaf, "sharding", None)
+            sh = shardings.get(i, getattr(leaf, "sharding", None))
             leaves[i] = jax.device_put(value, sh) if sh is not None else value
             continue
         tname, state = got
         want = dtype if dtype is not None else getattr(leaf, "dtype", None)
-        sh = getattr(leaf, "sharding", None)
+        sh = shardings.get(i, getattr(leaf, "sharding", None))
         if sh is not None:
             reqs.append((tname, sh, want, tuple(getattr(leaf, "shape", ())), state))
             where.append(i)
@@ -318,6 +346,7 @@ def _fill(ckpt: Checkpoint, target: Any, assign: Any, dtype: Any) -> Any:
             leaves[i] = arr
     for i, arr in zip(where, load_arrays(ckpt, reqs), strict=True):
         leaves[i] = arr
+    leaves = [boxes[i].replace_boxed(leaf) if i in boxes else leaf for i, leaf in enumerate(leaves)]
     filled = jax.tree_util.tree_unflatten(treedef, leaves)
     if hasattr(target, "to_pure_dict"):
         from flax import nnx
