@@ -156,6 +156,8 @@ _LAZY = {  # public name -> module: imported on first use, so the CLI and core s
 
 
 def __getattr__(name: str) -> Any:
+    if name in ("recipes", "plugin"):  # public submodules
+        return importlib.import_module(f".{name}", __name__)
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'ckptbridge' has no attribute {name!r}")

@@ -33,6 +33,7 @@ unless ``overwrite``::
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from collections import OrderedDict
@@ -64,14 +65,29 @@ from ._reader import index
 _VOCAB = ("embedding.word_embeddings.weight", "output_layer.weight")
 
 
-def _source_info(ckpt: Any) -> dict[str, Any]:
-    meg = (ckpt.extra or {}).get("megatron")
-    if not isinstance(meg, Mapping) or not isinstance(meg.get("args"), Mapping):
+def _source_info(ckpt: Any, args_file: str | None = None) -> dict[str, Any]:
+    """The source's Megatron run info (args, vocabulary, optimizer kind ...); ``args_file`` (JSON of
+    Megatron args, e.g. ``ckptbridge.recipes.megatron_args`` of an HF config) supplies or overrides
+    the args, for sources that are not Megatron checkpoints."""
+    meg = dict((ckpt.extra or {}).get("megatron") or {})
+    if args_file is not None:
+        try:
+            with open(args_file) as fh:
+                given = json.load(fh)
+        except (OSError, ValueError) as err:
+            raise FormatError(f"{args_file}: cannot read Megatron args ({err})") from None
+        if not isinstance(given, Mapping):
+            raise FormatError(f"{args_file}: Megatron args must be a JSON object")
+        meg["args"] = {**dict(meg.get("args") or {}), **given}
+        if given.get("vocab_size") is not None:
+            meg["vocab_size"] = int(given["vocab_size"])
+    if not isinstance(meg.get("args"), Mapping):
         raise FormatError(
             f"{ckpt.path}: writing Megatron needs the run's Megatron args (model shape, vocab, "
-            "optimizer settings); this checkpoint has none in extra['megatron']['args']"
+            "optimizer settings); this checkpoint has none in extra['megatron']['args']: pass "
+            "-o args=ARGS.json (for an HF model: ckptbridge.recipes.megatron_args(config.json))"
         )
-    return dict(meg)
+    return meg
 
 
 def _target_args(src: Mapping[str, Any], tp: int, pp: int, dp: int | None, dist_opt: bool,
@@ -195,6 +211,7 @@ class MegatronWriteOptions(WriteOptions):
     ``dp``: data-parallel size recorded in the args (default: the source's).
     ``distributed_optimizer``: write ``distrib_optim.pt`` (default: as the source).
     ``iteration``: the iteration number (default: the source's step).
+    ``args``: a JSON file of Megatron args for a source that has none (an HF model), or overrides.
     """
 
     tp: int | None = None
@@ -202,6 +219,7 @@ class MegatronWriteOptions(WriteOptions):
     dp: int | None = None
     distributed_optimizer: bool | None = None
     iteration: int | None = None
+    args: str | None = None
 
     def validate(self) -> None:
         for name in ("tp", "pp", "dp"):
@@ -215,15 +233,15 @@ def write(ckpt: Any, dst: str, options: MegatronWriteOptions | None = None) -> s
     o = options or MegatronWriteOptions()
     dst = os.path.abspath(os.fspath(dst))
     with staged_dir(dst, overwrite=o.overwrite) as stage:
-        _write(ckpt, stage, o.tp, o.pp, o.dp, o.distributed_optimizer, o.iteration)
+        _write(ckpt, stage, o.tp, o.pp, o.dp, o.distributed_optimizer, o.iteration, o.args)
     return dst
 
 
 def _write(ckpt: Any, tmp: str, tp: int | None, pp: int | None, dp: int | None,
-           distributed_optimizer: bool | None, iteration: int | None) -> None:
+           distributed_optimizer: bool | None, iteration: int | None, args_file: str | None) -> None:
     import torch
 
-    info = _source_info(ckpt)
+    info = _source_info(ckpt, args_file)
     src_args = dict(info["args"])
     tp = int(tp or src_args.get("tensor_model_parallel_size") or 1)
     pp = int(pp or src_args.get("pipeline_model_parallel_size") or 1)

@@ -294,7 +294,8 @@ class Unstack(Rule):
 
 @dataclass(frozen=True)
 class Split(Rule):
-    """Mapping: split a fused tensor into named parts (``to`` uses ``{part}``)."""
+    """Mapping: split a fused tensor into named parts (``to`` uses ``{part}``); ``widths`` per part
+    (default: equal parts), repeated ``groups`` times along ``dim`` (grouped-query QKV)."""
 
     to: str = ""
     dim: int = 0
@@ -556,7 +557,17 @@ def _apply_unstack(tensors: dict[str, LogicalTensor], rule: Unstack) -> dict[str
 
 
 def _apply_split(tensors: dict[str, LogicalTensor], rule: Split) -> dict[str, LogicalTensor]:
-    return _fan_out(tensors, rule, lambda st: T.split(st, T._axis(rule.dim, len(st.shape)), rule.widths, rule.groups),
+    def parts(st: TensorState) -> list[TensorState]:
+        dim = T._axis(rule.dim, len(st.shape))
+        widths = rule.widths
+        if not widths:  # equal parts
+            n, k = st.shape[dim], rule.groups * len(rule.parts)
+            if not k or n % k:
+                raise ShapeMismatchError(f"dim {dim} of {n} entries does not split into {k} equal parts")
+            widths = (n // k,) * len(rule.parts)
+        return T.split(st, dim, widths, rule.groups)
+
+    return _fan_out(tensors, rule, parts,
                     lambda name, _n: [re.sub(rule.pattern, rule.to, name).replace("{part}", p) for p in rule.parts])
 
 
