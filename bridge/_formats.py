@@ -30,15 +30,14 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import importlib.metadata
-import threading
 import types
 import typing
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from ._errors import MissingExtraError, OptionError, UnknownFormatError
+from ._plugins import PluginGroup
 
 ENTRY_POINT_GROUP = "ckptbridge.formats"
 
@@ -97,10 +96,11 @@ class Format:
         return self.write is not None
 
 
-_LOCK = threading.RLock()
+_GROUP = PluginGroup(ENTRY_POINT_GROUP)
 _REGISTRY: dict[str, Format] = {}
-_BROKEN: dict[str, str] = {}  # entry-point name -> why it failed to load
-_LOADED = False
+_BROKEN = _GROUP.broken  # entry-point name -> why it failed to load
+_LOCK = _GROUP.lock
+_INSTALLED: set[int] = set()  # ids of entry-point values already registered
 
 
 def register_format(fmt: Format, *, replace: bool = False) -> Format:
@@ -115,21 +115,14 @@ def register_format(fmt: Format, *, replace: bool = False) -> Format:
 
 
 def _load_entry_points() -> None:
-    global _LOADED
     with _LOCK:
-        if _LOADED:
-            return
-        _LOADED = True
-        for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
-            if ep.name in _REGISTRY:
+        for value in _GROUP.load():
+            if id(value) in _INSTALLED:
                 continue
-            try:
-                value = ep.load()
-            except ImportError as err:  # an adapter whose extra is missing must not hide the others
-                _BROKEN[ep.name] = f"{type(err).__name__}: {err}"
-                continue
+            _INSTALLED.add(id(value))
             for fmt in value if isinstance(value, (list, tuple)) else (value,):
-                register_format(fmt, replace=True)
+                if fmt.name not in _REGISTRY:  # one registered at run time wins
+                    register_format(fmt)
 
 
 def formats() -> tuple[Format, ...]:
@@ -273,12 +266,6 @@ def _field_docs(cls: type[Options]) -> dict[str, str]:
     return out
 
 
-def load_attr(ref: str) -> Any:
-    """``"module:attr"`` -> the attribute (for lazily referenced callables)."""
-    module, _, attr = ref.partition(":")
-    return getattr(importlib.import_module(module), attr)
-
-
 def require(module: str, extra: str, what: str) -> Any:
     """Import ``module`` or raise :class:`MissingExtraError` with the ``pip install`` hint."""
     try:
@@ -288,7 +275,3 @@ def require(module: str, extra: str, what: str) -> Any:
             f"{what} needs {module!r}, which is not installed ({err}); "
             f"install it with: pip install 'ckptbridge[{extra}]'"
         ) from None
-
-
-def names(fmts: Sequence[Format]) -> list[str]:
-    return [f.name for f in fmts]

@@ -15,9 +15,7 @@ loaded the first time a value of its framework is saved::
 
 from __future__ import annotations
 
-import importlib.metadata
 import mmap
-import threading
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +24,7 @@ import numpy as np
 
 from .. import _dtypes
 from .._model import Box
+from .._plugins import PluginGroup
 
 ENTRY_POINT_GROUP = "ckptbridge.leaf_providers"
 
@@ -86,31 +85,23 @@ class LeafProvider:
     guard_keys: Callable[[Any], set[Any]] | None = None
 
 
-_LOCK = threading.RLock()
+_GROUP = PluginGroup(ENTRY_POINT_GROUP)
 _PROVIDERS: list[LeafProvider] = []
-_LOADED = False
 
 
 def register_leaf_provider(provider: LeafProvider) -> LeafProvider:
-    with _LOCK:
+    with _GROUP.lock:
         _PROVIDERS[:] = [p for p in _PROVIDERS if p.name != provider.name]
         _PROVIDERS.append(provider)
     return provider
 
 
 def _load_entry_points() -> None:
-    global _LOADED
-    with _LOCK:
-        if _LOADED:
-            return
-        _LOADED = True
+    with _GROUP.lock:
         known = {p.name for p in _PROVIDERS}
-        for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
-            if ep.name not in known:
-                try:
-                    register_leaf_provider(ep.load())
-                except ImportError:  # its framework is not installed: no value of it can be saved anyway
-                    continue
+        for provider in _GROUP.load():  # a framework that is not installed is skipped: nothing of it is saved
+            if provider.name not in known:
+                register_leaf_provider(provider)
 
 
 def provider_for(value: Any) -> LeafProvider | None:
@@ -118,18 +109,18 @@ def provider_for(value: Any) -> LeafProvider | None:
     module = type(value).__module__
     if module.startswith(("numpy", "builtins")):
         return None
-    with _LOCK:
+    with _GROUP.lock:
         found = next((p for p in _PROVIDERS if module.startswith(p.modules)), None)
-    if found is None and not _LOADED:
+    if found is None and not _GROUP.loaded:
         _load_entry_points()
-        with _LOCK:
+        with _GROUP.lock:
             found = next((p for p in _PROVIDERS if module.startswith(p.modules)), None)
     return found
 
 
 def providers() -> tuple[LeafProvider, ...]:
     _load_entry_points()
-    with _LOCK:
+    with _GROUP.lock:
         return tuple(_PROVIDERS)
 
 
