@@ -268,3 +268,17 @@ def test_train_first_loss_is_hf_and_resume_is_exact(run):
     assert info["count"] == 4
     assert "[0].mu/decoder/layers/self_attention/query/kernel [64, 2, 4, 32]" in info["opt_state_tree"]
     assert any(p.startswith("[2].count") for p in info["opt_state_tree"])
+
+
+def test_forward_from_a_ckptbridge_universal_directory(run):
+    """Params given as a ckptbridge universal directory load through ckptbridge.adapters.jax
+    onto MaxText's shardings and give the same logits as the converter's safetensors file."""
+    import ckptbridge
+
+    work = run["work"]
+    params, _report, logits = run["out"]["llama3-scan1"]
+    universal = work / "llama3-universal"
+    ckptbridge.convert(ckptbridge.open(params), universal)
+    spec = mx.spec_from_hf(run["cfgs"]["llama3"], scan=True, batch=BATCH, seq=SEQ)
+    mx.run_jobs([mx.forward_job(spec, universal, work / "tokens.npy", work / "universal.npy")])
+    assert np.array_equal(np.load(work / "universal.npy"), np.load(logits))
