@@ -160,3 +160,79 @@ def cross_entropy(logits: np.ndarray, targets: np.ndarray) -> float:
     x = x - x.max(-1, keepdims=True)
     logp = x - np.log(np.exp(x).sum(-1, keepdims=True))
     return float(-np.take_along_axis(logp, targets[..., None].astype(np.int64), -1).mean())
+
+
+def train_adamw(model: Any, batch: np.ndarray, steps: int, *, lr: float = 1e-3,
+                betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, wd: float = 0.1,
+                optimizer: Any = None) -> tuple[list[float], Any]:
+    """``steps`` torch AdamW steps on the next-token loss of ``batch`` ``[b, s+1]`` (mean over
+    all positions, no ignore index); returns (losses before each update, the optimizer)."""
+    import torch
+
+    opt = optimizer or torch.optim.AdamW(model.parameters(), lr=lr, betas=betas, eps=eps, weight_decay=wd)
+    x = torch.as_tensor(np.asarray(batch[:, :-1], dtype=np.int64))
+    y = torch.as_tensor(np.asarray(batch[:, 1:], dtype=np.int64))
+    losses = []
+    model.train()
+    for _ in range(steps):
+        opt.zero_grad()
+        logits = model(input_ids=x, use_cache=False).logits
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    model.eval()
+    return losses, opt
+
+
+def save_moments(model: Any, optimizer: Any, out: Path) -> tuple[Path, Path, int]:
+    """torch AdamW's ``exp_avg`` / ``exp_avg_sq`` as two HF-named checkpoint directories
+    (``config.json`` + ``model.safetensors``: what MaxText's converter reads), and the step."""
+    import torch
+    from safetensors.torch import save_file
+
+    dirs = []
+    steps = set()
+    for key in ("exp_avg", "exp_avg_sq"):
+        d = Path(out) / key
+        d.mkdir(parents=True, exist_ok=True)
+        model.config.to_json_file(str(d / "config.json"))
+        tensors = {}
+        for name, p in model.named_parameters():
+            state = optimizer.state[p]
+            tensors[name] = state[key].detach().to(torch.float32).contiguous().clone()
+            steps.add(int(state["step"]))
+        save_file(tensors, str(d / "model.safetensors"))
+        dirs.append(d)
+    if len(steps) != 1:
+        raise ValueError(f"parameters at different AdamW steps {sorted(steps)}")
+    return dirs[0], dirs[1], steps.pop()
+
+
+def load_with_adamw(hf_dir: Path, moments: tuple[Path, Path] | None = None, step: int = 0, *,
+                    lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
+                    wd: float = 0.1) -> tuple[Any, Any]:
+    """The model in ``hf_dir`` (``config.json`` + safetensors, every weight required) and a
+    torch AdamW whose ``exp_avg`` / ``exp_avg_sq`` / ``step`` come from ``moments`` (two
+    directories with the same tensor names), ready to continue a run."""
+    import torch
+    import transformers
+    from safetensors.numpy import load_file
+
+    def tensors(d: Path) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for f in sorted(Path(d).glob("*.safetensors")):
+            out |= {k: torch.from_numpy(v.copy()) for k, v in load_file(str(f)).items()}
+        return out
+
+    cfg = transformers.AutoConfig.from_pretrained(str(hf_dir))
+    model = transformers.AutoModelForCausalLM.from_config(cfg).to(torch.float32)
+    model.load_state_dict(tensors(hf_dir), strict=True)
+    model.eval()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=betas, eps=eps, weight_decay=wd)
+    if moments is not None:
+        mu, nu = (tensors(d) for d in moments)
+        for name, p in model.named_parameters():
+            opt.state[p] = {"step": torch.tensor(float(step)), "exp_avg": mu[name].clone(),
+                            "exp_avg_sq": nu[name].clone()}
+    return model, opt

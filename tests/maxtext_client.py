@@ -109,6 +109,14 @@ def convert_job(spec: dict[str, Any], hf_dir: Path, out: Path, *, report: Path |
     return job
 
 
+def to_hf_job(spec: dict[str, Any], params: Path, hf_config: Path, out: Path,
+              prefix: str = "") -> dict[str, Any]:
+    """MaxText's own MaxText->HF conversion into ``out/`` (``model.safetensors`` + ``config.json``);
+    ``prefix`` picks ``mu/`` or ``nu/`` out of a ``train`` optimizer-state file."""
+    return {"cmd": "convert-to-hf", "spec": spec, "params": str(params), "hf_config": str(hf_config),
+            "out": str(out), "prefix": prefix}
+
+
 def forward_job(spec: dict[str, Any], params: Path, tokens: Path, out: Path,
                 state: str | None = None) -> dict[str, Any]:
     job = {"cmd": "forward", "spec": spec, "params": str(params), "tokens": str(tokens), "out": str(out)}
@@ -118,12 +126,17 @@ def forward_job(spec: dict[str, Any], params: Path, tokens: Path, out: Path,
 
 
 def train_job(spec: dict[str, Any], params: Path, tokens: Path, out: Path, steps: int, *,
-              opt_state: Path | None = None, **adamw: float) -> dict[str, Any]:
-    """``adamw``: lr, b1, b2, eps, wd (harness defaults 1e-3, 0.9, 0.95, 1e-8, 0.1)."""
+              opt_state: Path | None = None, mu: Path | None = None, nu: Path | None = None,
+              count: int | None = None, **adamw: float) -> dict[str, Any]:
+    """Optimizer state: ``opt_state`` (a harness ``train`` output) or ``mu`` + ``nu`` (params
+    files, e.g. moments converted by ``convert-hf``) + ``count``. ``adamw``: lr, b1, b2, eps,
+    wd (harness defaults 1e-3, 0.9, 0.95, 1e-8, 0.1)."""
     job = {"cmd": "train", "spec": spec, "params": str(params), "tokens": str(tokens),
            "out": str(out), "steps": steps, **adamw}
     if opt_state is not None:
         job["opt_state"] = str(opt_state)
+    if mu is not None or nu is not None:
+        job |= {"mu": str(mu), "nu": str(nu), "count": count}
     return job
 
 

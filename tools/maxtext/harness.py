@@ -23,9 +23,12 @@ Subcommands::
     harness.py tree       --spec s.json --out tree.json
     harness.py convert-hf --spec s.json --hf-dir hf/ --out params.safetensors [--report r.json]
                           [--from-unscanned]  # scan=True built from MaxText's unscanned conversion
+    harness.py convert-to-hf --spec s.json --params p.safetensors --hf-config config.json --out hf/
+                          [--prefix mu/]      # MaxText's own to_huggingface hooks; one file + config
     harness.py forward    --spec s.json --params p.safetensors --tokens t.npy --out logits.npy
     harness.py train      --spec s.json --params p.safetensors --tokens t.npy --steps 3 --out dir/
-                          [--opt-state o.safetensors] [--lr 1e-3 --b1 .9 --b2 .95 --eps 1e-8 --wd .1]
+                          [--opt-state o.safetensors | --mu m.safetensors --nu n.safetensors --count N]
+                          [--lr 1e-3 --b1 .9 --b2 .95 --eps 1e-8 --wd .1]
     harness.py jobs       --jobs jobs.json   # several of the above in one process (one import)
 
 ``tree`` builds MaxText's decoder (``models.transformer_as_linen``) and lists every leaf
@@ -539,6 +542,35 @@ def convert_hf(built: Built, spec: Spec, hf_dir: Path, save_dtype: str = "float3
     return out, report
 
 
+def convert_to_hf(built: Built, spec: Spec, params: dict[str, Any], hf_cfg: dict[str, Any]) -> dict[str, Any]:
+    """MaxText's own MaxText->HF conversion (``to_huggingface``'s mappings with
+    ``saving_to_hf=True`` and ``utils.process_maxtext_param``) of ``{path: array}``."""
+    import numpy as np
+    from maxtext.checkpoint_conversion.to_huggingface import _get_model_mappings
+    from maxtext.checkpoint_conversion.utils.utils import (
+        process_maxtext_param,
+        validate_and_filter_param_map_keys,
+    )
+
+    cfg = built.config
+    key, drop_rope = converter_key(spec)
+    maps = _get_model_mappings(key, cfg.scan_layers, hf_cfg, cfg)
+    hooks = maps["hook_fn_mapping"]
+    if drop_rope:
+        hooks = {k: _strip_rope(v) for k, v in hooks.items()}
+    state = {"params-" + name.replace("/", "-"): np.asarray(v) for name, v in params.items()}
+    missing = set(built.leaves) - set(params)
+    if missing:
+        raise SystemExit(f"convert-to-hf: params lack {sorted(missing)}")
+    out: dict[str, Any] = {}
+    for mt_key in validate_and_filter_param_map_keys(maps["param_mapping"].keys(), set(state)):
+        weight = [state[k] for k in mt_key] if isinstance(mt_key, tuple) else state[mt_key]
+        for hf_name, value in process_maxtext_param(mt_key, weight, maps["param_mapping"], hooks,
+                                                    maps["shape_mapping"], cfg):
+            out[hf_name] = np.asarray(value)
+    return out
+
+
 def _mt_name(mt_key: str) -> str:
     parts = mt_key.split("-")
     return "/".join(parts[1:] if parts[0] == "params" else parts)
@@ -619,6 +651,15 @@ def run_job(job: dict[str, Any], cache: dict[str, Built]) -> dict[str, Any]:
         if job.get("report"):
             _write_json(Path(job["report"]), report)
         result["errors"] = report["errors"]
+    elif cmd == "convert-to-hf":
+        hf_cfg_path = Path(job["hf_config"])
+        hf_cfg = json.loads(hf_cfg_path.read_text())
+        prefix = job.get("prefix", "")
+        arrays = {k[len(prefix):]: v for k, v in _read_safetensors(Path(job["params"])).items()
+                  if k.startswith(prefix)}
+        out = Path(job["out"])
+        _write_safetensors(out / "model.safetensors", convert_to_hf(get(spec), spec, arrays, hf_cfg))
+        (out / "config.json").write_text(hf_cfg_path.read_text())
     elif cmd == "forward":
         built = get(spec)
         variables = place_params(built, job["params"], job.get("state"))
@@ -632,6 +673,12 @@ def run_job(job: dict[str, Any], cache: dict[str, Built]) -> dict[str, Any]:
         tokens = np.load(job["tokens"], allow_pickle=False)
         hp = AdamW(**{k: float(job[k]) for k in ("lr", "b1", "b2", "eps", "wd") if k in job})
         opt_in = _read_safetensors(Path(job["opt_state"])) if job.get("opt_state") else None
+        if job.get("mu") or job.get("nu"):  # moments as two params files (e.g. convert-hf outputs)
+            if opt_in is not None or not (job.get("mu") and job.get("nu")) or "count" not in job:
+                raise SystemExit("train: give either opt_state, or mu + nu + count")
+            opt_in = {"count": np.asarray(int(job["count"]), dtype=np.int32)}
+            for kind in ("mu", "nu"):
+                opt_in |= {f"{kind}/{k}": v for k, v in _read_safetensors(Path(job[kind])).items()}
         losses, params, opt_state = train(built, variables, tokens, int(job["steps"]), hp, opt_in)
         out = Path(job["out"])
         _write_safetensors(out / "params.safetensors", {n: np.asarray(v) for n, v in _flat(params).items()})
@@ -685,6 +732,12 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--report")
     c.add_argument("--save-dtype", default="float32")
     c.add_argument("--from-unscanned", action="store_true")
+    h = sub.add_parser("convert-to-hf", help="MaxText's own MaxText->HF converter hooks")
+    h.add_argument("--spec", required=True)
+    h.add_argument("--params", required=True)
+    h.add_argument("--hf-config", required=True, help="the HF config.json to convert for")
+    h.add_argument("--prefix", help="only keys with this prefix, stripped (mu/ or nu/ of a train output)")
+    h.add_argument("--out", required=True)
     f = sub.add_parser("forward", help="fp32 logits of MaxText's forward on a CPU mesh")
     f.add_argument("--spec", required=True)
     f.add_argument("--params", required=True)
@@ -698,6 +751,9 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--tokens", required=True)
     r.add_argument("--steps", type=int, required=True)
     r.add_argument("--opt-state")
+    r.add_argument("--mu", help="first moments as a params file (MaxText paths)")
+    r.add_argument("--nu", help="second moments as a params file (MaxText paths)")
+    r.add_argument("--count", type=int, help="optax count (torch's step) with --mu/--nu")
     r.add_argument("--out", required=True)
     for name, default in (("lr", 1e-3), ("b1", 0.9), ("b2", 0.95), ("eps", 1e-8), ("wd", 0.1)):
         r.add_argument(f"--{name}", type=float, default=default)
