@@ -15,7 +15,7 @@ from typing import Any
 from ._checkpoint import CheckpointIndex
 from ._errors import FormatError, MissingShardError
 from ._model import LogicalTensor, TensorState, check_name
-from ._safetensors import shard_files
+from ._safetensors import check_weight_map, index_json_of, shard_files
 from ._torchzip import TorchArchive, is_torch_zip, iter_tensors, strip_tensors
 
 _STEP_KEYS = ("step", "iteration", "global_step", "global_steps", "epoch_step")
@@ -52,6 +52,7 @@ def index(path: str) -> CheckpointIndex:
     tensors: dict[str, LogicalTensor] = {}
     extra: dict[str, Any] = {}
     step = None
+    found: dict[str, str] = {}
     for f in _files(path):
         if not os.path.exists(f):
             raise MissingShardError(f"{f}: shard listed by {path} is missing")
@@ -64,10 +65,12 @@ def index(path: str) -> CheckpointIndex:
             tensors[name or "tensor"] = LogicalTensor(
                 name or "tensor", {"param": TensorState(ref.dtype, ref.shape, (frag,))}
             )
+            found[name or "tensor"] = f
         step = step if step is not None else _find_step(archive.obj)
         if isinstance(archive.obj, dict):
             rest = {k: strip_tensors(v) for k, v in archive.obj.items() if not _all_tensors(v)}
             extra.update(rest)
+    check_weight_map(index_json_of(path, ".bin.index.json"), found)
     return CheckpointIndex("torch", path, tensors, step, extra)
 
 

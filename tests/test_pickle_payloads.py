@@ -15,7 +15,7 @@ lists of files each reader opens. Covered:
   the ``torch.save`` items inside every ``.distcp`` file;
 * torch DCP: ``.metadata``, the per-rank ``__R.metadata`` of ``dcp.save(use_collectives=False)``
   (2 ranks) and the items inside the ``.distcp`` files (tensors and pickled objects);
-* plain ``torch.save`` files and Hugging Face ``pytorch_model-*.bin`` shards.
+* plain ``torch.save`` files and Hugging Face ``pytorch_model-*.bin`` shards (``huggingface_hub``'s).
 
 Injection: appended before the pickle's ``STOP`` (plain pickles, ``data.pkl`` of a zip archive),
 so the file is otherwise intact; inside a ``.distcp`` file the item's ``data.pkl`` is replaced
@@ -427,18 +427,16 @@ def test_dcp_positive_controls(dcp_dirs, tmp_path):
 
 
 def test_plain_torch_and_hf_bin_shards(tmp_path):
-    import json
+    import huggingface_hub
 
     torch.save({"w": torch.randn(3, 2), "meta": {"k": [1, 2]}}, tmp_path / "model.pt")
     marker = str(tmp_path / "ran")
     with injected(str(tmp_path / "model.pt"), marker):
         refuses(str(tmp_path / "model.pt"), marker, "model.pt")
-    hf = tmp_path / "hf"
+    hf = tmp_path / "hf"  # pytorch_model-0000K-of-0000N.bin shards + index, as huggingface_hub writes them
     hf.mkdir()
-    shards = {"pytorch_model-00001-of-00002.bin": {"a.weight": torch.randn(4, 2)},
-              "pytorch_model-00002-of-00002.bin": {"b.weight": torch.randn(2)}}
-    for f, sd in shards.items():
-        torch.save(sd, hf / f)
-    (hf / "pytorch_model.bin.index.json").write_text(json.dumps(
-        {"metadata": {}, "weight_map": {k: f for f, sd in shards.items() for k in sd}}))
-    assert _each_file_refused(str(hf), tmp_path, 2) == sorted(shards)
+    sd = {"a.weight": torch.randn(40, 20), "b.weight": torch.randn(40, 20), "c.bias": torch.randn(20)}
+    huggingface_hub.save_torch_state_dict(sd, hf, safe_serialization=False, max_shard_size="4KB")
+    shards = sorted(f for f in os.listdir(hf) if f.endswith(".bin"))
+    assert len(shards) >= 2 and (hf / "pytorch_model.bin.index.json").exists()
+    assert _each_file_refused(str(hf), tmp_path, 2) == shards
