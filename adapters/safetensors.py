@@ -30,7 +30,7 @@ from ckptbridge.plugin import (
 )
 from ckptbridge.plugin import dtypes as _dtypes
 
-from ._hf import shard_files
+from ._hf import check_weight_map, index_json_of, shard_files
 
 __all__ = ["FORMAT", "SafetensorsWriteOptions", "detect", "index", "write"]
 
@@ -69,13 +69,15 @@ def index(path: str, options: OpenOptions | None = None) -> CheckpointIndex:
     """Open a safetensors file, an HF ``*.safetensors.index.json`` or a folder of shards."""
     tensors: dict[str, LogicalTensor] = {}
     files = _index_files(path)
+    found: dict[str, str] = {}
     for f in files:
         if not os.path.exists(f):
             raise MissingShardError(f"{f}: shard listed by {path} is missing")
         for name, t in _single_file_tensors(f).items():
             if name in tensors:
                 raise FormatError(f"{f}: tensor {name!r} appears in two shards")
-            tensors[name] = t
+            tensors[name], found[name] = t, f
+    check_weight_map(index_json_of(path, ".safetensors.index.json"), found)
     meta = {}
     if len(files) == 1:
         meta = read_header(files[0])[0].get("__metadata__") or {}

@@ -99,7 +99,7 @@ def test_legacy_and_torch_dist_of_one_layout_are_bitwise_equal(family: str) -> N
         assert np.array_equal(a[k], b[k]), k
 
 
-def test_bf16_run_states(ref) -> None:
+def test_bf16_run_states() -> None:
     c = O.open(fx("Abf16/tp2pp1/torch"))
     assert c.states() == ("param", "fp32", "exp_avg", "exp_avg_sq")
     for n in c:
@@ -107,8 +107,8 @@ def test_bf16_run_states(ref) -> None:
         assert t.dtype == "float32" and t.state("param").dtype == "bfloat16"
         # Megatron copies the fp32 master into the bf16 model weights after every step.
         np.testing.assert_array_equal(t.state("param").read(), t.read().astype(ml_dtypes.bfloat16))
-        # Same data and steps as the fp32 run; bf16 compute moves weights by at most 4e-3 (measured 3.8e-3).
-        np.testing.assert_allclose(t.read(), ref[(n, "fp32")], atol=5e-3)
+    # The fp32 master and the Adam moments themselves are checked bitwise against megatron-core's
+    # own optimizer state: tests/test_megatron_core_writer_paths.py.
 
 
 def test_tied_embeddings_family_b() -> None:

@@ -206,18 +206,6 @@ def test_written_orbax_variants_restore(tmp_path, options):
     assert len(back["enc/w"].fragments) > 1  # the chunks written
 
 
-def test_orbax_without_tree_metadata_lists_arrays(tmp_path):
-    """Orbax checkpoints from before ``_METADATA`` existed: arrays are found in the store itself."""
-    for ocdbt in (True, False):
-        path = str(tmp_path / f"old{ocdbt}")
-        with ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_ocdbt=ocdbt)) as ck:
-            ck.save(path, args=ocp.args.PyTreeSave({"a": {"w": rnd(3, (4, 6))}, "v": rnd(4, (5,))}))
-        os.remove(os.path.join(path, "_METADATA"))
-        ckpt = cbopen.open(path)
-        assert sorted(ckpt) == ["a/w", "v"]
-        np.testing.assert_array_equal(ckpt["a/w"].read(), rnd(3, (4, 6)))
-
-
 def test_writer_refuses_unknown_options(tmp_path):
     src = str(tmp_path / "uni")
     cbjax.save(src, {"w": np.ones((2, 2), np.float32)})

@@ -216,6 +216,8 @@ def main() -> None:
         meta = {"stage": args.stage, "world_size": ws, "dtype": args.dtype, "losses": losses,
                 "global_steps": engine.global_steps, "resumed_from": args.resume_universal,
                 "optimizer_wrapper": type(engine.optimizer).__name__, "save_checkpoint_s": save_s,
+                "offload": {k: (str(getattr(c.device, "value", c.device)) if c is not None else None) for k, c in
+                            (("optimizer", engine.zero_offload_optimizer()), ("param", engine.zero_offload_param()))},
                 "n_params": sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel()
                                 for p in engine.module.parameters())}
         with open(os.path.join(args.out, "meta.json"), "w") as fh:

@@ -64,6 +64,14 @@ def _item_dirs(step_dir: str) -> list[str]:
     return [n for n in names if not n.startswith(".") and _is_item_dir(os.path.join(step_dir, n))]
 
 
+def _is_step_dir(path: str) -> bool:
+    """A CheckpointManager step directory: item directories inside, and ``_CHECKPOINT_METADATA``
+    or (Orbax before 0.4.3 wrote none) a step number as its name."""
+    named = os.path.isfile(os.path.join(path, CHECKPOINT_METADATA)) or \
+        _step_number(os.path.basename(os.path.normpath(path))) is not None
+    return named and bool(_item_dirs(path))
+
+
 def _step_number(name: str) -> int | None:
     m = re.fullmatch(r"(?:.*?_)?(\d+)", name)
     return int(m.group(1)) if m and _TMP_MARK not in name else None
@@ -92,7 +100,7 @@ def detect(path: str) -> bool:
             return False
         if _is_item_dir(path):
             return True
-        if os.path.isfile(os.path.join(path, CHECKPOINT_METADATA)) and _item_dirs(path):
+        if _is_step_dir(path):
             return True
         return bool(_steps(path))
     except OSError:
@@ -304,7 +312,7 @@ def _saved_shardings(item: str, prefix: str, names: Mapping[str, str]) -> dict[s
 
 def _resolve(path: str, step: int | None) -> tuple[str, int | None]:
     """The step directory (or item directory) to read, and its step number."""
-    if _is_item_dir(path) or (os.path.isfile(os.path.join(path, CHECKPOINT_METADATA)) and _item_dirs(path)):
+    if _is_item_dir(path) or _is_step_dir(path):
         if step is not None:
             raise FormatError(f"{path}: step={step} given, but this is a single checkpoint, not a manager root")
         return path, _step_number(os.path.basename(os.path.normpath(path)))

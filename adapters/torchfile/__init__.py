@@ -28,7 +28,7 @@ from ckptbridge.plugin import (
     check_name,
 )
 
-from .._hf import shard_files
+from .._hf import check_weight_map, index_json_of, shard_files
 from ._archive import (
     TorchArchive,
     is_torch_zip,
@@ -83,6 +83,7 @@ def index(path: str, options: OpenOptions | None = None) -> CheckpointIndex:
     tensors: dict[str, LogicalTensor] = {}
     extra: dict[str, Any] = {}
     step = None
+    found: dict[str, str] = {}
     for f in _files(path):
         if not os.path.exists(f):
             raise MissingShardError(f"{f}: shard listed by {path} is missing")
@@ -95,10 +96,12 @@ def index(path: str, options: OpenOptions | None = None) -> CheckpointIndex:
             tensors[name or "tensor"] = LogicalTensor(
                 name or "tensor", {"param": TensorState(ref.dtype, ref.shape, (frag,))}
             )
+            found[name or "tensor"] = f
         step = step if step is not None else _find_step(archive.obj)
         if isinstance(archive.obj, dict):
             rest = {k: strip_tensors(v) for k, v in archive.obj.items() if not _all_tensors(v)}
             extra.update(rest)
+    check_weight_map(index_json_of(path, ".bin.index.json"), found)
     return CheckpointIndex("torch", path, tensors, step, extra)
 
 
