@@ -34,7 +34,7 @@ from ._version import __version__
 
 if TYPE_CHECKING:
     from ._checkpoint import Checkpoint, CheckpointIndex, TensorView
-    from ._checkpointer import Checkpointer, SaveStats
+    from ._checkpointer import Checkpointer, RestoreResult, SaveStats
     from ._convert import DiffRow, convert, diff, export, trace
     from ._errors import (
         CheckpointError,
@@ -81,6 +81,7 @@ if TYPE_CHECKING:
 _LAZY = {  # public name -> module: imported on first use, so the CLI and core start fast
     "Checkpointer": "._checkpointer",
     "SaveStats": "._checkpointer",
+    "RestoreResult": "._checkpointer",
     "Checkpoint": "._checkpoint",
     "CheckpointIndex": "._checkpoint",
     "TensorView": "._checkpoint",
@@ -176,6 +177,7 @@ __all__ = [
     "Renumber",
     "Replicate",
     "ReshardPlan",
+    "RestoreResult",
     "Rule",
     "SaveStats",
     "ShapeMismatchError",

@@ -77,6 +77,11 @@ class LeafProvider:
     ``leaves(name, value, capture)``: the value's leaves on this rank.
     ``copy_into(value, array)``: restore a saved global array into a live value in place.
     ``guard_keys(optimizer)``: identities of every tensor ``optimizer.step()`` changes.
+    ``state_of(obj, restoring)``: the live state tree of a framework object that stands for
+    its state (a torch ``nn.Module`` or optimizer: its ``state_dict()``), else ``None``; with
+    ``restoring`` the object first creates state it does not have yet (a fresh optimizer).
+    ``after_restore(obj, saved)``: finish restoring such an object from its saved sub-tree
+    (e.g. an optimizer's hyper-parameters, which its ``state_dict()`` only copies).
     """
 
     name: str
@@ -84,6 +89,8 @@ class LeafProvider:
     leaves: Callable[[str, Any, Capture], list[Leaf]]
     copy_into: Callable[[Any, np.ndarray], None] | None = None
     guard_keys: Callable[[Any], set[Any]] | None = None
+    state_of: Callable[[Any, bool], Any] | None = None
+    after_restore: Callable[[Any, Any], None] | None = None
 
 
 _LOCK = threading.RLock()
@@ -133,20 +140,33 @@ def providers() -> tuple[LeafProvider, ...]:
         return tuple(_PROVIDERS)
 
 
-def flatten(state: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
+def expand(value: Any, restoring: bool = False) -> Any:
+    """The state tree a framework object stands for (``nn.Module``, optimizer), else ``None``."""
+    if isinstance(value, (np.ndarray, np.generic, str, bytes, int, float, bool)) or value is None:
+        return None
+    provider = provider_for(value)
+    return provider.state_of(value, restoring) if provider is not None and provider.state_of else None
+
+
+def flatten(state: Any, prefix: str = "", restoring: bool = False) -> Iterator[tuple[str, Any]]:
     """Leaves of nested dicts/lists/tuples/NamedTuples with dotted names
-    (``{"opt": (ScaleByAdamState(count, mu, nu),)}`` -> ``opt.0.mu.w`` ...)."""
+    (``{"opt": (ScaleByAdamState(count, mu, nu),)}`` -> ``opt.0.mu.w`` ...); a torch
+    ``nn.Module`` or optimizer stands for its ``state_dict()``."""
     if isinstance(state, Mapping):
         for k, v in state.items():
-            yield from flatten(v, f"{prefix}.{k}" if prefix else str(k))
+            yield from flatten(v, f"{prefix}.{k}" if prefix else str(k), restoring)
     elif isinstance(state, tuple) and hasattr(state, "_fields"):  # NamedTuple (optax states)
         for k in state._fields:
-            yield from flatten(getattr(state, k), f"{prefix}.{k}" if prefix else k)
+            yield from flatten(getattr(state, k), f"{prefix}.{k}" if prefix else k, restoring)
     elif isinstance(state, (list, tuple)):
         for i, v in enumerate(state):
-            yield from flatten(v, f"{prefix}.{i}" if prefix else str(i))
+            yield from flatten(v, f"{prefix}.{i}" if prefix else str(i), restoring)
     else:
-        yield prefix, state
+        sub = expand(state, restoring)
+        if sub is None:
+            yield prefix, state
+        else:
+            yield from flatten(sub, prefix, restoring)
 
 
 def _numpy_leaf(name: str, value: np.ndarray) -> Leaf:
