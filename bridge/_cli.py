@@ -31,7 +31,7 @@ from typing import Any
 
 from ._checkpoint import Checkpoint
 from ._convert import convert, diff, export
-from ._errors import CheckpointError, OptionError, UnknownFormatError
+from ._errors import CheckpointError, OptionError, UnknownFormatError, WriteError
 from ._formats import describe_options, formats, get_format, writable_formats
 from ._open import open as open_ckpt
 from ._reshard import destination, reshard
@@ -94,6 +94,30 @@ def _progress(label: str, total: int, done: Callable[[], int]) -> Iterator[None]
         finally:
             stop.set()
             th.join()
+
+
+@contextlib.contextmanager
+def _writing(dst: str) -> Iterator[None]:
+    """Failures to write ``dst`` (read-only place, ``/proc``, full disk ...) become one
+    :class:`WriteError` naming ``dst``; errors about the source pass through unchanged."""
+    try:
+        yield
+    except WriteError as err:
+        raise _write_failure(err, dst) from err
+    except (CheckpointError, FileExistsError):
+        raise
+    except OSError as err:
+        name = os.path.abspath(os.fspath(err.filename)) if err.filename else None
+        if name is not None and not name.startswith(os.path.abspath(dst)):
+            raise  # about another file (the source): main() names it
+        raise _write_failure(err, dst) from err
+
+
+def _write_failure(err: OSError, dst: str) -> WriteError:
+    reason = os.strerror(err.errno) if err.errno else str(err)
+    name = os.fspath(err.filename) if err.filename else None
+    where = f": {name}" if name and os.path.abspath(name) != os.path.abspath(dst) else ""
+    return WriteError(f"{dst}: cannot write the checkpoint here ({reason}{where})", err.errno)
 
 
 def _bytes_of(ckpt: Checkpoint, states: Sequence[str] | None = None) -> int:
@@ -192,7 +216,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 def cmd_convert(args: argparse.Namespace) -> int:
     ckpt = _open(args)
     states = [s for s in args.states.split(",") if s] if args.states else None
-    with _progress("converting", _bytes_of(ckpt, states), lambda: ckpt.stats.bytes_read):
+    with _progress("converting", _bytes_of(ckpt, states), lambda: ckpt.stats.bytes_read), _writing(args.dst):
         out = convert(ckpt, args.dst, states=states, overwrite=args.overwrite)
     print(f"wrote {out}")
     return 0
@@ -201,7 +225,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     ckpt = _open(args)
     with _progress("exporting", _bytes_of(ckpt, [args.state] if args.state else None),
-                   lambda: ckpt.stats.bytes_read):
+                   lambda: ckpt.stats.bytes_read), _writing(args.out):
         out = export(ckpt, args.out, state=args.state, dtype=args.dtype, overwrite=args.overwrite)
     print(f"wrote {out}")
     return 0
@@ -265,7 +289,7 @@ def cmd_reshard(args: argparse.Namespace) -> int:
         opts["overwrite"] = True
     ckpt = _open(args)
     dst = destination(args.dst, fmt.name)
-    with _progress(f"writing {fmt.name}", _bytes_of(ckpt), lambda: ckpt.stats.bytes_read):
+    with _progress(f"writing {fmt.name}", _bytes_of(ckpt), lambda: ckpt.stats.bytes_read), _writing(dst):
         out = reshard(ckpt, dst, fmt.name, **opts)
     print(f"wrote {out} ({fmt.name})")
     return 0

@@ -25,6 +25,7 @@ from ._formats import Format, WriteOptions
 from ._jsonable import jsonable
 from ._model import Box
 from ._open import as_checkpoint
+from ._paths import local_path
 from ._rules import Rule, apply_rules, rules_to_json
 from ._safetensors import Entry, write_file
 from ._universal import Piece, detect, index, write_universal
@@ -136,7 +137,7 @@ def convert(
             progress(done[0], total)
 
     return write_universal(
-        os.fspath(dst), pieces, step=ckpt.step, extra=jsonable(ckpt.extra),
+        local_path(dst, writing=True), pieces, step=ckpt.step, extra=jsonable(ckpt.extra),
         rules=[*ckpt.rules, *rules_to_json(rules)],
         provenance={"source_format": ckpt.format, "source_path": os.path.abspath(ckpt.path),
                     "ckptbridge_version": __version__, **_provenance(ckpt)},
@@ -167,7 +168,7 @@ def export(
     ``param``); tensors without the requested state are left out.
     """
     ckpt = as_checkpoint(src)
-    out = os.fspath(out)
+    out = local_path(out, writing=True)
     check_destination(out, overwrite)
     entries = []
     for name, t in ckpt.tensors.items():

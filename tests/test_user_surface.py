@@ -7,7 +7,6 @@ Megatron fixtures); the CLI runs as a subprocess, as a user runs it.
 from __future__ import annotations
 
 import collections
-import json
 import os
 import subprocess
 import sys

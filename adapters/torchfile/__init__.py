@@ -37,6 +37,7 @@ from ._archive import (
     strip_tensors,
     unpickled_to_json,
 )
+from ._legacy import is_legacy_torch, open_legacy
 from ._save import Size, Tensor, save_torch
 from ._unpickle import (
     Opaque,
@@ -63,7 +64,7 @@ def _files(path: str) -> list[str]:
 
 def detect(path: str) -> bool:
     if os.path.isfile(path):
-        return path.endswith(".bin.index.json") or is_torch_zip(path)
+        return path.endswith(".bin.index.json") or is_torch_zip(path) or is_legacy_torch(path)
     if os.path.isdir(path):
         return any(f.endswith(".bin.index.json") for f in os.listdir(path))
     return False
@@ -86,7 +87,8 @@ def index(path: str, options: OpenOptions | None = None) -> CheckpointIndex:
     for f in _files(path):
         if not os.path.exists(f):
             raise MissingShardError(f"{f}: shard listed by {path} is missing")
-        archive = TorchArchive.open(f)
+        archive = open_legacy(f) if is_legacy_torch(f) else TorchArchive.open(f)
+        _refuse_pickled_objects(f, archive.obj)
         for name, ref in iter_tensors(archive.obj):
             check_name(name or "<root>", f)
             if name in tensors:
@@ -100,6 +102,53 @@ def index(path: str, options: OpenOptions | None = None) -> CheckpointIndex:
             rest = {k: strip_tensors(v) for k, v in archive.obj.items() if not _all_tensors(v)}
             extra.update(rest)
     return CheckpointIndex("torch", path, tensors, step, extra)
+
+
+def _refuse_pickled_objects(path: str, obj: Any) -> None:
+    """A whole pickled object (``torch.save(model)``) holds its tensors where no state dict
+    reader looks; saying "0 tensors" would be a lie, so name it and say what to save instead."""
+    found = _pickled_object(obj, "")
+    if found is not None:
+        where, cls = found
+        at = f" at {where!r}" if where else ""
+        raise FormatError(
+            f"{path}: holds a pickled {cls} object{at}, not a state dict; its tensors are not read "
+            f"(unpickling it would run its code): save model.state_dict() instead of the model")
+
+
+def _pickled_object(obj: Any, where: str, depth: int = 0) -> tuple[str, str] | None:
+    """(key path, class) of the first pickled object (an inert record) holding tensors, if any."""
+    if depth > 64:
+        return None
+    if isinstance(obj, Opaque):
+        inner = {**obj.__dict__.get("items_", {}), **(obj.fields or {})}
+        if inner and any(True for _ in iter_tensors(unpickled_tensors(inner))):
+            return where, f"{obj._module}.{obj._qualname}"
+        return None
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            found = _pickled_object(v, f"{where}.{k}" if where else str(k), depth + 1)
+            if found:
+                return found
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            found = _pickled_object(v, f"{where}.{i}" if where else str(i), depth + 1)
+            if found:
+                return found
+    return None
+
+
+def unpickled_tensors(obj: Any, depth: int = 0) -> Any:
+    """``obj`` with inert records opened up into dicts (to look for tensors inside them)."""
+    if depth > 64:
+        return None
+    if isinstance(obj, Opaque):
+        return unpickled_tensors({**obj.__dict__.get("items_", {}), **(obj.fields or {})}, depth + 1)
+    if isinstance(obj, dict):
+        return {k: unpickled_tensors(v, depth + 1) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [unpickled_tensors(v, depth + 1) for v in obj]
+    return obj
 
 
 def _all_tensors(v: Any) -> bool:
@@ -126,8 +175,10 @@ __all__ = [
     "TorchDtype",
     "detect",
     "index",
+    "is_legacy_torch",
     "is_torch_zip",
     "iter_tensors",
+    "open_legacy",
     "read_scalar",
     "safe_loads",
     "save_torch",

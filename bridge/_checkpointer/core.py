@@ -60,7 +60,7 @@ from .._safetensors import FileSpec
 from .._universal import MARKER, Piece, commit_universal, plan_rank, write_rank
 from .host import BufferSet
 from .leaves import Capture, Leaf, flatten, leaves_of, pinner, provider_for, providers
-from .persist import persist
+from .persist import check_target, persist
 from .restore import RestoreResult, restore_into
 from .steps import (
     clean_incomplete,
@@ -133,6 +133,8 @@ class Checkpointer:
         self.root = os.fspath(root)
         self.keep_last, self.keep_every = keep_last, keep_every
         self.persistent = persistent
+        if persistent:
+            check_target(persistent)
         self.rank, self.world_size = _dist_info(rank, world_size)
         self.commit_timeout = commit_timeout
         self.host_tier = host_tier
