@@ -33,19 +33,21 @@ from ._version import __version__
 
 
 class _Filler:
-    """Reads a tensor, or rows ``[lo, hi)`` of it, into a buffer the writer lends (``fills``)."""
+    """Reads a tensor, or rows ``[lo, hi)`` of it, into a buffer the writer lends (``fills``),
+    cast to ``dtype`` when given (so big tensors stream in row blocks, never whole)."""
 
     fills = True
 
-    def __init__(self, view: TensorView) -> None:
+    def __init__(self, view: TensorView, dtype: str | None = None) -> None:
         self.view = view
+        self.dtype = dtype
 
     def __call__(self, out: np.ndarray | None = None, rows: tuple[int, int] | None = None) -> np.ndarray:
         if rows is None:
-            return self.view.read(out=out)
+            return self.view.read(dtype=self.dtype, out=out)
         shape = self.view.shape
         box = Box((rows[0], *(0 for _ in shape[1:])), (rows[1] - rows[0], *shape[1:]))
-        return self.view.read(box, out=out)
+        return self.view.read(box, dtype=self.dtype, out=out)
 
 
 def _pieces(ckpt: Checkpoint, states: Sequence[str] | None) -> list[Piece]:
@@ -165,7 +167,9 @@ def export(
     """One safetensors file of consolidated tensors of one state (keys = logical names).
 
     ``state=None`` exports each tensor's weights (``fp32`` if present, else
-    ``param``); tensors without the requested state are left out.
+    ``param``); tensors without the requested state are left out. Streams like
+    :func:`convert`: big tensors are read and written in row blocks, so memory
+    stays near the writer's buffers whatever the size of the tensors.
     """
     ckpt = as_checkpoint(src)
     out = local_path(out, writing=True)
@@ -175,8 +179,7 @@ def export(
         if state is not None and state not in t.states:
             continue
         view = TensorView(ckpt, t, state)
-        entries.append(Entry(name, dtype or view.dtype, view.shape,
-                             lambda v=view, d=dtype: v.read(dtype=d)))
+        entries.append(Entry(name, dtype or view.dtype, view.shape, _Filler(view, dtype)))
     if not entries:
         raise TensorNotFoundError(f"{ckpt.path}: no tensor has state {state!r}; states: {ckpt.states()}")
     meta = {"format": "pt", "source_format": ckpt.format}

@@ -35,7 +35,8 @@ def detect_format(path: str | os.PathLike[str]) -> str:
             return fmt.name
     hint = f"; adapters that failed to import: {broken_hint()}" if broken_hint() else ""
     raise UnknownFormatError(
-        f"{path}: not a checkpoint ckptbridge can read (looked for: {', '.join(f.name for f in fmts)}){hint}")
+        f"{path}: not a checkpoint ckptbridge can read (looked for: {', '.join(f.name for f in fmts)}; "
+        f"name the format with format=... or --format if it is one of them){hint}")
 
 
 def open_index(path: str | os.PathLike[str], format: str | None = None, **options: Any) -> CheckpointIndex:
