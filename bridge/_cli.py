@@ -31,7 +31,7 @@ from typing import Any, NoReturn
 
 from ._checkpoint import Checkpoint
 from ._convert import convert, diff, export
-from ._errors import CheckpointError, OptionError, UnknownFormatError, WriteError
+from ._errors import CheckpointError, MissingExtraError, OptionError, UnknownFormatError, WriteError
 from ._formats import describe_options, formats, get_format, writable_formats
 from ._open import open as open_ckpt
 from ._reshard import destination, reshard
@@ -242,7 +242,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_verify(args: argparse.Namespace) -> int:
     try:
         ckpt = _open(args, args.path)
-    except (UnknownFormatError, OptionError):
+    except (UnknownFormatError, OptionError, MissingExtraError):  # bad input, not a failed check
         raise
     except CheckpointError as err:  # found but incomplete, truncated, malformed: the check failed
         print(f"FAIL {err}", file=sys.stderr)

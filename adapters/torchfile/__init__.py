@@ -30,6 +30,7 @@ from ckptbridge.plugin import (
 
 from .._hf import shard_files
 from ._archive import (
+    MAX_NODES,
     TorchArchive,
     is_torch_zip,
     iter_tensors,
@@ -116,39 +117,49 @@ def _refuse_pickled_objects(path: str, obj: Any) -> None:
             f"(unpickling it would run its code): save model.state_dict() instead of the model")
 
 
-def _pickled_object(obj: Any, where: str, depth: int = 0) -> tuple[str, str] | None:
-    """(key path, class) of the first pickled object (an inert record) holding tensors, if any."""
-    if depth > 64:
-        return None
-    if isinstance(obj, Opaque):
-        inner = {**obj.__dict__.get("items_", {}), **(obj.fields or {})}
-        if inner and any(True for _ in iter_tensors(unpickled_tensors(inner))):
-            return where, f"{obj._module}.{obj._qualname}"
-        return None
-    if isinstance(obj, dict):
-        for k, v in obj.items():
-            found = _pickled_object(v, f"{where}.{k}" if where else str(k), depth + 1)
-            if found:
-                return found
-    elif isinstance(obj, (list, tuple)):
-        for i, v in enumerate(obj):
-            found = _pickled_object(v, f"{where}.{i}" if where else str(i), depth + 1)
-            if found:
-                return found
+def _pickled_object(obj: Any, where: str = "") -> tuple[str, str] | None:
+    """(key path, class) of the first pickled object (an inert record) holding tensors, if any.
+
+    Each container is visited once (a pickle can share one object many times: no blow-up)."""
+    seen: set[int] = set()
+    todo: list[tuple[Any, str]] = [(obj, where)]
+    while todo:
+        node, at = todo.pop()
+        if not isinstance(node, (Opaque, dict, list, tuple)) or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if len(seen) > MAX_NODES:
+            raise FormatError(f"object tree has more than {MAX_NODES} nodes (a pickle bomb?)")
+        if isinstance(node, Opaque):
+            if _holds_tensor(_record_items(node)):
+                return at, f"{node._module}.{node._qualname}"
+            continue
+        items = node.items() if isinstance(node, dict) else enumerate(node)
+        todo.extend((v, f"{at}.{k}" if at else str(k)) for k, v in reversed(list(items)))
     return None
 
 
-def unpickled_tensors(obj: Any, depth: int = 0) -> Any:
-    """``obj`` with inert records opened up into dicts (to look for tensors inside them)."""
-    if depth > 64:
-        return None
-    if isinstance(obj, Opaque):
-        return unpickled_tensors({**obj.__dict__.get("items_", {}), **(obj.fields or {})}, depth + 1)
-    if isinstance(obj, dict):
-        return {k: unpickled_tensors(v, depth + 1) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [unpickled_tensors(v, depth + 1) for v in obj]
-    return obj
+def _record_items(record: Opaque) -> dict[Any, Any]:
+    return {**record.__dict__.get("items_", {}), **(record.fields or {})}
+
+
+def _holds_tensor(obj: Any) -> bool:
+    """Whether a tensor is reachable from ``obj`` through containers and inert records."""
+    seen: set[int] = set()
+    todo = [obj]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, TensorRef):
+            return True
+        if not isinstance(node, (Opaque, dict, list, tuple)) or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if len(seen) > MAX_NODES:
+            return False
+        if isinstance(node, Opaque):
+            node = _record_items(node)
+        todo.extend(node.values() if isinstance(node, dict) else node)
+    return False
 
 
 def _all_tensors(v: Any) -> bool:
