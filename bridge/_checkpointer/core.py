@@ -70,7 +70,7 @@ from .steps import (
     step_dir,
     steps_to_drop,
 )
-from .tree import build, leaf_names, skeleton
+from .tree import build, leaf_names, walk
 
 log = logging.getLogger("ckptbridge.checkpointer")
 
@@ -98,7 +98,7 @@ class _Job:
     leaves: list[Leaf]
     extra: dict[str, Any]
     buffers: BufferSet
-    tree: dict[str, Any] | None = None  # the skeleton of the saved state (see .tree)
+    tree: Any = None  # the skeleton of the saved state (see .tree)
     snapshot_done: threading.Event = field(default_factory=threading.Event)
     flushed: threading.Event = field(default_factory=threading.Event)
     stall: float = 0.0
@@ -175,7 +175,8 @@ class Checkpointer:
         self._raise_background_error()
         t0 = time.perf_counter()
         lazy_keys = self._guard_optimizer(optimizer) if optimizer is not None else set()
-        leaves, found_extra = leaves_of(state, Capture(frozenset(lazy_keys), self._jax_guarded))
+        flat, tree = walk(state)
+        leaves, found_extra = leaves_of(state, Capture(frozenset(lazy_keys), self._jax_guarded), flat)
         if local is not None:  # numbers become 0-d arrays so that every rank's values are stored
             numeric = {k: np.asarray(v) if isinstance(v, (bool, int, float)) else v for k, v in flatten(local)}
             own, own_extra = leaves_of({f"rank{self.rank}": numeric})
@@ -184,7 +185,7 @@ class Checkpointer:
             leaves += [dataclasses.replace(leaf, per_process=False) for leaf in own]
         buffers = self._acquire_buffers()
         buffers.lay_out(self._plan(leaves), pinner(leaves))
-        job = _Job(step, leaves, {**found_extra, **dict(extra or {})}, buffers, skeleton(state))
+        job = _Job(step, leaves, {**found_extra, **dict(extra or {})}, buffers, tree)
         eager = [leaf for leaf in leaves if not leaf.lazy]
         job.pending_lazy = [leaf for leaf in leaves if leaf.lazy]
         for leaf in eager:
@@ -312,7 +313,7 @@ class Checkpointer:
         return restore_into(state, values, names, step=step, strict=strict,
                             where=f"{self.root} step {step}")
 
-    def _load(self, step: int | None) -> tuple[int, dict[str, Any], dict[str, Any] | None]:
+    def _load(self, step: int | None) -> tuple[int, dict[str, Any], Any]:
         """(step, flat name -> array or value, the saved tree's skeleton if recorded)."""
         step = self.latest() if step is None else step
         if step is None:
@@ -324,9 +325,9 @@ class Checkpointer:
             out: dict[str, Any] = {name: ckpt[name].read() for name in ckpt}
             out.update(ckpt.extra.get("values", {}))
             tree = ckpt.extra.get("tree")
-        return step, out, tree if isinstance(tree, dict) else None
+        return step, out, tree if isinstance(tree, (dict, str)) else None
 
-    def _host_tier(self, step: int) -> tuple[dict[str, Any], dict[str, Any] | None] | None:
+    def _host_tier(self, step: int) -> tuple[dict[str, Any], Any] | None:
         if not self.host_tier or self.world_size != 1:
             return None
         for b in self._buffers:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import importlib.metadata
 import mmap
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -98,10 +98,14 @@ _PROVIDERS: list[LeafProvider] = []
 _LOADED = False
 
 
+_BY_TYPE: dict[type, LeafProvider | None] = {}  # provider_for's answers (save walks thousands of leaves)
+
+
 def register_leaf_provider(provider: LeafProvider) -> LeafProvider:
     with _LOCK:
         _PROVIDERS[:] = [p for p in _PROVIDERS if p.name != provider.name]
         _PROVIDERS.append(provider)
+        _BY_TYPE.clear()
     return provider
 
 
@@ -122,7 +126,12 @@ def _load_entry_points() -> None:
 
 def provider_for(value: Any) -> LeafProvider | None:
     """The provider of ``value``'s framework (``None`` for numpy and plain values)."""
-    module = type(value).__module__
+    kind = type(value)
+    try:
+        return _BY_TYPE[kind]
+    except KeyError:
+        pass
+    module = kind.__module__
     if module.startswith(("numpy", "builtins")):
         return None
     with _LOCK:
@@ -131,6 +140,9 @@ def provider_for(value: Any) -> LeafProvider | None:
         _load_entry_points()
         with _LOCK:
             found = next((p for p in _PROVIDERS if module.startswith(p.modules)), None)
+    with _LOCK:
+        if _LOADED or found is not None:
+            _BY_TYPE[kind] = found
     return found
 
 
@@ -176,11 +188,13 @@ def _numpy_leaf(name: str, value: np.ndarray) -> Leaf:
                 lambda out, a=arr: np.copyto(out, a), per_process=True)
 
 
-def leaves_of(state: Any, capture: Capture = Capture()) -> tuple[list[Leaf], dict[str, Any]]:
-    """Split a state into tensor leaves and JSON-able non-tensor values."""
+def leaves_of(state: Any, capture: Capture = Capture(),
+              flat: Iterable[tuple[str, Any]] | None = None) -> tuple[list[Leaf], dict[str, Any]]:
+    """Split a state into tensor leaves and JSON-able non-tensor values (``flat``: the
+    state's ``flatten`` already done)."""
     leaves: list[Leaf] = []
     extra: dict[str, Any] = {}
-    for name, value in flatten(state):
+    for name, value in flatten(state) if flat is None else flat:
         if isinstance(value, np.ndarray):
             leaves.append(_numpy_leaf(name, value))
             continue
