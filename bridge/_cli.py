@@ -108,11 +108,16 @@ def _writing(dst: str) -> Iterator[None]:
     except (CheckpointError, FileExistsError):
         raise
     except OSError as err:
-        name = os.path.abspath(os.fspath(err.filename)) if err.filename else None
-        target = os.path.abspath(dst)
-        if name is not None and not (name.startswith(target) or target.startswith(name.rstrip(os.sep) + os.sep)):
+        if err.filename and not _under(os.fspath(err.filename), dst):
             raise  # about another file (the source): main() names it
         raise _write_failure(err, dst) from err
+
+
+def _under(name: str, dst: str) -> bool:
+    """Whether a failing path is the destination, inside it, its staging copy, or a parent of it."""
+    name, target = os.path.abspath(name), os.path.abspath(dst)
+    return (name == target or name.startswith((target + os.sep, target + ".partial"))
+            or target.startswith(name.rstrip(os.sep) + os.sep))
 
 
 def _write_failure(err: OSError, dst: str) -> WriteError:

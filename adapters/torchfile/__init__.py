@@ -122,6 +122,7 @@ def _pickled_object(obj: Any, where: str = "") -> tuple[str, str] | None:
 
     Each container is visited once (a pickle can share one object many times: no blow-up)."""
     seen: set[int] = set()
+    clean: set[int] = set()  # inside records: explored, no tensor below (shared by every search)
     todo: list[tuple[Any, str]] = [(obj, where)]
     while todo:
         node, at = todo.pop()
@@ -131,7 +132,7 @@ def _pickled_object(obj: Any, where: str = "") -> tuple[str, str] | None:
         if len(seen) > MAX_NODES:
             raise FormatError(f"object tree has more than {MAX_NODES} nodes (a pickle bomb?)")
         if isinstance(node, Opaque):
-            if _holds_tensor(_record_items(node)):
+            if _holds_tensor(_record_items(node), clean):
                 return at, f"{node._module}.{node._qualname}"
             continue
         items = node.items() if isinstance(node, dict) else enumerate(node)
@@ -143,9 +144,9 @@ def _record_items(record: Opaque) -> dict[Any, Any]:
     return {**record.__dict__.get("items_", {}), **(record.fields or {})}
 
 
-def _holds_tensor(obj: Any) -> bool:
-    """Whether a tensor is reachable from ``obj`` through containers and inert records."""
-    seen: set[int] = set()
+def _holds_tensor(obj: Any, seen: set[int]) -> bool:
+    """Whether a tensor is reachable from ``obj`` through containers and inert records, skipping
+    ``seen`` (nodes an earlier search explored in full without finding one)."""
     todo = [obj]
     while todo:
         node = todo.pop()
