@@ -251,7 +251,6 @@ def read_only_dir(path):
 
 @pytest.mark.parametrize("command", [
     ("convert",), ("export",), ("reshard", "--to", "universal"), ("reshard", "--to", "safetensors"),
-    ("reshard", "--to", "dcp"),
 ])
 def test_write_failures_are_one_line_exit_2(pt, tmp_path, command):
     src = pt[0]
@@ -595,7 +594,7 @@ def big(tmp_path_factory):
     ("verify {u}", "verifying"),
     ("verify {pt}", "verifying"),
     ("diff {pt} {u}", "comparing"),
-    ("reshard {u} {out} --to dcp", "writing dcp"),
+    ("reshard {u} {out} --to safetensors", "writing safetensors"),
 ])
 def test_progress_on_a_terminal_and_nothing_on_a_pipe(big, tmp_path, command, label):
     def argv(out):
