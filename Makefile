@@ -14,10 +14,12 @@ export OMP_NUM_THREADS ?= 1
 
 .PHONY: venv maxtext-venv test test-fast test-megatron-lm demo lint bench fuzz clean
 
-$(STAMP): pyproject.toml
+# constraints.txt pins what CI tests (torch's CPU wheel, deepspeed, megatron-core); pyproject's
+# extras give users ranges.
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[dev,torch,jax,deepspeed,megatron]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[dev,torch,jax,deepspeed,megatron,remote]'
 	touch $(STAMP)
 
 venv: $(STAMP)

@@ -34,7 +34,7 @@ from ._version import __version__
 
 if TYPE_CHECKING:
     from ._checkpoint import Checkpoint, CheckpointIndex, TensorView
-    from ._checkpointer import Checkpointer, SaveStats
+    from ._checkpointer import Checkpointer, RestoreResult, SaveStats
     from ._convert import DiffRow, convert, diff, export, trace
     from ._errors import (
         CheckpointError,
@@ -90,6 +90,7 @@ if TYPE_CHECKING:
 _LAZY = {  # public name -> module: imported on first use, so the CLI and core start fast
     "Checkpointer": "._checkpointer",
     "SaveStats": "._checkpointer",
+    "RestoreResult": "._checkpointer",
     "Checkpoint": "._checkpoint",
     "CheckpointIndex": "._checkpoint",
     "TensorView": "._checkpoint",
@@ -202,6 +203,7 @@ __all__ = [
     "Replicate",
     "Reshape",
     "ReshardPlan",
+    "RestoreResult",
     "Rule",
     "SaveStats",
     "Scale",

@@ -27,11 +27,11 @@ import os
 import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from ._checkpoint import Checkpoint
 from ._convert import convert, diff, export
-from ._errors import CheckpointError, OptionError, UnknownFormatError
+from ._errors import CheckpointError, MissingExtraError, OptionError, UnknownFormatError, WriteError
 from ._formats import describe_options, formats, get_format, writable_formats
 from ._open import open as open_ckpt
 from ._reshard import destination, reshard
@@ -94,11 +94,49 @@ def _progress(label: str, total: int, done: Callable[[], int]) -> Iterator[None]
         finally:
             stop.set()
             th.join()
+            bar.update(task, completed=min(done(), total))  # the last frame shows where it ended
+
+
+@contextlib.contextmanager
+def _writing(dst: str) -> Iterator[None]:
+    """Failures to write ``dst`` (read-only place, ``/proc``, full disk ...) become one
+    :class:`WriteError` naming ``dst``; errors about the source pass through unchanged."""
+    try:
+        yield
+    except WriteError as err:
+        raise _write_failure(err, dst) from err
+    except (CheckpointError, FileExistsError):
+        raise
+    except OSError as err:
+        if err.filename and not _under(os.fspath(err.filename), dst):
+            raise  # about another file (the source): main() names it
+        raise _write_failure(err, dst) from err
+
+
+def _under(name: str, dst: str) -> bool:
+    """Whether a failing path is the destination, inside it, its staging copy, or a parent of it."""
+    name, target = os.path.abspath(name), os.path.abspath(dst)
+    return (name == target or name.startswith((target + os.sep, target + ".partial"))
+            or target.startswith(name.rstrip(os.sep) + os.sep))
+
+
+def _write_failure(err: OSError, dst: str) -> WriteError:
+    reason = os.strerror(err.errno) if err.errno else str(err)
+    name = os.fspath(err.filename) if err.filename else None
+    where = f": {name}" if name and os.path.abspath(name) != os.path.abspath(dst) else ""
+    return WriteError(f"{dst}: cannot write the checkpoint here ({reason}{where})", err.errno)
 
 
 def _bytes_of(ckpt: Checkpoint, states: Sequence[str] | None = None) -> int:
     return sum(st.nbytes for t in ckpt.tensors.values() for s, st in t.states.items()
                if states is None or s in states)
+
+
+def _view_bytes(ckpt: Checkpoint, state: str | None) -> int:
+    """Bytes of one state of every tensor (``None``: each tensor's weights), as export and diff read."""
+    if state is not None:
+        return _bytes_of(ckpt, [state])
+    return sum(t.state().nbytes for t in ckpt.tensors.values())
 
 
 # ------------------------------------------------------------------ argument parsing
@@ -174,14 +212,13 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     rows = [(t["name"], "x".join(map(str, t["shape"])) or "scalar", t["dtype"],
              ",".join(f"{s}:{d}" for s, d in t["state_dtypes"].items()), t["fragments"])
             for t in info["tensors"]]
-    _table(f"{ckpt.path}  format={ckpt.format}  step={ckpt.step}  tensors={len(rows)}",
-           ("name", "shape", "dtype", "states", "fragments"), rows)
+    if not args.fragments or _tty():  # piped, --fragments prints its own table alone (one clean TSV)
+        _table(f"{ckpt.path}  format={ckpt.format}  step={ckpt.step}  tensors={len(rows)}",
+               ("name", "shape", "dtype", "states", "fragments"), rows)
     if args.fragments:
-        print("\t".join(("name", "state", "box", "location")))
-        for n, t in ckpt.tensors.items():
-            for s, st in t.states.items():
-                for f in st.fragments:
-                    print(f"{n}\t{s}\t{list(f.box.offset)}+{list(f.box.shape)}\t{f.location.describe()}")
+        _table("fragments", ("name", "state", "box", "location"),
+               [(n, s, f"{list(f.box.offset)}+{list(f.box.shape)}", f.location.describe())
+                for n, t in ckpt.tensors.items() for s, st in t.states.items() for f in st.fragments])
     if _tty() and ckpt.rules:
         print("rules (the layout of this checkpoint, and any mapping applied):")
         for r in ckpt.rules:
@@ -192,7 +229,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 def cmd_convert(args: argparse.Namespace) -> int:
     ckpt = _open(args)
     states = [s for s in args.states.split(",") if s] if args.states else None
-    with _progress("converting", _bytes_of(ckpt, states), lambda: ckpt.stats.bytes_read):
+    with _progress("converting", _bytes_of(ckpt, states), lambda: ckpt.stats.bytes_read), _writing(args.dst):
         out = convert(ckpt, args.dst, states=states, overwrite=args.overwrite)
     print(f"wrote {out}")
     return 0
@@ -200,8 +237,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     ckpt = _open(args)
-    with _progress("exporting", _bytes_of(ckpt, [args.state] if args.state else None),
-                   lambda: ckpt.stats.bytes_read):
+    with _progress("exporting", _view_bytes(ckpt, args.state),
+                   lambda: ckpt.stats.bytes_read), _writing(args.out):
         out = export(ckpt, args.out, state=args.state, dtype=args.dtype, overwrite=args.overwrite)
     print(f"wrote {out}")
     return 0
@@ -210,7 +247,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_verify(args: argparse.Namespace) -> int:
     try:
         ckpt = _open(args, args.path)
-    except (UnknownFormatError, OptionError):
+    except (UnknownFormatError, OptionError, MissingExtraError):  # bad input, not a failed check
         raise
     except CheckpointError as err:  # found but incomplete, truncated, malformed: the check failed
         print(f"FAIL {err}", file=sys.stderr)
@@ -231,7 +268,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
     if args.state is not None and args.state not in set(a.states()) | set(b.states()):
         raise OptionError(f"--state {args.state!r}: neither checkpoint has it (A: {list(a.states())}, "
                           f"B: {list(b.states())})")
-    total = _bytes_of(a, [args.state] if args.state else None) + _bytes_of(b, [args.state] if args.state else None)
+    total = _view_bytes(a, args.state) + _view_bytes(b, args.state)
     with _progress("comparing", total, lambda: a.stats.bytes_read + b.stats.bytes_read):
         rows = diff(a, b, state=args.state, atol=args.atol, rtol=args.rtol)
     status = 0 if all(r.equal for r in rows) else 1
@@ -265,7 +302,7 @@ def cmd_reshard(args: argparse.Namespace) -> int:
         opts["overwrite"] = True
     ckpt = _open(args)
     dst = destination(args.dst, fmt.name)
-    with _progress(f"writing {fmt.name}", _bytes_of(ckpt), lambda: ckpt.stats.bytes_read):
+    with _progress(f"writing {fmt.name}", _bytes_of(ckpt), lambda: ckpt.stats.bytes_read), _writing(dst):
         out = reshard(ckpt, dst, fmt.name, **opts)
     print(f"wrote {out} ({fmt.name})")
     return 0
@@ -324,8 +361,15 @@ def _writable_names() -> list[str]:
         return []
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors are one line too (exit 2), pointing at ``--help`` instead of printing the usage."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {' '.join(message.split())} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ckptbridge", description="Portable distributed-training checkpoints: "
+    p = _Parser(prog="ckptbridge", description="Portable distributed-training checkpoints: "
                                 "read DeepSpeed, Megatron, DCP, Orbax, torch and safetensors checkpoints, "
                                 "convert, reshard and compare them.")
     p.add_argument("--version", action="version", version=f"ckptbridge {__version__}")
@@ -335,7 +379,8 @@ def build_parser() -> argparse.ArgumentParser:
                        description="List the logical tensors of a checkpoint of any format.")
     s.add_argument("path", help="checkpoint file or directory")
     s.add_argument("--json", action="store_true", help="one JSON object (format, step, tensors, rules)")
-    s.add_argument("--fragments", action="store_true", help="also list every fragment and where its bytes are")
+    s.add_argument("--fragments", action="store_true",
+                   help="also list every fragment and where its bytes are (piped: that table alone)")
     _source_args(s)
     s.set_defaults(fn=cmd_inspect)
 
@@ -398,8 +443,9 @@ def build_parser() -> argparse.ArgumentParser:
     _source_args(s)
     s.set_defaults(fn=cmd_reshard)
 
-    s = sub.add_parser("formats", help="list the formats, what they read and write, and their options")
-    s.add_argument("--json", action="store_true")
+    s = sub.add_parser("formats", help="list the formats, what they read and write, and their options",
+                       description="List every registered format (plug-ins included) and its options.")
+    s.add_argument("--json", action="store_true", help="one JSON list of formats with their options")
     s.set_defaults(fn=cmd_formats)
     return p
 

@@ -25,6 +25,7 @@ from ._formats import Format, WriteOptions
 from ._jsonable import jsonable
 from ._model import Box
 from ._open import as_checkpoint
+from ._paths import local_path
 from ._rules import Rule, apply_rules, rules_to_json
 from ._safetensors import Entry, write_file
 from ._universal import Piece, detect, index, write_universal
@@ -32,19 +33,21 @@ from ._version import __version__
 
 
 class _Filler:
-    """Reads a tensor, or rows ``[lo, hi)`` of it, into a buffer the writer lends (``fills``)."""
+    """Reads a tensor, or rows ``[lo, hi)`` of it, into a buffer the writer lends (``fills``),
+    cast to ``dtype`` when given (so big tensors stream in row blocks, never whole)."""
 
     fills = True
 
-    def __init__(self, view: TensorView) -> None:
+    def __init__(self, view: TensorView, dtype: str | None = None) -> None:
         self.view = view
+        self.dtype = dtype
 
     def __call__(self, out: np.ndarray | None = None, rows: tuple[int, int] | None = None) -> np.ndarray:
         if rows is None:
-            return self.view.read(out=out)
+            return self.view.read(dtype=self.dtype, out=out)
         shape = self.view.shape
         box = Box((rows[0], *(0 for _ in shape[1:])), (rows[1] - rows[0], *shape[1:]))
-        return self.view.read(box, out=out)
+        return self.view.read(box, dtype=self.dtype, out=out)
 
 
 def _pieces(ckpt: Checkpoint, states: Sequence[str] | None) -> list[Piece]:
@@ -136,7 +139,7 @@ def convert(
             progress(done[0], total)
 
     return write_universal(
-        os.fspath(dst), pieces, step=ckpt.step, extra=jsonable(ckpt.extra),
+        local_path(dst, writing=True), pieces, step=ckpt.step, extra=jsonable(ckpt.extra),
         rules=[*ckpt.rules, *rules_to_json(rules)],
         provenance={"source_format": ckpt.format, "source_path": os.path.abspath(ckpt.path),
                     "ckptbridge_version": __version__, **_provenance(ckpt)},
@@ -164,18 +167,19 @@ def export(
     """One safetensors file of consolidated tensors of one state (keys = logical names).
 
     ``state=None`` exports each tensor's weights (``fp32`` if present, else
-    ``param``); tensors without the requested state are left out.
+    ``param``); tensors without the requested state are left out. Streams like
+    :func:`convert`: big tensors are read and written in row blocks, so memory
+    stays near the writer's buffers whatever the size of the tensors.
     """
     ckpt = as_checkpoint(src)
-    out = os.fspath(out)
+    out = local_path(out, writing=True)
     check_destination(out, overwrite)
     entries = []
     for name, t in ckpt.tensors.items():
         if state is not None and state not in t.states:
             continue
         view = TensorView(ckpt, t, state)
-        entries.append(Entry(name, dtype or view.dtype, view.shape,
-                             lambda v=view, d=dtype: v.read(dtype=d)))
+        entries.append(Entry(name, dtype or view.dtype, view.shape, _Filler(view, dtype)))
     if not entries:
         raise TensorNotFoundError(f"{ckpt.path}: no tensor has state {state!r}; states: {ckpt.states()}")
     meta = {"format": "pt", "source_format": ckpt.format}

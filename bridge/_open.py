@@ -20,12 +20,13 @@ from typing import Any
 from ._checkpoint import Checkpoint, CheckpointIndex
 from ._errors import CheckpointError, MissingShardError, UnknownFormatError
 from ._formats import Format, broken_hint, formats, get_format, make_options
+from ._paths import local_path
 from ._read import FileCache
 
 
 def detect_format(path: str | os.PathLike[str]) -> str:
     """Name of the format at ``path``; raises ``UnknownFormatError`` naming the path."""
-    path = os.fspath(path)
+    path = local_path(path)
     if not os.path.exists(path):
         raise MissingShardError(f"{path}: no such file or directory")
     fmts = [f for f in formats() if f.detect is not None and f.readable]
@@ -34,12 +35,13 @@ def detect_format(path: str | os.PathLike[str]) -> str:
             return fmt.name
     hint = f"; adapters that failed to import: {broken_hint()}" if broken_hint() else ""
     raise UnknownFormatError(
-        f"{path}: not a checkpoint ckptbridge can read (looked for: {', '.join(f.name for f in fmts)}){hint}")
+        f"{path}: not a checkpoint ckptbridge can read (looked for: {', '.join(f.name for f in fmts)}; "
+        f"name the format with format=... or --format if it is one of them){hint}")
 
 
 def open_index(path: str | os.PathLike[str], format: str | None = None, **options: Any) -> CheckpointIndex:
     """The metadata of the checkpoint at ``path`` (see :func:`open`)."""
-    path = os.fspath(path)
+    path = local_path(path)
     if format is None and not os.path.exists(path):
         raise MissingShardError(f"{path}: no such file or directory")
     fmt: Format = get_format(format or detect_format(path))
@@ -64,7 +66,8 @@ def open(
 ) -> Checkpoint:
     """Open any supported checkpoint as a lazy :class:`Checkpoint` (reads metadata only).
 
-    ``format`` skips detection (``ckptbridge.formats()`` lists them); ``options``
+    ``path`` is a file or directory (or a ``file://`` URL). ``format`` skips
+    detection (``ckptbridge.formats()`` lists them); ``options``
     go to the format's reader and are checked against its typed options.
     ``rules`` (mapping rules or their JSON form, e.g. a recipe) give the
     checkpoint as seen through them. ``verify`` checks recorded checksums

@@ -17,12 +17,13 @@ from typing import Any
 from ._errors import UnknownFormatError
 from ._formats import get_format, make_options, writable_formats
 from ._open import as_checkpoint
+from ._paths import local_path
 
 
 def destination(dst: str | os.PathLike[str], to: str) -> str:
     """Where ``reshard`` writes: ``dst``, with the format's file extension added when it has none."""
     fmt = get_format(to)
-    dst = os.fspath(dst)
+    dst = local_path(dst, writing=True)
     if fmt.suffix and not os.path.splitext(os.path.basename(dst))[1]:
         dst += fmt.suffix
     return dst

@@ -19,6 +19,7 @@ from ckptbridge.plugin import (
     TensorState,
     WriteOptions,
     read_state,
+    require,
     staged_dir,
 )
 
@@ -93,6 +94,7 @@ def write(ckpt: Checkpoint, dst: str, options: DcpWriteOptions | None = None) ->
 
     Load it with ``dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=dst)``.
     """
+    require("torch", "torch", "writing DCP checkpoints")
     o = options or DcpWriteOptions()
     world = o.world_size
     weight_state = o.state

@@ -53,6 +53,7 @@ from ckptbridge.plugin import (
     TensorView,
     WriteOptions,
     fuse,
+    require,
     staged_dir,
 )
 from ckptbridge.plugin import dtypes as _dtypes
@@ -230,6 +231,7 @@ class MegatronWriteOptions(WriteOptions):
 
 def write(ckpt: Any, dst: str, options: MegatronWriteOptions | None = None) -> str:
     """Write ``ckpt`` (any format with Megatron args in ``extra``) as a legacy Megatron checkpoint."""
+    require("torch", "torch", "writing Megatron checkpoints")
     o = options or MegatronWriteOptions()
     dst = os.path.abspath(os.fspath(dst))
     with staged_dir(dst, overwrite=o.overwrite) as stage:

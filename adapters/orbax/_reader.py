@@ -371,9 +371,13 @@ def _index(path: str, step: int | None = None, layout: str = "auto") -> Checkpoi
                         extra.setdefault(name, {})[fn] = _read_json(fp)
                     except (FormatError, MissingShardError):
                         pass
-    if step_no is None and "step" in raw and not raw["step"].shape and raw["step"].dtype.startswith(("int", "uint")):
-        with FileCache() as fc:  # a train state's own step counter
-            step_no = int(read_state(raw["step"], None, fc).reshape(()))
+    step_leaf = raw.get("step")
+    if step_leaf is not None and not step_leaf.shape and step_leaf.dtype.startswith(("int", "uint")):
+        if step_no is None:
+            with FileCache() as fc:  # a train state's own step counter
+                step_no = int(read_state(step_leaf, None, fc).reshape(()))
+        if layout == "auto":  # the checkpoint's step, not a tensor of the model (layout="raw" keeps it)
+            del raw["step"]
     rules: list[dict[str, Any]] = []
     if layout == "auto":
         tensors, rules = group_train_state(raw)

@@ -15,6 +15,8 @@ import torch
 
 from ckptbridge.plugin import Box, FormatError, Leaf, LeafProvider
 
+from ._restore import after_restore, state_of
+
 _DTYPES = {
     torch.float32: "float32", torch.float64: "float64", torch.float16: "float16", torch.bfloat16: "bfloat16",
     torch.int64: "int64", torch.int32: "int32", torch.int16: "int16", torch.int8: "int8", torch.uint8: "uint8",
@@ -112,15 +114,22 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def copy_into(t: torch.Tensor, arr: np.ndarray) -> None:
-    """Restore a saved global array into a live tensor or DTensor, in place."""
+    """Restore a saved global array into a live tensor or DTensor, in place (cast to its dtype)."""
     from torch.distributed.tensor import DTensor
 
     with torch.no_grad():
         if isinstance(t, DTensor):
             box, _ = dtensor_box(t)
-            t.to_local().copy_(as_torch(np.ascontiguousarray(arr[box.slices()]), t.dtype))
+            t.to_local().copy_(_from_numpy(np.ascontiguousarray(arr[box.slices()])))
         else:
-            t.copy_(as_torch(np.ascontiguousarray(arr), t.dtype).reshape(t.shape))
+            t.copy_(_from_numpy(np.ascontiguousarray(arr)).reshape(t.shape))
+
+
+def _from_numpy(arr: np.ndarray) -> torch.Tensor:
+    """A torch view of a saved array in its own dtype (bfloat16 through an int16 view)."""
+    if arr.dtype.name == "bfloat16":
+        return as_torch(arr, torch.bfloat16)
+    return torch.from_numpy(arr)
 
 
 PROVIDER = LeafProvider(
@@ -128,4 +137,6 @@ PROVIDER = LeafProvider(
     leaves=lambda name, value, capture: torch_leaves(name, value, capture.keys),
     copy_into=copy_into,
     guard_keys=optimizer_tensor_keys,
+    state_of=state_of,
+    after_restore=after_restore,
 )

@@ -30,6 +30,7 @@ from ckptbridge.plugin import (
 
 from .._hf import check_weight_map, index_json_of, shard_files
 from ._archive import (
+    MAX_NODES,
     TorchArchive,
     is_torch_zip,
     iter_tensors,
@@ -37,6 +38,7 @@ from ._archive import (
     strip_tensors,
     unpickled_to_json,
 )
+from ._legacy import is_legacy_torch, open_legacy
 from ._save import Size, Tensor, save_torch
 from ._unpickle import (
     Opaque,
@@ -63,7 +65,7 @@ def _files(path: str) -> list[str]:
 
 def detect(path: str) -> bool:
     if os.path.isfile(path):
-        return path.endswith(".bin.index.json") or is_torch_zip(path)
+        return path.endswith(".bin.index.json") or is_torch_zip(path) or is_legacy_torch(path)
     if os.path.isdir(path):
         return any(f.endswith(".bin.index.json") for f in os.listdir(path))
     return False
@@ -87,7 +89,8 @@ def index(path: str, options: OpenOptions | None = None) -> CheckpointIndex:
     for f in _files(path):
         if not os.path.exists(f):
             raise MissingShardError(f"{f}: shard listed by {path} is missing")
-        archive = TorchArchive.open(f)
+        archive = open_legacy(f) if is_legacy_torch(f) else TorchArchive.open(f)
+        _refuse_pickled_objects(f, archive.obj)
         for name, ref in iter_tensors(archive.obj):
             check_name(name or "<root>", f)
             if name in tensors:
@@ -103,6 +106,64 @@ def index(path: str, options: OpenOptions | None = None) -> CheckpointIndex:
             extra.update(rest)
     check_weight_map(index_json_of(path, ".bin.index.json"), found)
     return CheckpointIndex("torch", path, tensors, step, extra)
+
+
+def _refuse_pickled_objects(path: str, obj: Any) -> None:
+    """A whole pickled object (``torch.save(model)``) holds its tensors where no state dict
+    reader looks; saying "0 tensors" would be a lie, so name it and say what to save instead."""
+    found = _pickled_object(obj, "")
+    if found is not None:
+        where, cls = found
+        at = f" at {where!r}" if where else ""
+        raise FormatError(
+            f"{path}: holds a pickled {cls} object{at}, not a state dict; its tensors are not read "
+            f"(unpickling it would run its code): save model.state_dict() instead of the model")
+
+
+def _pickled_object(obj: Any, where: str = "") -> tuple[str, str] | None:
+    """(key path, class) of the first pickled object (an inert record) holding tensors, if any.
+
+    Each container is visited once (a pickle can share one object many times: no blow-up)."""
+    seen: set[int] = set()
+    clean: set[int] = set()  # inside records: explored, no tensor below (shared by every search)
+    todo: list[tuple[Any, str]] = [(obj, where)]
+    while todo:
+        node, at = todo.pop()
+        if not isinstance(node, (Opaque, dict, list, tuple)) or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if len(seen) > MAX_NODES:
+            raise FormatError(f"object tree has more than {MAX_NODES} nodes (a pickle bomb?)")
+        if isinstance(node, Opaque):
+            if _holds_tensor(_record_items(node), clean):
+                return at, f"{node._module}.{node._qualname}"
+            continue
+        items = node.items() if isinstance(node, dict) else enumerate(node)
+        todo.extend((v, f"{at}.{k}" if at else str(k)) for k, v in reversed(list(items)))
+    return None
+
+
+def _record_items(record: Opaque) -> dict[Any, Any]:
+    return {**record.__dict__.get("items_", {}), **(record.fields or {})}
+
+
+def _holds_tensor(obj: Any, seen: set[int]) -> bool:
+    """Whether a tensor is reachable from ``obj`` through containers and inert records, skipping
+    ``seen`` (nodes an earlier search explored in full without finding one)."""
+    todo = [obj]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, TensorRef):
+            return True
+        if not isinstance(node, (Opaque, dict, list, tuple)) or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if len(seen) > MAX_NODES:
+            return False
+        if isinstance(node, Opaque):
+            node = _record_items(node)
+        todo.extend(node.values() if isinstance(node, dict) else node)
+    return False
 
 
 def _all_tensors(v: Any) -> bool:
@@ -129,8 +190,10 @@ __all__ = [
     "TorchDtype",
     "detect",
     "index",
+    "is_legacy_torch",
     "is_torch_zip",
     "iter_tensors",
+    "open_legacy",
     "read_scalar",
     "safe_loads",
     "save_torch",

@@ -13,8 +13,8 @@ tensor that is not copied yet::
                   optimizer=opt)                  # returns at once; opt.step() waits if needed
         opt.step()
     ckpt.wait()
-    state = ckpt.restore()                        # latest complete step, as numpy
-    ckpt.restore_into(model.state_dict())         # or in place into live tensors
+    state = ckpt.restore()                        # latest complete step: the saved tree, as numpy
+    ckpt.restore_into({"model": model, "optim": opt})   # or in place (strict: names must match)
 
 Levels: (1) host buffers, allocated once and reused (two sets, so one can
 flush while the next snapshot fills the other); (2) a universal directory
@@ -60,7 +60,8 @@ from .._safetensors import FileSpec
 from .._universal import MARKER, Piece, commit_universal, plan_rank, write_rank
 from .host import BufferSet
 from .leaves import Capture, Leaf, flatten, leaves_of, pinner, provider_for, providers
-from .persist import persist
+from .persist import check_target, persist
+from .restore import RestoreResult, restore_into
 from .steps import (
     clean_incomplete,
     committed_steps,
@@ -69,6 +70,7 @@ from .steps import (
     step_dir,
     steps_to_drop,
 )
+from .tree import build, leaf_names, walk
 
 log = logging.getLogger("ckptbridge.checkpointer")
 
@@ -96,6 +98,7 @@ class _Job:
     leaves: list[Leaf]
     extra: dict[str, Any]
     buffers: BufferSet
+    tree: Any = None  # the skeleton of the saved state (see .tree)
     snapshot_done: threading.Event = field(default_factory=threading.Event)
     flushed: threading.Event = field(default_factory=threading.Event)
     stall: float = 0.0
@@ -130,6 +133,8 @@ class Checkpointer:
         self.root = os.fspath(root)
         self.keep_last, self.keep_every = keep_last, keep_every
         self.persistent = persistent
+        if persistent:
+            check_target(persistent)
         self.rank, self.world_size = _dist_info(rank, world_size)
         self.commit_timeout = commit_timeout
         self.host_tier = host_tier
@@ -170,7 +175,8 @@ class Checkpointer:
         self._raise_background_error()
         t0 = time.perf_counter()
         lazy_keys = self._guard_optimizer(optimizer) if optimizer is not None else set()
-        leaves, found_extra = leaves_of(state, Capture(frozenset(lazy_keys), self._jax_guarded))
+        flat, tree = walk(state)
+        leaves, found_extra = leaves_of(state, Capture(frozenset(lazy_keys), self._jax_guarded), flat)
         if local is not None:  # numbers become 0-d arrays so that every rank's values are stored
             numeric = {k: np.asarray(v) if isinstance(v, (bool, int, float)) else v for k, v in flatten(local)}
             own, own_extra = leaves_of({f"rank{self.rank}": numeric})
@@ -179,7 +185,7 @@ class Checkpointer:
             leaves += [dataclasses.replace(leaf, per_process=False) for leaf in own]
         buffers = self._acquire_buffers()
         buffers.lay_out(self._plan(leaves), pinner(leaves))
-        job = _Job(step, leaves, {**found_extra, **dict(extra or {})}, buffers)
+        job = _Job(step, leaves, {**found_extra, **dict(extra or {})}, buffers, tree)
         eager = [leaf for leaf in leaves if not leaf.lazy]
         job.pending_lazy = [leaf for leaf in leaves if leaf.lazy]
         for leaf in eager:
@@ -275,41 +281,58 @@ class Checkpointer:
                 return remote
         raise IncompleteCheckpointError(f"{local}: step {step} has no complete checkpoint")
 
-    def restore(self, step: int | None = None) -> dict[str, Any]:
-        """The saved state of ``step`` (default latest) as a flat dict name -> numpy array
-        (plus its non-tensor values). Served from the host tier when it still holds that step."""
+    def restore(self, step: int | None = None, *, flat: bool = False) -> Any:
+        """The state saved as ``step`` (default: the latest), tensors as numpy arrays.
+
+        Returns the tree given to ``save`` (nested dicts, lists, tuples; NamedTuples as
+        namedtuples of the same name and fields; an ``nn.Module`` or optimizer as its
+        state dict). ``flat=True`` gives one dict of dotted names instead (``model.0.weight``),
+        with the values of ``save(extra=...)`` and every rank's ``local`` state
+        (``rank<r>.<name>``) too. Served from the host tier when it still holds that step.
+        """
+        step, values, tree = self._load(step)
+        return values if flat or tree is None else build(tree, values.__getitem__)
+
+    def restore_into(self, state: Any, step: int | None = None, *, strict: bool = True) -> RestoreResult:
+        """Copy a saved step into live state, in place; returns a :class:`RestoreResult`.
+
+        ``state`` has the structure given to ``save``: dicts and lists of tensors,
+        numpy arrays and plain values, where an ``nn.Module`` or optimizer may stand for
+        its state dict (``{"model": model, "optim": opt}``); a fresh optimizer with no
+        state yet gets its state created, then filled. Tensors are filled in place
+        (cast to their dtype; DTensors take their own shard), plain values are written
+        back into their dicts and lists. ``strict`` (the default): names in ``state``
+        the step lacks (missing) or saved names ``state`` lacks (unexpected) raise
+        :class:`~ckptbridge.TensorNotFoundError` listing them, before anything is
+        copied; ``strict=False`` restores the names both have and returns the rest::
+
+            missing, unexpected = ck.restore_into({"model": model}, strict=False)
+        """
+        step, values, tree = self._load(step)
+        names = list(leaf_names(tree)) if tree is not None else list(values)
+        return restore_into(state, values, names, step=step, strict=strict,
+                            where=f"{self.root} step {step}")
+
+    def _load(self, step: int | None) -> tuple[int, dict[str, Any], Any]:
+        """(step, flat name -> array or value, the saved tree's skeleton if recorded)."""
         step = self.latest() if step is None else step
         if step is None:
             raise MissingShardError(f"{self.root}: no complete checkpoint to restore")
         held = self._host_tier(step)
         if held is not None:
-            return held
+            return step, held[0], held[1]
         with open_checkpoint(self.path_of(step)) as ckpt:
             out: dict[str, Any] = {name: ckpt[name].read() for name in ckpt}
             out.update(ckpt.extra.get("values", {}))
-        return out
+            tree = ckpt.extra.get("tree")
+        return step, out, tree if isinstance(tree, (dict, str)) else None
 
-    def restore_into(self, state: Any, step: int | None = None) -> int:
-        """Copy a saved step into live tensors of the same structure (torch in place; numpy in place).
-        Returns the step restored."""
-        step = self.latest() if step is None else step
-        flat = self.restore(step)
-        for name, value in flatten(state):
-            if name not in flat:
-                continue
-            provider = provider_for(value)
-            if provider is not None and provider.copy_into is not None:
-                provider.copy_into(value, flat[name])
-            elif isinstance(value, np.ndarray):
-                np.copyto(value, flat[name])
-        return int(step) if step is not None else -1
-
-    def _host_tier(self, step: int) -> dict[str, Any] | None:
+    def _host_tier(self, step: int) -> tuple[dict[str, Any], Any] | None:
         if not self.host_tier or self.world_size != 1:
             return None
         for b in self._buffers:
             if b.step == step and not b.busy.is_set():
-                return b.held()
+                return b.held(), b.tree
         return None
 
     # ---------------------------------------------------------------- internals
@@ -400,7 +423,7 @@ class Checkpointer:
         if self.rank == 0:
             self._await_ranks(stage)
             try:
-                commit_universal(dst, self.world_size, step=job.step, extra={"values": job.extra},
+                commit_universal(dst, self.world_size, step=job.step, extra={"values": job.extra, "tree": job.tree},
                        provenance={"writer": "ckptbridge.Checkpointer", "world_size": self.world_size},
                        token=self.token)
                 committed = True
@@ -409,6 +432,7 @@ class Checkpointer:
                 shutil.rmtree(stage, ignore_errors=True)
         flush_s = time.perf_counter() - t0
         job.buffers.step, job.buffers.leaves, job.buffers.extra = job.step, job.leaves, job.extra
+        job.buffers.tree = job.tree
         job.buffers.busy.clear()
         persist_s = None
         if committed:

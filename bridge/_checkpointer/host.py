@@ -27,6 +27,7 @@ class BufferSet:
         self.step: int | None = None  # the snapshot these buffers hold, for the host tier
         self.leaves: list[Leaf] = []
         self.extra: dict[str, Any] = {}
+        self.tree: Any = None  # the skeleton of the state held (see .tree)
 
     def lay_out(self, plan: list[tuple[str, list[Piece], FileSpec]],
                 pin: Callable[[mmap.mmap], Callable[[], None]] | None = None) -> None:

@@ -16,7 +16,7 @@ loaded the first time a value of its framework is saved::
 from __future__ import annotations
 
 import mmap
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,6 +76,11 @@ class LeafProvider:
     ``leaves(name, value, capture)``: the value's leaves on this rank.
     ``copy_into(value, array)``: restore a saved global array into a live value in place.
     ``guard_keys(optimizer)``: identities of every tensor ``optimizer.step()`` changes.
+    ``state_of(obj, restoring)``: the live state tree of a framework object that stands for
+    its state (a torch ``nn.Module`` or optimizer: its ``state_dict()``), else ``None``; with
+    ``restoring`` the object first creates state it does not have yet (a fresh optimizer).
+    ``after_restore(obj, saved)``: finish restoring such an object from its saved sub-tree
+    (e.g. an optimizer's hyper-parameters, which its ``state_dict()`` only copies).
     """
 
     name: str
@@ -83,16 +88,22 @@ class LeafProvider:
     leaves: Callable[[str, Any, Capture], list[Leaf]]
     copy_into: Callable[[Any, np.ndarray], None] | None = None
     guard_keys: Callable[[Any], set[Any]] | None = None
+    state_of: Callable[[Any, bool], Any] | None = None
+    after_restore: Callable[[Any, Any], None] | None = None
 
 
 _GROUP = PluginGroup(ENTRY_POINT_GROUP)
 _PROVIDERS: list[LeafProvider] = []
 
 
+_BY_TYPE: dict[type, LeafProvider | None] = {}  # provider_for's answers (save walks thousands of leaves)
+
+
 def register_leaf_provider(provider: LeafProvider) -> LeafProvider:
     with _GROUP.lock:
         _PROVIDERS[:] = [p for p in _PROVIDERS if p.name != provider.name]
         _PROVIDERS.append(provider)
+        _BY_TYPE.clear()
     return provider
 
 
@@ -106,7 +117,12 @@ def _load_entry_points() -> None:
 
 def provider_for(value: Any) -> LeafProvider | None:
     """The provider of ``value``'s framework (``None`` for numpy and plain values)."""
-    module = type(value).__module__
+    kind = type(value)
+    try:
+        return _BY_TYPE[kind]
+    except KeyError:
+        pass
+    module = kind.__module__
     if module.startswith(("numpy", "builtins")):
         return None
     with _GROUP.lock:
@@ -115,6 +131,9 @@ def provider_for(value: Any) -> LeafProvider | None:
         _load_entry_points()
         with _GROUP.lock:
             found = next((p for p in _PROVIDERS if module.startswith(p.modules)), None)
+    with _GROUP.lock:
+        if _GROUP.loaded or found is not None:
+            _BY_TYPE[kind] = found
     return found
 
 
@@ -124,20 +143,33 @@ def providers() -> tuple[LeafProvider, ...]:
         return tuple(_PROVIDERS)
 
 
-def flatten(state: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
+def expand(value: Any, restoring: bool = False) -> Any:
+    """The state tree a framework object stands for (``nn.Module``, optimizer), else ``None``."""
+    if isinstance(value, (np.ndarray, np.generic, str, bytes, int, float, bool)) or value is None:
+        return None
+    provider = provider_for(value)
+    return provider.state_of(value, restoring) if provider is not None and provider.state_of else None
+
+
+def flatten(state: Any, prefix: str = "", restoring: bool = False) -> Iterator[tuple[str, Any]]:
     """Leaves of nested dicts/lists/tuples/NamedTuples with dotted names
-    (``{"opt": (ScaleByAdamState(count, mu, nu),)}`` -> ``opt.0.mu.w`` ...)."""
+    (``{"opt": (ScaleByAdamState(count, mu, nu),)}`` -> ``opt.0.mu.w`` ...); a torch
+    ``nn.Module`` or optimizer stands for its ``state_dict()``."""
     if isinstance(state, Mapping):
         for k, v in state.items():
-            yield from flatten(v, f"{prefix}.{k}" if prefix else str(k))
+            yield from flatten(v, f"{prefix}.{k}" if prefix else str(k), restoring)
     elif isinstance(state, tuple) and hasattr(state, "_fields"):  # NamedTuple (optax states)
         for k in state._fields:
-            yield from flatten(getattr(state, k), f"{prefix}.{k}" if prefix else k)
+            yield from flatten(getattr(state, k), f"{prefix}.{k}" if prefix else k, restoring)
     elif isinstance(state, (list, tuple)):
         for i, v in enumerate(state):
-            yield from flatten(v, f"{prefix}.{i}" if prefix else str(i))
+            yield from flatten(v, f"{prefix}.{i}" if prefix else str(i), restoring)
     else:
-        yield prefix, state
+        sub = expand(state, restoring)
+        if sub is None:
+            yield prefix, state
+        else:
+            yield from flatten(sub, prefix, restoring)
 
 
 def _numpy_leaf(name: str, value: np.ndarray) -> Leaf:
@@ -147,11 +179,13 @@ def _numpy_leaf(name: str, value: np.ndarray) -> Leaf:
                 lambda out, a=arr: np.copyto(out, a), per_process=True)
 
 
-def leaves_of(state: Any, capture: Capture = Capture()) -> tuple[list[Leaf], dict[str, Any]]:
-    """Split a state into tensor leaves and JSON-able non-tensor values."""
+def leaves_of(state: Any, capture: Capture = Capture(),
+              flat: Iterable[tuple[str, Any]] | None = None) -> tuple[list[Leaf], dict[str, Any]]:
+    """Split a state into tensor leaves and JSON-able non-tensor values (``flat``: the
+    state's ``flatten`` already done)."""
     leaves: list[Leaf] = []
     extra: dict[str, Any] = {}
-    for name, value in flatten(state):
+    for name, value in flatten(state) if flat is None else flat:
         if isinstance(value, np.ndarray):
             leaves.append(_numpy_leaf(name, value))
             continue

@@ -11,6 +11,12 @@ from .._universal import MARKER
 from .steps import remove_checkpoint
 
 
+def check_target(dest_root: str) -> None:
+    """Fail now, not in a background thread, when a URL target needs fsspec and it is missing."""
+    if "://" in dest_root:
+        require("fsspec", "remote", f"a persistent checkpoint level at a URL ({dest_root})")
+
+
 def persist(src: str, dest_root: str) -> None:
     """Copy the committed step directory ``src`` under ``dest_root`` (same name), marker last.
 
