@@ -43,7 +43,7 @@ from ckptbridge.plugin import (
     TensorState,
     check_destination,
     commit_universal,
-    read_state,
+    read_boxes,
     rules_to_json,
     staging_path,
     write_rank,
@@ -167,8 +167,10 @@ def load_arrays(
     """Build one ``jax.Array`` per ``(name, sharding, dtype, expected_shape[, state])`` request.
 
     Every request is planned (and checked) before anything is read. The
-    distinct index boxes of each array's addressable devices are then read on
-    a thread pool (replicas share one read), tensors ahead of the one being
+    distinct index boxes of each array's addressable devices are then read
+    together (replicas share one read; storage that batches, such as Orbax's
+    TensorStore, fetches a chunk several boxes share once), one tensor per
+    task of a thread pool, tensors ahead of the one being
     assembled are prefetched up to ``window_bytes``, and each array is built
     with ``jax.make_array_from_callback`` from its boxes.
     """
@@ -178,7 +180,7 @@ def load_arrays(
     workers = max_workers or min(8, (os.cpu_count() or 1) * 2)
     out = []
     with ThreadPoolExecutor(workers) as pool:
-        futures: dict[int, dict[Box, Any]] = {}
+        futures: dict[int, Any] = {}
         ahead, in_flight = 0, 0
 
         def submit_more() -> None:
@@ -186,15 +188,13 @@ def load_arrays(
             while ahead < len(plans) and (not futures or in_flight + plans[ahead].nbytes <= window_bytes):
                 p = plans[ahead]
                 label = f"{ckpt.path}: tensor {p.name!r}"
-                futures[ahead] = {
-                    b: pool.submit(read_state, p.state, b, ckpt.files, p.dtype, label) for b in p.boxes
-                }
+                futures[ahead] = pool.submit(read_boxes, p.state, p.boxes, ckpt.files, p.dtype, label)
                 in_flight += p.nbytes
                 ahead += 1
 
         for i, p in enumerate(plans):
             submit_more()
-            chunks = {b: f.result() for b, f in futures.pop(i).items()}
+            chunks = dict(zip(p.boxes, futures.pop(i).result(), strict=True))
             shape = p.state.shape
 
             def callback(index: Any, shape: tuple[int, ...] = shape, chunks: dict[Box, np.ndarray] = chunks) -> np.ndarray:

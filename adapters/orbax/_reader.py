@@ -28,7 +28,7 @@ from ckptbridge.plugin import (
 from ckptbridge.plugin import dtypes as _dtypes
 
 from ..flax import group_train_state
-from ._tensorstore import TensorStoreRegion
+from ._tensorstore import OCDBT_CACHE, TensorStoreRegion
 
 PYTREE_METADATA = "_METADATA"
 CHECKPOINT_METADATA = "_CHECKPOINT_METADATA"
@@ -210,7 +210,8 @@ class _ItemReader:
 
     def kv_spec(self, param: str) -> dict[str, Any]:
         if self.ocdbt:
-            return {"driver": "ocdbt", "base": f"file://{self.item}/", "path": f"{param}/"}
+            return {"driver": "ocdbt", "base": f"file://{self.item}/", "path": f"{param}/",
+                    "cache_pool": OCDBT_CACHE}
         return {"driver": "file", "path": os.path.join(self.item, param) + "/"}
 
     def zarr_meta(self, param: str) -> tuple[dict[str, Any], str]:
