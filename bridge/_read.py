@@ -243,16 +243,24 @@ def read_boxes(
     files: FileCache,
     dtype: str | None = None,
     name: str = "tensor",
+    out: Sequence[np.ndarray] | None = None,
 ) -> list[np.ndarray]:
     """Read several boxes of one tensor state at once (e.g. every device's shard), cast to ``dtype``.
 
     All copies are planned first and run together, so storage that batches
-    (TensorStore) reads a chunk shared by several boxes once::
+    (TensorStore) reads a chunk shared by several boxes once. ``out`` gives
+    the destination arrays (one per box, of its shape) instead of new ones::
 
         a, b = read_boxes(state, [Box((0, 0), (4, 8)), Box((4, 0), (4, 8))], files)
     """
     np_dtype = _dtypes.to_numpy(dtype or state.dtype)
-    outs = [np.empty(b.shape, dtype=np_dtype) for b in boxes]
+    if out is None:
+        outs = [np.empty(b.shape, dtype=np_dtype) for b in boxes]
+    else:
+        outs = list(out)
+        bad = [(o.shape, b.shape) for o, b in zip(outs, boxes) if o.shape != b.shape]
+        if len(outs) != len(boxes) or bad:
+            raise ValueError(f"{name}: {len(outs)} out arrays for {len(boxes)} boxes, shapes {bad[:3]}")
     items = [(op, out) for b, out in zip(boxes, outs) for op in plan(state.fragments, b, name)]
     execute_many(items, files, name)
     return outs

@@ -52,7 +52,9 @@ from ckptbridge.plugin import (
 from ckptbridge.plugin import dtypes as _dtypes
 from ckptbridge.plugin import open_checkpoint as open_checkpoint
 
-__all__ = ["box_of_index", "flatten", "load", "load_arrays", "save", "tree_pieces"]
+__all__ = ["box_of_index", "flatten", "host_buffer", "load", "load_arrays", "save", "tree_pieces"]
+
+_PAGE = 4096
 
 
 # ------------------------------------------------------------------ helpers
@@ -73,6 +75,17 @@ def box_of_index(index: Sequence[Any] | None, shape: Sequence[int]) -> Box:
         offset.append(start)
         extent.append(max(0, stop - start))
     return Box(tuple(offset), tuple(extent))
+
+
+def host_buffer(shape: Sequence[int], dtype: str) -> np.ndarray:
+    """An uninitialised page-aligned host array. JAX's CPU client adopts 64-byte-aligned
+    numpy arrays as device buffers without copying, so data read into one lands in the
+    device array itself; on accelerators it is the staging buffer of the transfer."""
+    dt = _dtypes.to_numpy(dtype)
+    n = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+    raw = np.empty(n + _PAGE, dtype=np.uint8)
+    start = (-raw.ctypes.data) % _PAGE
+    return raw[start:start + n].view(dt).reshape(tuple(shape))
 
 
 def _key_str(key: Any) -> str:
@@ -170,7 +183,8 @@ def load_arrays(
     distinct index boxes of each array's addressable devices are then read
     together (replicas share one read; storage that batches, such as Orbax's
     TensorStore, fetches a chunk several boxes share once), one tensor per
-    task of a thread pool, tensors ahead of the one being
+    task of a thread pool, into page-aligned host buffers that JAX's CPU
+    client adopts as the device buffers (:func:`host_buffer`); tensors ahead of the one being
     assembled are prefetched up to ``window_bytes``, and each array is built
     with ``jax.make_array_from_callback`` from its boxes.
     """
@@ -188,7 +202,8 @@ def load_arrays(
             while ahead < len(plans) and (not futures or in_flight + plans[ahead].nbytes <= window_bytes):
                 p = plans[ahead]
                 label = f"{ckpt.path}: tensor {p.name!r}"
-                futures[ahead] = pool.submit(read_boxes, p.state, p.boxes, ckpt.files, p.dtype, label)
+                bufs = [host_buffer(b.shape, p.dtype) for b in p.boxes]
+                futures[ahead] = pool.submit(read_boxes, p.state, p.boxes, ckpt.files, p.dtype, label, bufs)
                 in_flight += p.nbytes
                 ahead += 1
 
@@ -196,9 +211,15 @@ def load_arrays(
             submit_more()
             chunks = dict(zip(p.boxes, futures.pop(i).result(), strict=True))
             shape = p.state.shape
+            given: set[Box] = set()
 
-            def callback(index: Any, shape: tuple[int, ...] = shape, chunks: dict[Box, np.ndarray] = chunks) -> np.ndarray:
-                return chunks[box_of_index(index, shape)]
+            def callback(index: Any, shape: tuple[int, ...] = shape, chunks: dict[Box, np.ndarray] = chunks,
+                         given: set[Box] = given) -> np.ndarray:
+                box = box_of_index(index, shape)
+                if box in given:  # a replica: its own copy (devices never share one host buffer)
+                    return chunks[box].copy()
+                given.add(box)
+                return chunks[box]
 
             out.append(jax.make_array_from_callback(shape, p.sharding, callback,
                                                     dtype=_dtypes.to_numpy(p.dtype)))
