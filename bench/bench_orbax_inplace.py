@@ -24,7 +24,11 @@ copies out of memory maps; against what the target shards need: all of the data)
 seconds of the process (all threads: on a shared machine a steadier measure than wall
 time), and the process's peak RSS (VmHWM). Writes ``bench/results/orbax_inplace.json``::
 
-    OMP_NUM_THREADS=1 .venv/bin/python bench/bench_orbax_inplace.py --mib 1024 --reps 5
+    OMP_NUM_THREADS=1 .venv/bin/python bench/bench_orbax_inplace.py --mib 1024 --reps 5 [--ablation]
+
+``--ablation`` adds two variants of ckptbridge that undo one fix each: ``cb-ts`` reads
+uncompressed chunks through TensorStore too, ``cb-ts-copy`` also reads into numpy's own
+(16-byte-aligned) buffers, which JAX then copies into device buffers.
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ LAYOUTS = {  # name -> (use_zarr3, use_compression)
     "zarr3-raw": (True, False),
 }
 TOOLS = ("orbax", "cb")
+ABLATION = ("cb-ts", "cb-ts-copy")
 
 
 def _rchar() -> int:
@@ -116,6 +121,14 @@ def run_one(path: str, shapes_file: str, tool: str) -> dict:
         import ckptbridge
         from ckptbridge.adapters import jax as cbjax
 
+        if tool in ("cb-ts", "cb-ts-copy"):  # ablation: uncompressed chunks through TensorStore too
+            from ckptbridge.adapters.orbax import _reader
+
+            _reader.raw_fragments = lambda *args, **kw: None
+        if tool == "cb-ts-copy":  # ablation: host buffers JAX copies (numpy's default alignment)
+            from ckptbridge.plugin import dtypes
+
+            cbjax.host_buffer = lambda shape, dtype: np.empty(shape, dtypes.to_numpy(dtype))
         r0, t0, c0 = _rchar(), time.perf_counter(), time.process_time()
         with ckptbridge.open(path) as ckpt:
             out = cbjax.load(ckpt, target)
@@ -162,6 +175,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--layouts", default=",".join(LAYOUTS))
     ap.add_argument("--root", default=None, help="reuse checkpoints made here (default: a temp dir)")
+    ap.add_argument("--ablation", action="store_true",
+                    help="also cb-ts (uncompressed chunks read through TensorStore, not as file regions) and "
+                         "cb-ts-copy (that, into buffers JAX copies instead of adopting)")
     ap.add_argument("--one", nargs=3, metavar=("PATH", "SHAPES", "TOOL"), help=argparse.SUPPRESS)
     ap.add_argument("--make", nargs=3, metavar=("ROOT", "MIB", "TENSORS"), help=argparse.SUPPRESS)
     ap.add_argument("--check", nargs=2, metavar=("ROOT", "LAYOUT"), help=argparse.SUPPRESS)
@@ -178,6 +194,7 @@ def main() -> None:
     from _proc import last_json, save_result
 
     layouts = [x for x in a.layouts.split(",") if x in LAYOUTS]
+    tools = TOOLS + (ABLATION if a.ablation else ())
     root = a.root or tempfile.mkdtemp(prefix="cb-bench-orbax-")
     env = dict(os.environ)
     try:
@@ -193,21 +210,21 @@ def main() -> None:
             out = subprocess.run([sys.executable, __file__, "--check", root, lay], check=True, env=env,
                                  capture_output=True, text=True).stdout
             equal[lay] = last_json(out)["equal"]
-        runs: dict[str, dict[str, list[dict]]] = {lay: {t: [] for t in TOOLS} for lay in layouts}
+        runs: dict[str, dict[str, list[dict]]] = {lay: {t: [] for t in tools} for lay in layouts}
         for rep in range(a.reps):
             for lay in layouts:
-                for tool in TOOLS:
+                for tool in tools:
                     out = subprocess.run([sys.executable, __file__, "--one", os.path.join(root, lay),
                                           os.path.join(root, "shapes.json"), tool],
                                          check=True, env=env, capture_output=True, text=True).stdout
                     r = last_json(out)
                     runs[lay][tool].append(r)
-                    print(f"rep {rep} {lay:10s} {tool:5s} {r['seconds']:6.2f}s  cpu {r['cpu_s']:6.2f}s  read "
+                    print(f"rep {rep} {lay:10s} {tool:10s} {r['seconds']:6.2f}s  cpu {r['cpu_s']:6.2f}s  read "
                           f"{r['read'] / r['need_bytes']:.2f}x of need  peak {r['peak_rss_mib']:6.0f} MiB", flush=True)
         summary = {}
         for lay in layouts:
             med = {t: {k: statistics.median(r[k] for r in runs[lay][t])
-                       for k in ("seconds", "cpu_s", "read", "peak_rss_mib")} for t in TOOLS}
+                       for k in ("seconds", "cpu_s", "read", "peak_rss_mib")} for t in tools}
             need = runs[lay]["cb"][0]["need_bytes"]
             summary[lay] = {
                 "disk_bytes": disk[lay], "need_bytes": need, "same_arrays": equal[lay],
@@ -215,9 +232,11 @@ def main() -> None:
                 "speedup": med["orbax"]["seconds"] / med["cb"]["seconds"],
                 "orbax_cpu_s": med["orbax"]["cpu_s"], "cb_cpu_s": med["cb"]["cpu_s"],
                 "cpu_ratio": med["orbax"]["cpu_s"] / med["cb"]["cpu_s"],
-                "read_vs_need": {t: med[t]["read"] / need for t in TOOLS},
-                "peak_rss_mib": {t: med[t]["peak_rss_mib"] for t in TOOLS},
-                "all_seconds": {t: [round(r["seconds"], 3) for r in runs[lay][t]] for t in TOOLS},
+                "read_vs_need": {t: med[t]["read"] / need for t in tools},
+                "peak_rss_mib": {t: med[t]["peak_rss_mib"] for t in tools},
+                "all_seconds": {t: [round(r["seconds"], 3) for r in runs[lay][t]] for t in tools},
+                "ablation": {t: {"seconds": med[t]["seconds"], "cpu_s": med[t]["cpu_s"]} for t in ABLATION
+                             if t in med},
             }
         print(f"\n{a.mib} MiB in {a.tensors} tensors, 2x4 P(x, y) -> 4x2 P(None, (a, b)), medians of {a.reps}")
         print(f"{'layout':11s} {'orbax s':>8s} {'cb s':>7s} {'speed-up':>9s} {'cpu orbax/cb':>13s} {'read/need orbax':>16s} "
@@ -226,6 +245,9 @@ def main() -> None:
             print(f"{lay:11s} {s['orbax_s']:8.2f} {s['cb_s']:7.2f} {s['speedup']:8.2f}x {s['cpu_ratio']:12.2f}x "
                   f"{s['read_vs_need']['orbax']:16.2f} {s['read_vs_need']['cb']:5.2f} "
                   f"{s['peak_rss_mib']['orbax']:15.0f} {s['peak_rss_mib']['cb']:6.0f} {s['same_arrays']}")
+        for lay, s in summary.items():
+            for t, v in s["ablation"].items():
+                print(f"  ablation {lay:10s} {t:10s} {v['seconds']:6.2f}s  cpu {v['cpu_s']:6.2f}s")
         path = save_result("orbax_inplace", {"mib": a.mib, "tensors": a.tensors, "reps": a.reps,
                                              "summary": summary, "runs": runs})
         print(f"# wrote {path}")

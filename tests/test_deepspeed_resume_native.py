@@ -89,6 +89,7 @@ CASES = [
     ("s2_fp32_w4", 2, 2, "fp32", "ds"),        # 4 -> 2, fp32
     ("s2_bf16_w2", 2, 3, "bf16", "reshard"),   # ZeRO-2 -> ZeRO-3
     ("s3_fp32_w4", 2, 1, "fp32", "reshard"),   # ZeRO-3 -> ZeRO-1, 4 -> 2
+    ("s2_fp16_w2", 1, 1, "fp16", "ds"),        # fp16 with dynamic loss scaling: the scale comes along
 ]
 
 
