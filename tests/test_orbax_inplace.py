@@ -141,3 +141,16 @@ def test_truncated_chunk_file_names_it(saved, tmp_path):
         fh.truncate(os.path.getsize(victim) // 3)
     with pytest.raises(TruncatedError, match=os.path.basename(victim)):
         cbjax.load(ckpt, {"w": NamedSharding(mesh((4, 2), ("a", "b")), P())})
+
+
+def test_replicas_get_their_own_device_buffers(saved):
+    """Replicated boxes are read once, but no two devices share one host buffer (JAX adopts
+    page-aligned host arrays as CPU device buffers without copying)."""
+    root, ref = saved
+    with cbopen.open(os.path.join(root, "ocdbt-zarr2-raw")) as ckpt:
+        out = cbjax.load(ckpt, {"w": NamedSharding(mesh((4, 2), ("a", "b")), P(None, "b"))})
+        assert ckpt.stats.bytes_read == ref["w"].nbytes  # 2 distinct boxes, each read once
+    shards = out["w"].addressable_shards
+    assert len({s.data.unsafe_buffer_pointer() for s in shards}) == len(shards) == 8
+    for s in shards:
+        np.testing.assert_array_equal(np.asarray(s.data), ref["w"][s.index])

@@ -214,10 +214,12 @@ def load_arrays(
             given: set[Box] = set()
 
             def callback(index: Any, shape: tuple[int, ...] = shape, chunks: dict[Box, np.ndarray] = chunks,
-                         given: set[Box] = given) -> np.ndarray:
+                         given: set[Box] = given, p_dtype: str = p.dtype) -> np.ndarray:
                 box = box_of_index(index, shape)
                 if box in given:  # a replica: its own copy (devices never share one host buffer)
-                    return chunks[box].copy()
+                    dup = host_buffer(box.shape, p_dtype)
+                    np.copyto(dup, chunks[box])
+                    return dup
                 given.add(box)
                 return chunks[box]
 
