@@ -20,6 +20,10 @@ equal. Writes ``bench/results/ds_resume.json``::
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/bench_ds_resume.py --reps 3
     .venv/bin/python bench/bench_ds_resume.py --ckpt RUN/ckpt --src-ws 2 --dst-ws 4 --dst-stage 3
+    .venv/bin/python bench/bench_ds_resume.py --big /tmp/big --dst-ws 1   # make_big_state.py's ZeRO-2 state
+
+With ``--big`` the resumed model is ``make_big_state.py``'s (its ``--worker resume``: the same
+engine config, one step on random tokens), so the state can be as large as the generator's.
 """
 
 from __future__ import annotations
@@ -58,11 +62,22 @@ def make_checkpoint(out: str, ws: int, stage: int, dtype: str, d_model: int, n_l
     return os.path.join(out, "ckpt")
 
 
-def _torchrun(ws: int, args: list[str]) -> list[str]:
+def _torchrun(ws: int, args: list[str], script: str | None = None) -> list[str]:
     import make_deepspeed_ckpt as tools
 
     return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ws}", "--master_addr=127.0.0.1",
-            f"--master_port={tools.free_port()}", os.path.join(ROOT, "tools", "ds_train.py"), *args]
+            f"--master_port={tools.free_port()}", script or os.path.join(ROOT, "tools", "ds_train.py"), *args]
+
+
+def _resume_cmd(a: argparse.Namespace, out: str, how: str, path: str) -> list[str]:
+    """The resume command: tools/ds_train.py (TinyGPT), or make_big_state.py's resume worker (--big)."""
+    if a.big:
+        info = a.big_info
+        args = ["--worker", "resume", out, "--layers", str(info["layers"]), "--d-model", str(info["d_model"]),
+                "--vocab", str(info["vocab"]), "--ctx", str(info["ctx"]), "--stage", str(a.dst_stage),
+                f"--{how}", path]
+        return _torchrun(a.dst_ws, args, os.path.join(HERE, "make_big_state.py"))
+    return _torchrun(a.dst_ws, [*_train_args(a, out), f"--resume_{how}", path])
 
 
 def _meta(out: str) -> dict:
@@ -83,7 +98,7 @@ def run_universal(ckpt: str, tag: str, scratch: str, a: argparse.Namespace) -> d
     out = os.path.join(scratch, "u_out")
     shutil.rmtree(out, ignore_errors=True)
     t1 = time.time()
-    res = measure(_torchrun(a.dst_ws, [*_train_args(a, out), "--resume_universal", root]), env=_env(), timeout=7200)
+    res = measure(_resume_cmd(a, out, "universal", root), env=_env(), timeout=7200)
     meta = _meta(out)
     shutil.rmtree(root, ignore_errors=True)
     return {"ttfs_s": meta["timing"]["first_step_done_at"] - t0, "convert_s": conv["wall_s"],
@@ -97,7 +112,7 @@ def run_native(ckpt: str, scratch: str, a: argparse.Namespace) -> dict:
     out = os.path.join(scratch, "n_out")
     shutil.rmtree(out, ignore_errors=True)
     t0 = time.time()
-    res = measure(_torchrun(a.dst_ws, [*_train_args(a, out), "--resume_native", ckpt]), env=_env(), timeout=7200)
+    res = measure(_resume_cmd(a, out, "native", ckpt), env=_env(), timeout=7200)
     meta = _meta(out)
     return {"ttfs_s": meta["timing"]["first_step_done_at"] - t0, "load_s": meta["timing"]["load_s"],
             "bytes_read_per_rank": meta["timing"].get("bytes_read"), "peak_tree_rss_mb": res["peak_tree_rss_mb"],
@@ -122,8 +137,17 @@ def main() -> None:
     ap.add_argument("--d-model", dest="d_model", type=int, default=1024)
     ap.add_argument("--n-layer", dest="n_layer", type=int, default=4)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--big", default=None, help="use the DeepSpeed state of bench/make_big_state.py in this "
+                    "directory (its model; --big-fmt ds2 or ds3) instead of tools/ds_train.py's")
+    ap.add_argument("--big-fmt", dest="big_fmt", default="ds2")
     a = ap.parse_args()
 
+    a.big_info = None
+    if a.big:
+        with open(os.path.join(a.big, "info.json")) as fh:
+            a.big_info = json.load(fh)
+        a.ckpt = a.big_info["formats"][a.big_fmt]["path"]
+        a.src_ws, a.src_stage = a.big_info["ws"], 2 if a.big_fmt == "ds2" else 3
     ckpt = a.ckpt or os.path.join(a.workdir, "run", "ckpt")
     if not os.path.isdir(ckpt):
         t0 = time.time()
@@ -155,7 +179,9 @@ def main() -> None:
     print(f"speed-up, time to first step: {u['ttfs_s'] / n['ttfs_s']:.2f}x; "
           f"conversion + load vs load: {(u['convert_s'] + u['load_s']) / n['load_s']:.1f}x; "
           f"first losses equal: {same}")
-    path = save_result("ds_resume", {"checkpoint": os.path.join(ckpt, tag), "rank_file_bytes": nbytes,
+    path = save_result("ds_resume_big" if a.big else "ds_resume", {
+                                     "checkpoint": os.path.join(ckpt, tag), "rank_file_bytes": nbytes,
+                                     "big": a.big_info,
                                      "src": {"ws": a.src_ws, "stage": a.src_stage}, "dst": {"ws": a.dst_ws,
                                      "stage": a.dst_stage}, "dtype": a.dtype, "d_model": a.d_model,
                                      "n_layer": a.n_layer, "reps": a.reps, "median": med, "runs": runs,

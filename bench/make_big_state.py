@@ -107,8 +107,34 @@ def _fill_moments(state: dict, gen) -> None:
             fill(t.data)
 
 
-def worker_deepspeed(out: str, stage: int, a: argparse.Namespace) -> None:
+def ds_config(ws: int, stage: int, load_universal: bool = False) -> dict:
+    cfg = {"train_batch_size": ws, "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+           "steps_per_print": 10**9, "gradient_clipping": 1.0, "bf16": {"enabled": True},
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "betas": [0.9, 0.95], "eps": 1e-8,
+                                                     "weight_decay": 0.1, "torch_adam": True}},
+           "zero_optimization": {"stage": stage, **({"stage3_param_persistence_threshold": 0} if stage == 3 else {})}}
+    if load_universal:
+        cfg["checkpoint"] = {"load_universal": True}
+    return cfg
+
+
+def ds_engine(a: argparse.Namespace, ws: int, stage: int, load_universal: bool = False):
+    """A DeepSpeed engine of the model (ZeRO-3 built partitioned under ``zero.Init``)."""
     import deepspeed
+    import torch
+
+    cfg = ds_config(ws, stage, load_universal)
+    torch.manual_seed(1234)
+    if stage == 3:
+        with deepspeed.zero.Init(config_dict_or_path=cfg):
+            model = build_model(a.layers, a.d_model, a.vocab, a.ctx)
+    else:
+        model = build_model(a.layers, a.d_model, a.vocab, a.ctx)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=_groups(model), config=cfg)
+    return engine
+
+
+def worker_deepspeed(out: str, stage: int, a: argparse.Namespace) -> None:
     import torch
     from deepspeed import comm as dist
 
@@ -117,18 +143,7 @@ def worker_deepspeed(out: str, stage: int, a: argparse.Namespace) -> None:
 
     init_gloo()
     rank, ws = dist.get_rank(), dist.get_world_size()
-    cfg = {"train_batch_size": ws, "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
-           "steps_per_print": 10**9, "gradient_clipping": 1.0, "bf16": {"enabled": True},
-           "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "betas": [0.9, 0.95], "eps": 1e-8,
-                                                     "weight_decay": 0.1, "torch_adam": True}},
-           "zero_optimization": {"stage": stage, **({"stage3_param_persistence_threshold": 0} if stage == 3 else {})}}
-    torch.manual_seed(1234)
-    if stage == 3:
-        with deepspeed.zero.Init(config_dict_or_path=cfg):
-            model = build_model(a.layers, a.d_model, a.vocab, a.ctx)
-    else:
-        model = build_model(a.layers, a.d_model, a.vocab, a.ctx)
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=_groups(model), config=cfg)
+    engine = ds_engine(a, ws, stage)
     opt = engine.optimizer
     inner = opt.optimizer
     gen = torch.Generator().manual_seed(100 + rank)
@@ -142,6 +157,47 @@ def worker_deepspeed(out: str, stage: int, a: argparse.Namespace) -> None:
             st["step"] = torch.tensor(1.0)
         _fill_moments(st, gen)
     engine.save_checkpoint(out, tag="global_step1")
+    dist.barrier()
+
+
+def worker_resume(out: str, a: argparse.Namespace) -> None:
+    """Resume an engine at this world size / ``--stage`` from ``--native`` (ckptbridge's load_engine)
+    or ``--universal`` (DeepSpeed's load_universal), take one training step; OUT/meta.json has the
+    timings (for bench/bench_ds_resume.py --big)."""
+    timing: dict = {"started_at": time.time()}
+    import torch
+    import torch.nn.functional as F
+    from deepspeed import comm as dist
+
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    from make_deepspeed_ckpt import init_gloo
+
+    init_gloo()
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    engine = ds_engine(a, ws, a.stage, load_universal=bool(a.universal))
+    t0 = time.time()
+    if a.universal:
+        path, _ = engine.load_checkpoint(a.universal, load_optimizer_states=True, load_lr_scheduler_states=True)
+        if path is None:
+            raise SystemExit(f"load_checkpoint({a.universal}) found nothing")
+    else:
+        from ckptbridge.adapters.deepspeed import load_engine
+
+        timing["bytes_read"] = load_engine(engine, a.native).bytes_read
+    timing["load_s"] = time.time() - t0
+    g = torch.Generator().manual_seed(7 + rank)
+    tokens = torch.randint(0, a.vocab, (1, min(16, a.ctx) + 1), generator=g)
+    logits = engine(tokens[:, :-1])
+    loss = F.cross_entropy(logits.float().reshape(-1, a.vocab), tokens[:, 1:].reshape(-1))
+    engine.backward(loss)
+    engine.step()
+    timing["first_step_done_at"] = time.time()
+    v = loss.detach().float().clone()
+    dist.all_reduce(v)
+    if rank == 0:
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, "meta.json"), "w") as fh:
+            json.dump({"timing": timing, "losses": [v.item() / ws], "global_steps": engine.global_steps}, fh)
     dist.barrier()
 
 
@@ -213,11 +269,16 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=1024)
     ap.add_argument("--ws", type=int, default=2)
     ap.add_argument("--formats", default=",".join(FORMATS))
-    ap.add_argument("--worker", choices=FORMATS, help=argparse.SUPPRESS)
+    ap.add_argument("--worker", choices=(*FORMATS, "resume"), help=argparse.SUPPRESS)
+    ap.add_argument("--stage", type=int, default=2, help=argparse.SUPPRESS)
+    ap.add_argument("--native", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--universal", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.worker == "dcp":
         return worker_dcp(a.out, a)
+    if a.worker == "resume":
+        return worker_resume(a.out, a)
     if a.worker:
         return worker_deepspeed(a.out, 2 if a.worker == "ds2" else 3, a)
 
