@@ -10,7 +10,7 @@ private ``ckptbridge._*`` module. It holds
   for ZeRO-style flat slices, ``contiguous_fragment``);
 * the view an adapter returns: :class:`CheckpointIndex` (``Checkpoint`` adds the reader);
 * the rule language and its fragment transforms (``concat``, ``crop``, ``split`` ...);
-* reading: :class:`FileCache`, :func:`read_state`;
+* reading: :class:`FileCache`, :func:`read_state`, :func:`read_boxes`;
 * the registry: :class:`Format`, :class:`OpenOptions`, :class:`WriteOptions`,
   :func:`register_format`, :func:`require` (import an optional dependency or
   name the extra to install);
@@ -76,7 +76,7 @@ from ._model import (
     weight_state_for,
 )
 from ._open import as_checkpoint, open_checkpoint
-from ._read import FileCache, ReadStats, read_state
+from ._read import FileCache, ReadStats, read_boxes, read_state
 from ._rules import (
     Cast,
     Crop,
@@ -212,6 +212,7 @@ __all__ = [
     "open_checkpoint",
     "pad",
     "publish",
+    "read_boxes",
     "read_header",
     "read_state",
     "register_format",

@@ -32,6 +32,13 @@ their own parameters; pipeline-replicated (tied) ones are taken from stage 0.
 
 DeepSpeed's *universal* folders (``ds_to_universal`` output or
 ``ckptbridge reshard --to deepspeed-universal``) open here too.
+
+:func:`load_engine` resumes a live engine (ZeRO-1/2/3, any world size) straight
+from a native checkpoint of another world size or stage, each rank reading only
+its new partition: no ``ds_to_universal``, no ``load_universal``::
+
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=groups, config=cfg)
+    load_engine(engine, "run/ckpt")
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ from dataclasses import dataclass
 from ckptbridge.plugin import CheckpointIndex, Format, OpenOptions
 
 from ._reader import detect, index
+from ._resume import EngineLoad, load_engine
 from ._universal_write import DeepSpeedUniversalWriteOptions, write
 
 
@@ -65,4 +73,4 @@ UNIVERSAL_FORMAT = Format("deepspeed-universal", write=write, write_options=Deep
 FORMATS = (FORMAT, UNIVERSAL_FORMAT)
 
 __all__ = ["FORMAT", "FORMATS", "UNIVERSAL_FORMAT", "DeepSpeedOpenOptions", "DeepSpeedUniversalWriteOptions",
-           "detect", "index", "write"]
+           "EngineLoad", "detect", "index", "load_engine", "write"]

@@ -43,7 +43,7 @@ from ckptbridge.plugin import (
     TensorState,
     check_destination,
     commit_universal,
-    read_state,
+    read_boxes,
     rules_to_json,
     staging_path,
     write_rank,
@@ -52,7 +52,9 @@ from ckptbridge.plugin import (
 from ckptbridge.plugin import dtypes as _dtypes
 from ckptbridge.plugin import open_checkpoint as open_checkpoint
 
-__all__ = ["box_of_index", "flatten", "load", "load_arrays", "save", "tree_pieces"]
+__all__ = ["box_of_index", "flatten", "host_buffer", "load", "load_arrays", "save", "tree_pieces"]
+
+_PAGE = 4096
 
 
 # ------------------------------------------------------------------ helpers
@@ -73,6 +75,17 @@ def box_of_index(index: Sequence[Any] | None, shape: Sequence[int]) -> Box:
         offset.append(start)
         extent.append(max(0, stop - start))
     return Box(tuple(offset), tuple(extent))
+
+
+def host_buffer(shape: Sequence[int], dtype: str) -> np.ndarray:
+    """An uninitialised page-aligned host array. JAX's CPU client adopts 64-byte-aligned
+    numpy arrays as device buffers without copying, so data read into one lands in the
+    device array itself; on accelerators it is the staging buffer of the transfer."""
+    dt = _dtypes.to_numpy(dtype)
+    n = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+    raw = np.empty(n + _PAGE, dtype=np.uint8)
+    start = (-raw.ctypes.data) % _PAGE
+    return raw[start:start + n].view(dt).reshape(tuple(shape))
 
 
 def _key_str(key: Any) -> str:
@@ -167,8 +180,11 @@ def load_arrays(
     """Build one ``jax.Array`` per ``(name, sharding, dtype, expected_shape[, state])`` request.
 
     Every request is planned (and checked) before anything is read. The
-    distinct index boxes of each array's addressable devices are then read on
-    a thread pool (replicas share one read), tensors ahead of the one being
+    distinct index boxes of each array's addressable devices are then read
+    together (replicas share one read; storage that batches, such as Orbax's
+    TensorStore, fetches a chunk several boxes share once), one tensor per
+    task of a thread pool, into page-aligned host buffers that JAX's CPU
+    client adopts as the device buffers (:func:`host_buffer`); tensors ahead of the one being
     assembled are prefetched up to ``window_bytes``, and each array is built
     with ``jax.make_array_from_callback`` from its boxes.
     """
@@ -178,7 +194,7 @@ def load_arrays(
     workers = max_workers or min(8, (os.cpu_count() or 1) * 2)
     out = []
     with ThreadPoolExecutor(workers) as pool:
-        futures: dict[int, dict[Box, Any]] = {}
+        futures: dict[int, Any] = {}
         ahead, in_flight = 0, 0
 
         def submit_more() -> None:
@@ -186,19 +202,26 @@ def load_arrays(
             while ahead < len(plans) and (not futures or in_flight + plans[ahead].nbytes <= window_bytes):
                 p = plans[ahead]
                 label = f"{ckpt.path}: tensor {p.name!r}"
-                futures[ahead] = {
-                    b: pool.submit(read_state, p.state, b, ckpt.files, p.dtype, label) for b in p.boxes
-                }
+                bufs = [host_buffer(b.shape, p.dtype) for b in p.boxes]
+                futures[ahead] = pool.submit(read_boxes, p.state, p.boxes, ckpt.files, p.dtype, label, bufs)
                 in_flight += p.nbytes
                 ahead += 1
 
         for i, p in enumerate(plans):
             submit_more()
-            chunks = {b: f.result() for b, f in futures.pop(i).items()}
+            chunks = dict(zip(p.boxes, futures.pop(i).result(), strict=True))
             shape = p.state.shape
+            given: set[Box] = set()
 
-            def callback(index: Any, shape: tuple[int, ...] = shape, chunks: dict[Box, np.ndarray] = chunks) -> np.ndarray:
-                return chunks[box_of_index(index, shape)]
+            def callback(index: Any, shape: tuple[int, ...] = shape, chunks: dict[Box, np.ndarray] = chunks,
+                         given: set[Box] = given, p_dtype: str = p.dtype) -> np.ndarray:
+                box = box_of_index(index, shape)
+                if box in given:  # a replica: its own copy (devices never share one host buffer)
+                    dup = host_buffer(box.shape, p_dtype)
+                    np.copyto(dup, chunks[box])
+                    return dup
+                given.add(box)
+                return chunks[box]
 
             out.append(jax.make_array_from_callback(shape, p.sharding, callback,
                                                     dtype=_dtypes.to_numpy(p.dtype)))

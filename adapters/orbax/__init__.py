@@ -12,9 +12,12 @@ Reading (``detect`` / ``index``) understands what ``orbax.checkpoint`` writes:
 
 Every array is a logical tensor named by its key path joined with ``/``;
 its fragments are the Zarr write chunks (the shards the saving mesh wrote).
-Bytes are read through TensorStore by :class:`TensorStoreRegion`, which asks
-TensorStore for exactly the requested box (a compressed chunk is decoded
-whole by TensorStore, never more than the chunks the box touches).
+Their bytes are read in place (``_direct``): uncompressed chunks are plain
+file regions inside the OCDBT data files (located once through the OCDBT
+B+tree) or chunk files, zstd chunks (Orbax's default) :class:`ZstdChunk` s
+decoded once per chunk per batch of requests. Anything else goes through
+TensorStore (:class:`TensorStoreRegion`: batched reads straight into the
+destination buffers).
 A Flax/optax train state (``params`` + ``ScaleByAdamState`` ``mu``/``nu``/
 ``count``) is grouped onto the universal states (``fp32``, ``exp_avg``,
 ``exp_avg_sq``, scalar ``step``) by :mod:`ckptbridge.adapters.flax`
@@ -41,6 +44,7 @@ from dataclasses import dataclass
 
 from ckptbridge.plugin import CheckpointIndex, Format, OpenOptions
 
+from ._direct import ZstdChunk
 from ._reader import detect, index
 from ._tensorstore import TensorStoreRegion
 from ._writer import OrbaxWriteOptions, write
@@ -66,4 +70,5 @@ FORMAT = Format("orbax", detect=detect, index=_open, write=write, open_options=O
                 write_options=OrbaxWriteOptions, priority=50, extra="jax",
                 description="Orbax checkpoints (StandardCheckpointer, CheckpointManager; OCDBT, zarr2, zarr3)")
 
-__all__ = ["FORMAT", "OrbaxOpenOptions", "OrbaxWriteOptions", "TensorStoreRegion", "detect", "index", "write"]
+__all__ = ["FORMAT", "OrbaxOpenOptions", "OrbaxWriteOptions", "TensorStoreRegion", "ZstdChunk", "detect", "index",
+           "write"]

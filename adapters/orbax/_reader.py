@@ -28,7 +28,8 @@ from ckptbridge.plugin import (
 from ckptbridge.plugin import dtypes as _dtypes
 
 from ..flax import group_train_state
-from ._tensorstore import TensorStoreRegion
+from ._direct import ocdbt_values, raw_fragments
+from ._tensorstore import OCDBT_CACHE, TensorStoreRegion
 
 PYTREE_METADATA = "_METADATA"
 CHECKPOINT_METADATA = "_CHECKPOINT_METADATA"
@@ -208,6 +209,7 @@ class _ItemReader:
         self.ocdbt = os.path.isfile(os.path.join(self.item, OCDBT_MANIFEST))
         self._kv: Any = None
         self._keys: set[str] | None = None
+        self._values: Any = False  # OCDBT value locations, read on first need (None: not walkable)
 
     def _kvstore(self) -> Any:
         ts = require("tensorstore", "jax", "Orbax checkpoints")
@@ -218,7 +220,8 @@ class _ItemReader:
 
     def kv_spec(self, param: str) -> dict[str, Any]:
         if self.ocdbt:
-            return {"driver": "ocdbt", "base": f"file://{self.item}/", "path": f"{param}/"}
+            return {"driver": "ocdbt", "base": f"file://{self.item}/", "path": f"{param}/",
+                    "cache_pool": OCDBT_CACHE}
         return {"driver": "file", "path": os.path.join(self.item, param) + "/"}
 
     def zarr_meta(self, param: str) -> tuple[dict[str, Any], str]:
@@ -250,12 +253,25 @@ class _ItemReader:
         dtype = _zarr_dtype(meta, where)
         spec = {"driver": driver, "kvstore": self.kv_spec(param),
                 "recheck_cached_data": False, "recheck_cached_metadata": False}
+        chunks = _zarr_chunks(meta, shape)
+        boxes = _chunk_boxes(shape, chunks)
+        if len(boxes) > 1 or boxes[0].shape == chunks:  # uncompressed chunks: straight from the files
+            raw = raw_fragments(self.item, param, meta, driver, shape, dtype, chunks, self._ocdbt_values)
+            if raw is not None:
+                return TensorState(dtype, shape, raw)
         whole = TensorStoreRegion.whole(spec, dtype, shape, f"{self.item}/{param}")
         frags = []
-        for box in _chunk_boxes(shape, _zarr_chunks(meta, shape)):
+        for box in boxes:
             loc = whole if box.shape == shape else whole.narrow(box)
             frags.append(Fragment(box, loc))
         return TensorState(dtype, shape, tuple(frags))
+
+    def _ocdbt_values(self) -> Any:
+        if not self.ocdbt:
+            return None
+        if self._values is False:
+            self._values = ocdbt_values(self.item)
+        return self._values if self._values is not None else {}
 
 
 def _read_item(item: str, prefix: str) -> tuple[dict[str, TensorState], dict[str, Any], dict[str, Any]]:
