@@ -54,6 +54,7 @@ from typing import Any
 
 from ._errors import OptionError
 from ._rules import (
+    Expect,
     Interleave,
     Rename,
     Rule,
@@ -154,6 +155,54 @@ MEGATRON_HF_GLOBAL = (
 )
 
 
+# ------------------------------------------------------------------ the shapes a config implies
+
+
+def _hf_expects(c: RecipeConfig) -> list[Rule]:
+    """Checks on HF tensors (before anything else in hf -> *, last in * -> hf)."""
+    h, k, d = c.n_heads, c.n_kv_heads, c.head_dim
+    q, kv = f"n_heads x head_dim = {h} x {d}", f"n_kv_heads x head_dim = {k} x {d}"
+    out: list[Rule] = [
+        Expect(HF_LAYER + r"self_attn\.q_proj\.weight$", (h * d, None), q + " rows"),
+        Expect(HF_LAYER + r"self_attn\.(k|v)_proj\.weight$", (k * d, None), kv + " rows"),
+        Expect(HF_LAYER + r"self_attn\.o_proj\.weight$", (None, h * d), q + " columns"),
+    ]
+    if c.qkv_bias:
+        out += [Expect(HF_LAYER + r"self_attn\.q_proj\.bias$", (h * d,), q),
+                Expect(HF_LAYER + r"self_attn\.(k|v)_proj\.bias$", (k * d,), kv)]
+    return out
+
+
+def _maxtext_expects(c: RecipeConfig) -> list[Rule]:
+    """Checks on MaxText tensors (last in * -> maxtext, before anything else in maxtext -> *)."""
+    h, k, d = c.n_heads, c.n_kv_heads, c.head_dim
+    lay = (None,) if c.scan else ()  # the layer axis (MaxText's axis 1) when scanned
+    at = r"^decoder/layers/" if c.scan else r"^decoder/layers_\d+/"
+    q, kv = f"[embed, {'layers, ' if c.scan else ''}n_heads={h}, head_dim={d}]", \
+        f"[embed, {'layers, ' if c.scan else ''}n_kv_heads={k}, head_dim={d}]"
+    out: list[Rule] = [
+        Expect(at + r"self_attention/query/kernel$", (None, *lay, h, d), q),
+        Expect(at + r"self_attention/(key|value)/kernel$", (None, *lay, k, d), kv),
+        Expect(at + r"self_attention/out/kernel$", (h, *lay, d, None),
+               f"[n_heads={h}, {'layers, ' if c.scan else ''}head_dim={d}, embed]"),
+    ]
+    if c.qkv_bias:
+        out += [Expect(at + r"self_attention/query/bias$", (h, *lay, d), f"n_heads={h}, head_dim={d}"),
+                Expect(at + r"self_attention/(key|value)/bias$", (k, *lay, d), f"n_kv_heads={k}, head_dim={d}")]
+    return out
+
+
+def _megatron_expects(c: RecipeConfig) -> list[Rule]:
+    h, k, d = c.n_heads, c.n_kv_heads, c.head_dim
+    rows = k * (h // k + 2) * d
+    why = f"n_kv_heads x (n_heads / n_kv_heads + 2) x head_dim = {k} x {h // k + 2} x {d} rows: q, k, v per group"
+    layer = r"^decoder\.layers\.\d+\."
+    return [Expect(layer + r"self_attention\.linear_qkv\.weight$", (rows, None), why),
+            Expect(layer + r"self_attention\.linear_qkv\.bias$", (rows,), why),
+            Expect(layer + r"self_attention\.linear_proj\.weight$", (None, h * d),
+                   f"n_heads x head_dim = {h} x {d} columns")]
+
+
 # ------------------------------------------------------------------ recipes, one direction each
 
 
@@ -162,7 +211,8 @@ def _hf_to_maxtext(c: RecipeConfig, moe: bool) -> list[Rule]:
     rotary interleave on HF's ``[H*D, E]`` rows, kernels transposed to ``[in, out]``, heads split
     out as an axis, the query scale folded in, experts stacked, layers stacked on axis 1."""
     h, k, d = c.n_heads, c.n_kv_heads, c.head_dim
-    out: list[Rule] = [Rename(HF_LAYER + hf + "$", MX_LAYER + mx) for hf, mx in HF_MAXTEXT_LAYER]
+    out: list[Rule] = _hf_expects(c)
+    out += [Rename(HF_LAYER + hf + "$", MX_LAYER + mx) for hf, mx in HF_MAXTEXT_LAYER]
     if moe:
         out += [Rename(HF_LAYER + rf"block_sparse_moe\.experts\.(?P<expert>\d+)\.{w}\.weight$",
                        MX_LAYER + f"MoeBlock_0/{mx}/expert_\\g<expert>") for w, mx in HF_MAXTEXT_MOE]
@@ -186,7 +236,7 @@ def _hf_to_maxtext(c: RecipeConfig, moe: bool) -> list[Rule]:
     if c.scan:
         out.append(Stack(r"^decoder/layers_(?P<layer>\d+)/(?P<leaf>.*)$", r"decoder/layers/\g<leaf>", dim=1,
                          index="layer"))
-    return out
+    return out + _maxtext_expects(c)
 
 
 def _megatron_to_hf(c: RecipeConfig, moe: bool) -> list[Rule]:
@@ -198,6 +248,7 @@ def _megatron_to_hf(c: RecipeConfig, moe: bool) -> list[Rule]:
     h, k, d = c.n_heads, c.n_kv_heads, c.head_dim
     layer = r"^decoder\.layers\." + L + r"\."
     out: list[Rule] = [
+        *_megatron_expects(c),
         Split(layer + r"self_attention\.linear_qkv\.(?P<kind>weight|bias)$",
               r"decoder.layers.\g<layer>.self_attention.linear_qkv.{part}.\g<kind>", dim=0, parts=("q", "k", "v"),
               widths=(h // k * d, d, d), groups=k),
@@ -208,7 +259,7 @@ def _megatron_to_hf(c: RecipeConfig, moe: bool) -> list[Rule]:
     table = (*MEGATRON_HF_LAYER, (norm_in, "input_layernorm.weight"), (norm_mlp, "post_attention_layernorm.weight"))
     out += [Rename(layer + mg + "$", r"model.layers.\g<layer>." + hf) for mg, hf in table]
     out += [Rename(mg, hf) for mg, hf in MEGATRON_HF_GLOBAL]
-    return out
+    return out + _hf_expects(c)
 
 
 _BASE: dict[tuple[str, str], Callable[[RecipeConfig, bool], list[Rule]]] = {
@@ -271,7 +322,7 @@ def rules(family: str, *, src: str, dst: str, **config: Any) -> tuple[Rule, ...]
     out: list[Rule] = []
     for a, b, inverted in route:
         step = _BASE[(a, b)](cfg, spec["moe"])
-        out += invert(step) if inverted else step
+        out += [r for r in (invert(step) if inverted else step) if r not in out or not isinstance(r, Expect)]
     return tuple(out)
 
 

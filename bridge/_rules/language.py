@@ -22,7 +22,8 @@ bytes stay):
   :class:`Stack` / :class:`Unstack` (scanned layers, stacked experts; a named
   regex group picks the index, so layers and experts stack one after the other);
 * values: :class:`Scale` (with each state's meaning: a weight scaled by ``c``
-  has Adam moments ``exp_avg / c`` and ``exp_avg_sq / c**2``), :class:`Cast`.
+  has Adam moments ``exp_avg / c`` and ``exp_avg_sq / c**2``), :class:`Cast`;
+* checks: :class:`Expect` (shapes a rule set assumes, tested before anything else).
 
 Every mapping rule has an :meth:`~Rule.inverse`; :func:`invert` reverses a list::
 
@@ -53,7 +54,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from .._errors import FormatError, ShapeMismatchError
+from .._errors import FormatError, ShapeMismatchError, TensorNotFoundError
 from .._model import WEIGHT_STATES, Box, LogicalTensor, TensorState
 from . import transforms as T
 
@@ -372,10 +373,29 @@ class Cast(Rule):
         return Cast(self.pattern, self.from_dtype, self.states, self.dtype)
 
 
+@dataclass(frozen=True)
+class Expect(Rule):
+    """Check (a mapping rule that changes nothing): every state of every tensor matching
+    ``pattern`` has ``shape`` (``None``: any size in that dim); ``why`` (printed with the error)
+    says where the expected sizes come from. Recipes begin with these, so a checkpoint that does
+    not fit the config fails first, naming the tensor and the expected and found shapes, before
+    any data is read::
+
+        Expect(r"\.self_attn\.q_proj\.weight$", (4096, None), "n_heads x head_dim = 32 x 128 rows")
+
+    Its inverse is itself."""
+
+    shape: tuple[int | None, ...] = ()
+    why: str = ""
+
+    def inverse(self) -> Expect:
+        return self
+
+
 RULES: dict[str, type[Rule]] = {
     c.__name__: c
     for c in (Shard, Replicate, Fuse, Pad, Renumber, FlatPartition, State, Rename, Transpose, Reshape, SplitDim,
-              MergeDims, Interleave, Deinterleave, Crop, Stack, Unstack, Split, Join, Scale, Cast)
+              MergeDims, Interleave, Deinterleave, Crop, Stack, Unstack, Split, Join, Scale, Cast, Expect)
 }
 LAYOUT_RULES = (Shard, Replicate, Fuse, Renumber, FlatPartition, State)
 
@@ -496,6 +516,21 @@ def _apply_rename(tensors: dict[str, LogicalTensor], rule: Rename) -> dict[str, 
     return renamed
 
 
+def _apply_expect(tensors: dict[str, LogicalTensor], rule: Expect) -> dict[str, LogicalTensor]:
+    want = tuple(rule.shape)
+    shown = "(" + ", ".join("*" if w is None else str(w) for w in want) + ("," if len(want) == 1 else "") + ")"
+    for name, t in tensors.items():
+        if not rule.matches(name):
+            continue
+        for s, st in t.states.items():
+            found = tuple(st.shape)
+            if len(found) != len(want) or any(w is not None and w != f for w, f in zip(want, found)):
+                why = f" ({rule.why})" if rule.why else ""
+                state = "" if s in WEIGHT_STATES else f" state {s!r}"
+                raise ShapeMismatchError(f"tensor {name!r}{state}: expected shape {shown}{why}, found {found}")
+    return tensors
+
+
 def _stack_index(m: re.Match[str], index: int | str, rule: Rule, name: str) -> int:
     try:
         return int(m.group(index))
@@ -505,6 +540,7 @@ def _stack_index(m: re.Match[str], index: int | str, rule: Rule, name: str) -> i
 
 def _apply_stack(tensors: dict[str, LogicalTensor], rule: Stack) -> dict[str, LogicalTensor]:
     groups: dict[str, dict[int, LogicalTensor]] = {}
+    spans: dict[str, tuple[str, int, int]] = {}  # target -> (a member's name, span of its index)
     out: dict[str, LogicalTensor] = {}
     for name, t in tensors.items():
         m = re.search(rule.pattern, name)
@@ -513,10 +549,17 @@ def _apply_stack(tensors: dict[str, LogicalTensor], rule: Stack) -> dict[str, Lo
             continue
         target = re.sub(rule.pattern, rule.to, name)
         groups.setdefault(target, {})[_stack_index(m, rule.index, rule, name)] = t
+        spans.setdefault(target, (name, m.start(rule.index), m.end(rule.index)))
+    every = sorted(set().union(*(set(g) for g in groups.values()))) if groups else []
     for target, members in groups.items():
         idx = sorted(members)
-        if idx != list(range(len(idx))):
-            raise FormatError(f"Stack {target!r}: indices {idx} are not 0..{len(idx) - 1}")
+        if idx != every or idx != list(range(len(idx))):  # one rule stacks every group over the same indices
+            gone = [i for i in range(max(every) + 1) if i not in members]
+            name, a, b = spans[target]
+            shape = next(iter(members.values())).state().shape
+            raise TensorNotFoundError(
+                f"Stack {target!r}: no tensor {name[:a] + str(gone[0]) + name[b:]!r} (expected shape {shape}, "
+                f"like {name!r}); found indices {idx}, the other stacked tensors have 0..{max(every)}")
         items = [members[i] for i in idx]
         common = [s for s in items[0].states if all(s in it.states for it in items)]
         states = {}
@@ -605,6 +648,7 @@ def _shape_rule(tensors: dict[str, LogicalTensor], rule: Rule) -> dict[str, Logi
 
 _HANDLERS: dict[type[Rule], Callable[[dict[str, LogicalTensor], Any], dict[str, LogicalTensor]]] = {
     Rename: _apply_rename,
+    Expect: _apply_expect,
     Stack: _apply_stack,
     Unstack: _apply_unstack,
     Split: _apply_split,
