@@ -287,7 +287,9 @@ def save(
     missing = sorted(set(mu) - set(flat_params))
     if missing:
         raise FormatError(f"optimizer moments for {missing[:5]} have no parameter of that name in params")
-    rest = {f"opt_state/{n}": flat_opt[n] for n in g.rest}
+    adam_counts = {int(np.asarray(jax.device_get(flat_opt[c]))) for c in set(g.counts.values())}
+    rest = {f"opt_state/{n}": flat_opt[n] for n in g.rest
+            if not _same_count(n, flat_opt[n], adam_counts)}  # a schedule's count is the step: not a tensor
     pieces, layout = tree_pieces(flat_params)
     for tree, state in ((mu, "exp_avg"), (nu, "exp_avg_sq")):
         more, _ = tree_pieces(tree, state)
@@ -307,6 +309,15 @@ def save(
     ])]
     return save_pieces(path, pieces, step=step, extra=extra, rules=all_rules, provenance=provenance,
                        scalars=scalars, overwrite=overwrite)
+
+
+def _same_count(name: str, value: Any, adam_counts: set[int]) -> bool:
+    """An optax ``count`` leaf (a schedule's) holding the Adam step: :func:`load` restores it from the step."""
+    import jax
+
+    if not (name == "count" or name.endswith("/count")) or len(adam_counts) != 1 or getattr(value, "ndim", 1):
+        return False
+    return int(np.asarray(jax.device_get(value))) in adam_counts
 
 
 # ------------------------------------------------------------------ load

@@ -67,7 +67,7 @@ from ._rules import (
     rules_to_json,
 )
 
-__all__ = ["RecipeConfig", "available", "config_from_hf", "families", "hf_config", "megatron_args", "rules", "show"]
+__all__ = ["RecipeConfig", "available", "config_from_hf", "families", "family_from_hf", "hf_config", "megatron_args", "rules", "show"]
 
 SCHEMES = ("hf", "megatron", "maxtext")
 
@@ -349,14 +349,27 @@ def _rope_theta(hf: Mapping[str, Any]) -> float:
 
 
 def config_from_hf(config: Any) -> dict[str, Any]:
-    """Recipe config (``n_heads``, ``n_kv_heads``, ``head_dim``, ``tie_embeddings``, ``qkv_bias``)
-    read from an HF ``config.json`` (path, dict or ``PretrainedConfig``)."""
+    """Recipe config (``n_heads``, ``n_kv_heads``, ``head_dim``, ``tie_embeddings``, ``qkv_bias``,
+    ``rope``) read from an HF ``config.json`` (path, dict or ``PretrainedConfig``). ``rope`` is the
+    MaxText ``rope_type`` that computes HF's rotary: ``"llama3.1"`` for Llama-3 frequency scaling
+    (MaxText hard-codes Llama 3.1's constants; check yours match), else ``"default"``."""
     hf = _load(config)
     heads = int(hf["num_attention_heads"])
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     return {"n_heads": heads, "n_kv_heads": int(hf.get("num_key_value_heads") or heads),
             "head_dim": int(hf.get("head_dim") or int(hf["hidden_size"]) // heads),
             "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
-            "qkv_bias": bool(hf.get("attention_bias", hf.get("model_type") == "qwen2"))}
+            "qkv_bias": bool(hf.get("attention_bias", hf.get("model_type") == "qwen2")),
+            "rope": "llama3.1" if rope.get("rope_type", rope.get("type")) == "llama3" else "default"}
+
+
+def family_from_hf(config: Any) -> str:
+    """The recipe family of an HF ``config.json``: ``llama`` (Llama, Mistral), ``qwen2``, ``mixtral``."""
+    kind = str(_load(config).get("model_type"))
+    family = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "mixtral": "mixtral"}.get(kind)
+    if family is None:
+        raise OptionError(f"no recipe family for HF model_type {kind!r}; families: {', '.join(_FAMILIES)}")
+    return family
 
 
 def megatron_args(config: Any, template: Mapping[str, Any] | None = None) -> dict[str, Any]:
