@@ -382,6 +382,8 @@ def megatron_args(config: Any, template: Mapping[str, Any] | None = None) -> dic
     kv = int(hf.get("num_key_value_heads") or heads)
     dtype = str(hf.get("torch_dtype") or hf.get("dtype") or "float32")
     args = dict(template or {})
+    vocab = int(hf["vocab_size"])
+    divisible = int(args.get("make_vocab_size_divisible_by") or 1) * int(args.get("tensor_model_parallel_size") or 1)
     args.update(
         num_layers=int(hf["num_hidden_layers"]), hidden_size=int(hf["hidden_size"]),
         ffn_hidden_size=int(hf["intermediate_size"]), num_attention_heads=heads,
@@ -392,8 +394,10 @@ def megatron_args(config: Any, template: Mapping[str, Any] | None = None) -> dic
         rotary_base=_rope_theta(hf), rotary_percent=1.0, rotary_interleaved=False, add_bias_linear=False,
         add_qkv_bias=bool(hf.get("attention_bias", hf.get("model_type") == "qwen2")),
         untie_embeddings_and_output_weights=not bool(hf.get("tie_word_embeddings", False)),
-        vocab_size=int(hf["vocab_size"]), padded_vocab_size=int(hf["vocab_size"]),
-        make_vocab_size_divisible_by=int((template or {}).get("make_vocab_size_divisible_by") or 1),
+        # Megatron-LM's NullTokenizer(vocab_size) has vocab_size + 1 tokens (its EOD): the HF vocabulary
+        vocab_size=vocab - 1 if args.get("tokenizer_type") == "NullTokenizer" else vocab,
+        padded_vocab_size=-(-vocab // divisible) * divisible,
+        make_vocab_size_divisible_by=int(args.get("make_vocab_size_divisible_by") or 1),
         max_position_embeddings=int(hf.get("max_position_embeddings") or 4096),
         bf16=dtype == "bfloat16", fp16=dtype == "float16")
     return args
