@@ -186,18 +186,23 @@ class SplitDim(Rule):
 
     def inverse(self) -> MergeDims:
         return MergeDims(self.pattern, self.dim if self.dim >= 0 else self.dim - len(self.sizes) + 1,
-                         len(self.sizes))
+                         len(self.sizes), tuple(self.sizes))
 
 
 @dataclass(frozen=True)
 class MergeDims(Rule):
-    """Mapping: merge ``count`` dims from ``dim`` on into one: ``[E, H, D] -> [E, H*D]``."""
+    """Mapping: merge ``count`` dims from ``dim`` on into one: ``[E, H, D] -> [E, H*D]``; ``sizes``
+    (optional) records the merged dims' sizes so the rule can be inverted."""
 
     dim: int = 0
     count: int = 2
+    sizes: tuple[int, ...] = ()
 
-    def inverse(self) -> Rule:
-        raise FormatError(f"MergeDims({self.pattern!r}) cannot know the sizes it merged; write the SplitDim")
+    def inverse(self) -> SplitDim:
+        if not self.sizes:
+            raise FormatError(f"MergeDims({self.pattern!r}) cannot know the sizes it merged; give sizes= "
+                              "or write the SplitDim")
+        return SplitDim(self.pattern, self.dim, tuple(self.sizes))
 
 
 @dataclass(frozen=True)
@@ -308,7 +313,7 @@ class Split(Rule):
         head, _, tail = self.to.partition("{part}")
         pattern, to = _invert_rename(self.pattern, head + "\x00" + tail)
         return Join(pattern.replace(re.escape("\x00"), "{part}").replace("\x00", "{part}"), to, self.dim,
-                    self.parts, self.groups)
+                    self.parts, self.groups, tuple(self.widths))
 
 
 @dataclass(frozen=True)
@@ -324,9 +329,14 @@ class Join(Rule):
     dim: int = 0
     parts: tuple[str, ...] = ()
     groups: int = 1
+    widths: tuple[int, ...] = ()  # per part and group (optional; default equal): what inverts it
 
-    def inverse(self) -> Rule:
-        raise FormatError(f"Join({self.pattern!r}) cannot know the part widths; write the Split")
+    def inverse(self) -> Split:
+        if "{part}" not in self.pattern:
+            raise FormatError(f"Join({self.pattern!r}) has no {{part}} in its pattern")
+        pattern, to = _invert_rename(self.pattern.replace("{part}", "\x00"), self.to)
+        return Split(pattern, to.replace("\x00", "{part}"), self.dim, tuple(self.parts), tuple(self.widths),
+                     self.groups)
 
 
 # states that move with the weights, the first moment (1/c) and the second moment (1/c^2)
@@ -687,7 +697,7 @@ def _invert_rename(pattern: str, to: str, hole: int | str | None = None) -> tupl
     groups = {v[0]: v for k, v in literal if k == "group"}
     by_name = {v[1]: v[0] for v in groups.values() if v[1]}
     # the reverse pattern: ``to`` with its group references replaced by the groups' regexes
-    rev_pattern, used = "", []
+    rev_pattern, used, names = "", [], []  # a reverse group keeps the name of the group it came from
     for piece in re.split(r"(\\\d+|\\g<\w+>)", to):
         ref = re.fullmatch(r"\\(\d+)|\\g<(\w+)>", piece)
         if ref:
@@ -695,7 +705,9 @@ def _invert_rename(pattern: str, to: str, hole: int | str | None = None) -> tupl
             if n not in groups:
                 raise FormatError(f"cannot invert rename {pattern!r} -> {to!r}: no group {n}")
             used.append(n)
-            rev_pattern += f"(?P<g{len(used)}>{groups[n][2]})"
+            own = groups[n][1]
+            names.append(own if own and own not in names else f"g{len(used)}")
+            rev_pattern += f"(?P<{names[-1]}>{groups[n][2]})"
         else:
             rev_pattern += re.escape(piece)
     hole_n = by_name.get(hole) if isinstance(hole, str) else hole
@@ -706,7 +718,7 @@ def _invert_rename(pattern: str, to: str, hole: int | str | None = None) -> tupl
         elif v[0] == hole_n:
             rev_to += "\x00"
         elif v[0] in used:
-            rev_to += f"\\g<g{used.index(v[0]) + 1}>"
+            rev_to += f"\\g<{names[used.index(v[0])]}>"
         else:
             raise FormatError(f"cannot invert rename {pattern!r} -> {to!r}: group {v[0]} is dropped")
     return ("^" if anchored_start else "") + rev_pattern + ("$" if anchored_end else ""), rev_to
