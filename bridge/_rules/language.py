@@ -391,7 +391,7 @@ class Expect(Rule):
     not fit the config fails first, naming the tensor and the expected and found shapes, before
     any data is read::
 
-        Expect(r"\.self_attn\.q_proj\.weight$", (4096, None), "n_heads x head_dim = 32 x 128 rows")
+        Expect(r"\\.self_attn\\.q_proj\\.weight$", (4096, None), "n_heads x head_dim = 32 x 128 rows")
 
     Its inverse is itself."""
 
