@@ -8,7 +8,7 @@ Runs inside ``.maxtext/venv`` (Python 3.12, ``maxtext==0.2.5``, jax[cpu]; built 
   ``layers``, ``heads``, ``kv_heads``, ``head_dim``, ``mlp``, ``vocab``, ``scan``,
   ``rope_type`` (default|llama3.1), ``rope_theta``, ``norm_eps``, ``tied``, ``experts``,
   ``experts_per_tok``, ``mesh`` (``{"fsdp": 4, "tensor": 2}``: MaxText ``ici_*_parallelism``),
-  ``batch``, ``seq`` (the shapes MaxText initialises with);
+  ``batch``, ``seq`` (the shapes MaxText initialises with), ``weight_dtype`` (default float32);
 - **params** are a safetensors file whose keys are MaxText's Linen parameter paths joined
   by ``/`` without the leading ``params`` (``decoder/layers/self_attention/query/kernel``),
   or anything ``ckptbridge.open`` reads (a universal directory ...), loaded with
@@ -88,6 +88,7 @@ class Spec:
     mesh: dict[str, int] = field(default_factory=lambda: {"fsdp": 4, "tensor": 2})
     batch: int = 8
     seq: int = 16
+    weight_dtype: str = "float32"  # MaxText's weight_dtype (the parameter tree's dtype); compute stays fp32
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Spec:
@@ -132,7 +133,7 @@ def maxtext_overrides(spec: Spec) -> list[str]:
         "normalize_embedding_logits": False,
         "normalization_layer_epsilon": spec.norm_eps,
         "dtype": "float32",
-        "weight_dtype": "float32",
+        "weight_dtype": spec.weight_dtype,
         "matmul_precision": "highest",
         "attention": "dot_product",
         "scan_layers": spec.scan,
