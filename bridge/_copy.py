@@ -30,7 +30,12 @@ def _fastest(a: np.ndarray) -> int | None:
 
 def copyto(dst: np.ndarray, src: np.ndarray) -> None:
     """``np.copyto(dst, src, casting="unsafe")`` (same shapes), in ``TILE x TILE`` tiles of the
-    source's and the destination's contiguous axes when those differ."""
+    source's and the destination's contiguous axes when those differ. Same-dtype copies of dtypes
+    numpy does not know natively (``bfloat16``, ``float8``: ml_dtypes) move as unsigned integers of
+    their size (numpy's own strided loops, 1.5x faster than the dtype's)."""
+    if src.dtype == dst.dtype and src.dtype.kind == "V" and src.dtype.itemsize in (1, 2, 4, 8):
+        bits = np.dtype(f"u{src.dtype.itemsize}")
+        dst, src = dst.view(bits), src.view(bits)
     if dst.ndim < 2 or dst.nbytes < _MIN_BYTES or src.shape != dst.shape:
         np.copyto(dst, src, casting="unsafe")
         return
