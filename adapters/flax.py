@@ -106,17 +106,20 @@ def _unbox(leaf: Any) -> Any:
     return leaf.value if _is_box(leaf) else leaf
 
 
-def _box_sharding(box: Any) -> Any:
-    """The sharding a boxed leaf asks for: its value's, else its logical names on its mesh."""
+def _box_sharding(box: Any, mesh: Any = None, axis_rules: Any = None) -> Any:
+    """The sharding a boxed leaf asks for: its value's, else its logical names on its mesh (a box
+    without a mesh, as MaxText's abstract tree holds them, takes ``mesh`` and ``axis_rules``)."""
     sh = getattr(_unbox(box), "sharding", None)
-    if sh is not None or getattr(box, "mesh", None) is None:
+    box_mesh = getattr(box, "mesh", None) or mesh
+    if sh is not None or box_mesh is None:
         return sh
     import flax.linen as nn
     from jax.sharding import NamedSharding
 
     if isinstance(box, nn.LogicallyPartitioned):  # logical names -> mesh axes by its rules (or the context's)
-        return NamedSharding(box.mesh, nn.logical_to_mesh_axes(box.names, box.rules))
-    return NamedSharding(box.mesh, box.get_partition_spec())
+        rules = box.rules if box.rules is not None else axis_rules
+        return NamedSharding(box_mesh, nn.logical_to_mesh_axes(box.names, rules))
+    return NamedSharding(box_mesh, box.get_partition_spec())
 
 
 def _strip_params(name: str) -> str:
@@ -284,7 +287,9 @@ def save(
     missing = sorted(set(mu) - set(flat_params))
     if missing:
         raise FormatError(f"optimizer moments for {missing[:5]} have no parameter of that name in params")
-    rest = {f"opt_state/{n}": flat_opt[n] for n in g.rest}
+    adam_counts = {int(np.asarray(jax.device_get(flat_opt[c]))) for c in set(g.counts.values())}
+    rest = {f"opt_state/{n}": flat_opt[n] for n in g.rest
+            if not _same_count(n, flat_opt[n], adam_counts)}  # a schedule's count is the step: not a tensor
     pieces, layout = tree_pieces(flat_params)
     for tree, state in ((mu, "exp_avg"), (nu, "exp_avg_sq")):
         more, _ = tree_pieces(tree, state)
@@ -306,11 +311,23 @@ def save(
                        scalars=scalars, overwrite=overwrite)
 
 
+def _same_count(name: str, value: Any, adam_counts: set[int]) -> bool:
+    """An optax ``count`` leaf (a schedule's) holding the Adam step: :func:`load` restores it from the step."""
+    import jax
+
+    if not (name == "count" or name.endswith("/count")) or len(adam_counts) != 1 or getattr(value, "ndim", 1):
+        return False
+    return int(np.asarray(jax.device_get(value))) in adam_counts
+
+
 # ------------------------------------------------------------------ load
 
 
-def _fill(ckpt: Checkpoint, target: Any, assign: Any, dtype: Any) -> Any:
-    """Fill every leaf of ``target``: ``assign(name)`` gives ``(tensor, state)``, a scalar or None (keep)."""
+def _fill(ckpt: Checkpoint, target: Any, assign: Any, dtype: Any, mesh: Any = None,
+          axis_rules: Any = None) -> Any:
+    """Fill every leaf of ``target``: ``assign(name)`` gives ``(tensor, state)``, a scalar or None (keep).
+
+    Every leaf is matched and checked (name, shape) before any data is read."""
     import jax
 
 
@@ -318,12 +335,19 @@ def _fill(ckpt: Checkpoint, target: Any, assign: Any, dtype: Any) -> Any:
     flat, treedef = jax.tree_util.tree_flatten_with_path(pure, is_leaf=_is_box)
     boxes = {i: leaf for i, (_, leaf) in enumerate(flat) if _is_box(leaf)}
     leaves = [_unbox(leaf) for _, leaf in flat]
-    shardings = {i: _box_sharding(b) for i, b in boxes.items()}
+    shardings = {i: _box_sharding(b, mesh, axis_rules) for i, b in boxes.items()}
+    assigned = [assign(path_name(kp)) for kp, _ in flat]  # raises on a missing tensor, before any read
+    for i, got in enumerate(assigned):
+        if isinstance(got, tuple) and hasattr(leaves[i], "shape"):
+            found = ckpt[got[0]].state(got[1]).shape if got[1] else ckpt[got[0]].shape
+            if tuple(found) != tuple(leaves[i].shape):
+                raise ShapeMismatchError(f"{ckpt.path}: tensor {got[0]!r} has shape {tuple(found)}, the target "
+                                         f"{path_name(flat[i][0])!r} expects {tuple(leaves[i].shape)}")
     reqs, where = [], []
     for i, (kp, _) in enumerate(flat):
         leaf = leaves[i]
         name = path_name(kp)
-        got = assign(name)
+        got = assigned[i]
         if got is None:
             continue
         if not isinstance(got, tuple):  # a scalar (the Adam count)
@@ -371,6 +395,8 @@ def load(
     *,
     rules: Sequence[Any] = (),
     dtype: Any = None,
+    mesh: Any = None,
+    axis_rules: Any = None,
 ) -> Any:
     """Load a train state from ``source`` (path or Checkpoint, any format) into Flax/optax trees.
 
@@ -378,6 +404,15 @@ def load(
     doc). ``rules`` (e.g. :func:`torch_to_flax_rules`) rename and reshape the
     checkpoint's tensors first. Returns ``params`` (or ``(params, opt_state)``
     when ``opt_state`` is given) filled with the checkpoint's values.
+
+    Boxed leaves (``nn.LogicallyPartitioned``) load onto the mesh their logical
+    names ask for; boxes without a mesh of their own (MaxText's abstract tree)
+    use ``mesh`` and ``axis_rules`` (the model's logical-axis rules)::
+
+        params = cbflax.load(ckpt, abstract_boxed, mesh=mesh, axis_rules=config.logical_axis_rules)
+
+    Every optax ``count`` (Adam's and a schedule's) is set to the checkpoint's step.
+    Names and shapes are all checked before any data is read.
     """
 
     ckpt, owned = _as_checkpoint(source)
@@ -395,9 +430,8 @@ def load(
             t = tensors[uni]
             return uni, next((s for s in WEIGHT_STATES if s in t.states), None)
 
-        out_params = _fill(view, params, weight, dtype)
         if opt_state is None:
-            return out_params
+            return _fill(view, params, weight, dtype, mesh, axis_rules)
         names = list(flatten_state(opt_state))
         g = group_names(names, weight_names=[])
         native: dict[str, tuple[str, str]] = {}
@@ -406,7 +440,8 @@ def load(
                 if s in st:
                     native[st[s]] = (uni, s)
         step = _step_of(view, list(g.states))
-        counts = {c for c in g.counts.values()}
+        # Adam's count, and any other optax count (a schedule's) counts the same updates
+        counts = {c for c in g.counts.values()} | {n for n in names if n == "count" or n.endswith("/count")}
 
         def moment(name: str) -> Any:
             if name in native:
@@ -424,7 +459,10 @@ def load(
                 return other, None
             return None
 
-        return out_params, _fill(view, opt_state, moment, None)
+        for name in names:  # every optimizer leaf found before any data is read
+            moment(name)
+        out_params = _fill(view, params, weight, dtype, mesh, axis_rules)
+        return out_params, _fill(view, opt_state, moment, None, mesh, axis_rules)
     finally:
         if owned:
             ckpt.close()

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from ._errors import TensorNotFoundError
+from ._errors import CheckpointError, TensorNotFoundError
 from ._html import checkpoint_html, tensor_html
 from ._model import Box, LogicalTensor, TensorState
 from ._plan import normalize_index
@@ -162,8 +162,11 @@ class Checkpoint(Mapping[str, TensorView]):
         parsed = [r if isinstance(r, Rule) else rule_from_json(r) for r in rules]
         if not parsed:
             return self
-        index = dataclasses.replace(self.index, tensors=apply_rules(self.index.tensors, parsed),
-                                    rules=(*self.index.rules, *rules_to_json(parsed)))
+        try:
+            tensors = apply_rules(self.index.tensors, parsed)
+        except CheckpointError as err:  # name the checkpoint too
+            raise type(err)(f"{self.path}: {err.args[0] if err.args else err}") from None
+        index = dataclasses.replace(self.index, tensors=tensors, rules=(*self.index.rules, *rules_to_json(parsed)))
         return Checkpoint(index, self.files)
 
     def close(self) -> None:

@@ -9,6 +9,7 @@
     ckptbridge diff A B [--json] [--state S] [--atol X] [--rtol Y]
     ckptbridge reshard SRC DST --to FORMAT [--tp N --pp M ... -o key=value]
     ckptbridge formats
+    ckptbridge recipe [FAMILY SRC DST [--hf-config config.json] [-c key=value ...] [--out R.json]]
 
 Every command that reads takes ``--format`` (skip detection), ``-O key=value`` (the
 source format's open options) and ``--rules FILE.json`` (view the source through
@@ -330,6 +331,51 @@ def cmd_formats(args: argparse.Namespace) -> int:
     return 0
 
 
+def _recipe_config(pairs: dict[str, str]) -> dict[str, Any]:
+    """``-c key=value`` strings typed as :class:`ckptbridge.recipes.RecipeConfig` declares them."""
+    import dataclasses
+
+    from .recipes import RecipeConfig
+
+    kinds = {f.name: f.type for f in dataclasses.fields(RecipeConfig)}
+    out: dict[str, Any] = {}
+    for key, value in pairs.items():
+        kind = str(kinds.get(key, "str"))
+        if kind == "bool":
+            if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
+                raise OptionError(f"-c {key}={value}: expected true or false")
+            out[key] = value.lower() in ("true", "1", "yes")
+        elif kind == "int":
+            try:
+                out[key] = int(value)
+            except ValueError:
+                raise OptionError(f"-c {key}={value}: expected an integer") from None
+        else:
+            out[key] = value
+    return out
+
+
+def cmd_recipe(args: argparse.Namespace) -> int:
+    """List the recipes, or print one as the JSON rule list ``--rules`` takes."""
+    from . import recipes
+    from ._rules import rules_to_json
+
+    if not args.family:
+        _table("recipes (family, source scheme, destination scheme)", ["family", "src", "dst"], recipes.available())
+        return 0
+    if not (args.src and args.dst):
+        raise OptionError("recipe FAMILY SRC DST: give the source and the destination scheme (hf, megatron, maxtext)")
+    config = recipes.config_from_hf(args.hf_config) if args.hf_config else {}
+    config.update(_recipe_config(_pairs(args.config, "-c")))
+    text = json.dumps(rules_to_json(recipes.rules(args.family, src=args.src, dst=args.dst, **config)), indent=1)
+    if args.out:
+        with open(args.out, "w") as fh:
+            fh.write(text + "\n")
+    else:
+        print(text)
+    return 0
+
+
 # ------------------------------------------------------------------ parser
 
 
@@ -442,6 +488,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a write option of the target format (repeatable; see below)")
     _source_args(s)
     s.set_defaults(fn=cmd_reshard)
+
+    s = sub.add_parser("recipe", help="list the model-family recipes, or print one as a rules file",
+                       description="Print the rules that map a model family between naming schemes (hf, megatron, "
+                                   "maxtext) as JSON, for --rules: `ckptbridge recipe llama hf maxtext --hf-config "
+                                   "hf/config.json -c scan=true --out r.json`, then `ckptbridge reshard hf/ out "
+                                   "--to safetensors --rules r.json`. Without arguments: the recipes there are.")
+    s.add_argument("family", nargs="?", help="llama, qwen2, mixtral")
+    s.add_argument("src", nargs="?", help="source scheme: hf, megatron, maxtext")
+    s.add_argument("dst", nargs="?", help="destination scheme")
+    s.add_argument("--hf-config", default=None, metavar="config.json",
+                   help="read n_heads, n_kv_heads, head_dim, tie_embeddings, qkv_bias, rope from an HF config")
+    s.add_argument("-c", "--config", action="append", default=[], metavar="KEY=VALUE",
+                   help="a recipe config key (n_heads, n_kv_heads, head_dim, scan, rope, ...; repeatable)")
+    s.add_argument("--out", default=None, metavar="R.json", help="write the rules here instead of stdout")
+    s.set_defaults(fn=cmd_recipe)
 
     s = sub.add_parser("formats", help="list the formats, what they read and write, and their options",
                        description="List every registered format (plug-ins included) and its options.")

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from . import _dtypes
+from ._copy import copyto
 from ._errors import ShapeMismatchError
 from ._model import Box, FileRegion, Reader
 
@@ -218,7 +219,7 @@ class ViewRegion:
         n = int(self.base.read_into(cover, tmp, files))
         src = np.lib.stride_tricks.as_strided(tmp, shape, tuple(s * tmp.strides[b] for _, b, s in factors),
                                               writeable=False)
-        np.copyto(dst, src, casting="unsafe")
+        copyto(dst, src)
         return n
 
 

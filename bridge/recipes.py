@@ -54,6 +54,7 @@ from typing import Any
 
 from ._errors import OptionError
 from ._rules import (
+    Expect,
     Interleave,
     Rename,
     Rule,
@@ -66,7 +67,7 @@ from ._rules import (
     rules_to_json,
 )
 
-__all__ = ["RecipeConfig", "available", "config_from_hf", "families", "hf_config", "megatron_args", "rules", "show"]
+__all__ = ["RecipeConfig", "available", "config_from_hf", "families", "family_from_hf", "hf_config", "megatron_args", "rules", "show"]
 
 SCHEMES = ("hf", "megatron", "maxtext")
 
@@ -154,6 +155,54 @@ MEGATRON_HF_GLOBAL = (
 )
 
 
+# ------------------------------------------------------------------ the shapes a config implies
+
+
+def _hf_expects(c: RecipeConfig) -> list[Rule]:
+    """Checks on HF tensors (before anything else in hf -> *, last in * -> hf)."""
+    h, k, d = c.n_heads, c.n_kv_heads, c.head_dim
+    q, kv = f"n_heads x head_dim = {h} x {d}", f"n_kv_heads x head_dim = {k} x {d}"
+    out: list[Rule] = [
+        Expect(HF_LAYER + r"self_attn\.q_proj\.weight$", (h * d, None), q + " rows"),
+        Expect(HF_LAYER + r"self_attn\.(k|v)_proj\.weight$", (k * d, None), kv + " rows"),
+        Expect(HF_LAYER + r"self_attn\.o_proj\.weight$", (None, h * d), q + " columns"),
+    ]
+    if c.qkv_bias:
+        out += [Expect(HF_LAYER + r"self_attn\.q_proj\.bias$", (h * d,), q),
+                Expect(HF_LAYER + r"self_attn\.(k|v)_proj\.bias$", (k * d,), kv)]
+    return out
+
+
+def _maxtext_expects(c: RecipeConfig) -> list[Rule]:
+    """Checks on MaxText tensors (last in * -> maxtext, before anything else in maxtext -> *)."""
+    h, k, d = c.n_heads, c.n_kv_heads, c.head_dim
+    lay = (None,) if c.scan else ()  # the layer axis (MaxText's axis 1) when scanned
+    at = r"^decoder/layers/" if c.scan else r"^decoder/layers_\d+/"
+    q, kv = f"[embed, {'layers, ' if c.scan else ''}n_heads={h}, head_dim={d}]", \
+        f"[embed, {'layers, ' if c.scan else ''}n_kv_heads={k}, head_dim={d}]"
+    out: list[Rule] = [
+        Expect(at + r"self_attention/query/kernel$", (None, *lay, h, d), q),
+        Expect(at + r"self_attention/(key|value)/kernel$", (None, *lay, k, d), kv),
+        Expect(at + r"self_attention/out/kernel$", (h, *lay, d, None),
+               f"[n_heads={h}, {'layers, ' if c.scan else ''}head_dim={d}, embed]"),
+    ]
+    if c.qkv_bias:
+        out += [Expect(at + r"self_attention/query/bias$", (h, *lay, d), f"n_heads={h}, head_dim={d}"),
+                Expect(at + r"self_attention/(key|value)/bias$", (k, *lay, d), f"n_kv_heads={k}, head_dim={d}")]
+    return out
+
+
+def _megatron_expects(c: RecipeConfig) -> list[Rule]:
+    h, k, d = c.n_heads, c.n_kv_heads, c.head_dim
+    rows = k * (h // k + 2) * d
+    why = f"n_kv_heads x (n_heads / n_kv_heads + 2) x head_dim = {k} x {h // k + 2} x {d} rows: q, k, v per group"
+    layer = r"^decoder\.layers\.\d+\."
+    return [Expect(layer + r"self_attention\.linear_qkv\.weight$", (rows, None), why),
+            Expect(layer + r"self_attention\.linear_qkv\.bias$", (rows,), why),
+            Expect(layer + r"self_attention\.linear_proj\.weight$", (None, h * d),
+                   f"n_heads x head_dim = {h} x {d} columns")]
+
+
 # ------------------------------------------------------------------ recipes, one direction each
 
 
@@ -162,7 +211,8 @@ def _hf_to_maxtext(c: RecipeConfig, moe: bool) -> list[Rule]:
     rotary interleave on HF's ``[H*D, E]`` rows, kernels transposed to ``[in, out]``, heads split
     out as an axis, the query scale folded in, experts stacked, layers stacked on axis 1."""
     h, k, d = c.n_heads, c.n_kv_heads, c.head_dim
-    out: list[Rule] = [Rename(HF_LAYER + hf + "$", MX_LAYER + mx) for hf, mx in HF_MAXTEXT_LAYER]
+    out: list[Rule] = _hf_expects(c)
+    out += [Rename(HF_LAYER + hf + "$", MX_LAYER + mx) for hf, mx in HF_MAXTEXT_LAYER]
     if moe:
         out += [Rename(HF_LAYER + rf"block_sparse_moe\.experts\.(?P<expert>\d+)\.{w}\.weight$",
                        MX_LAYER + f"MoeBlock_0/{mx}/expert_\\g<expert>") for w, mx in HF_MAXTEXT_MOE]
@@ -186,7 +236,7 @@ def _hf_to_maxtext(c: RecipeConfig, moe: bool) -> list[Rule]:
     if c.scan:
         out.append(Stack(r"^decoder/layers_(?P<layer>\d+)/(?P<leaf>.*)$", r"decoder/layers/\g<leaf>", dim=1,
                          index="layer"))
-    return out
+    return out + _maxtext_expects(c)
 
 
 def _megatron_to_hf(c: RecipeConfig, moe: bool) -> list[Rule]:
@@ -198,6 +248,7 @@ def _megatron_to_hf(c: RecipeConfig, moe: bool) -> list[Rule]:
     h, k, d = c.n_heads, c.n_kv_heads, c.head_dim
     layer = r"^decoder\.layers\." + L + r"\."
     out: list[Rule] = [
+        *_megatron_expects(c),
         Split(layer + r"self_attention\.linear_qkv\.(?P<kind>weight|bias)$",
               r"decoder.layers.\g<layer>.self_attention.linear_qkv.{part}.\g<kind>", dim=0, parts=("q", "k", "v"),
               widths=(h // k * d, d, d), groups=k),
@@ -208,7 +259,7 @@ def _megatron_to_hf(c: RecipeConfig, moe: bool) -> list[Rule]:
     table = (*MEGATRON_HF_LAYER, (norm_in, "input_layernorm.weight"), (norm_mlp, "post_attention_layernorm.weight"))
     out += [Rename(layer + mg + "$", r"model.layers.\g<layer>." + hf) for mg, hf in table]
     out += [Rename(mg, hf) for mg, hf in MEGATRON_HF_GLOBAL]
-    return out
+    return out + _hf_expects(c)
 
 
 _BASE: dict[tuple[str, str], Callable[[RecipeConfig, bool], list[Rule]]] = {
@@ -271,7 +322,7 @@ def rules(family: str, *, src: str, dst: str, **config: Any) -> tuple[Rule, ...]
     out: list[Rule] = []
     for a, b, inverted in route:
         step = _BASE[(a, b)](cfg, spec["moe"])
-        out += invert(step) if inverted else step
+        out += [r for r in (invert(step) if inverted else step) if r not in out or not isinstance(r, Expect)]
     return tuple(out)
 
 
@@ -298,14 +349,27 @@ def _rope_theta(hf: Mapping[str, Any]) -> float:
 
 
 def config_from_hf(config: Any) -> dict[str, Any]:
-    """Recipe config (``n_heads``, ``n_kv_heads``, ``head_dim``, ``tie_embeddings``, ``qkv_bias``)
-    read from an HF ``config.json`` (path, dict or ``PretrainedConfig``)."""
+    """Recipe config (``n_heads``, ``n_kv_heads``, ``head_dim``, ``tie_embeddings``, ``qkv_bias``,
+    ``rope``) read from an HF ``config.json`` (path, dict or ``PretrainedConfig``). ``rope`` is the
+    MaxText ``rope_type`` that computes HF's rotary: ``"llama3.1"`` for Llama-3 frequency scaling
+    (MaxText hard-codes Llama 3.1's constants; check yours match), else ``"default"``."""
     hf = _load(config)
     heads = int(hf["num_attention_heads"])
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     return {"n_heads": heads, "n_kv_heads": int(hf.get("num_key_value_heads") or heads),
             "head_dim": int(hf.get("head_dim") or int(hf["hidden_size"]) // heads),
             "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
-            "qkv_bias": bool(hf.get("attention_bias", hf.get("model_type") == "qwen2"))}
+            "qkv_bias": bool(hf.get("attention_bias", hf.get("model_type") == "qwen2")),
+            "rope": "llama3.1" if rope.get("rope_type", rope.get("type")) == "llama3" else "default"}
+
+
+def family_from_hf(config: Any) -> str:
+    """The recipe family of an HF ``config.json``: ``llama`` (Llama, Mistral), ``qwen2``, ``mixtral``."""
+    kind = str(_load(config).get("model_type"))
+    family = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "mixtral": "mixtral"}.get(kind)
+    if family is None:
+        raise OptionError(f"no recipe family for HF model_type {kind!r}; families: {', '.join(_FAMILIES)}")
+    return family
 
 
 def megatron_args(config: Any, template: Mapping[str, Any] | None = None) -> dict[str, Any]:
@@ -318,6 +382,8 @@ def megatron_args(config: Any, template: Mapping[str, Any] | None = None) -> dic
     kv = int(hf.get("num_key_value_heads") or heads)
     dtype = str(hf.get("torch_dtype") or hf.get("dtype") or "float32")
     args = dict(template or {})
+    vocab = int(hf["vocab_size"])
+    divisible = int(args.get("make_vocab_size_divisible_by") or 1) * int(args.get("tensor_model_parallel_size") or 1)
     args.update(
         num_layers=int(hf["num_hidden_layers"]), hidden_size=int(hf["hidden_size"]),
         ffn_hidden_size=int(hf["intermediate_size"]), num_attention_heads=heads,
@@ -328,8 +394,10 @@ def megatron_args(config: Any, template: Mapping[str, Any] | None = None) -> dic
         rotary_base=_rope_theta(hf), rotary_percent=1.0, rotary_interleaved=False, add_bias_linear=False,
         add_qkv_bias=bool(hf.get("attention_bias", hf.get("model_type") == "qwen2")),
         untie_embeddings_and_output_weights=not bool(hf.get("tie_word_embeddings", False)),
-        vocab_size=int(hf["vocab_size"]), padded_vocab_size=int(hf["vocab_size"]),
-        make_vocab_size_divisible_by=int((template or {}).get("make_vocab_size_divisible_by") or 1),
+        # Megatron-LM's NullTokenizer(vocab_size) has vocab_size + 1 tokens (its EOD): the HF vocabulary
+        vocab_size=vocab - 1 if args.get("tokenizer_type") == "NullTokenizer" else vocab,
+        padded_vocab_size=-(-vocab // divisible) * divisible,
+        make_vocab_size_divisible_by=int(args.get("make_vocab_size_divisible_by") or 1),
         max_position_embeddings=int(hf.get("max_position_embeddings") or 4096),
         bf16=dtype == "bfloat16", fp16=dtype == "float16")
     return args

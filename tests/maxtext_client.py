@@ -140,6 +140,36 @@ def train_job(spec: dict[str, Any], params: Path, tokens: Path, out: Path, steps
     return job
 
 
+def load_job(spec: dict[str, Any], source: Path, rules: Any, *, opt: bool = False, dump: Path | None = None,
+             tokens: Path | None = None, logits: Path | None = None, train_tokens: Path | None = None,
+             steps: int = 0, train_out: Path | None = None, update_scale: dict[str, float] | None = None,
+             save_universal: Path | None = None, report: Path | None = None, **adamw: float) -> dict[str, Any]:
+    """``source`` (anything ckptbridge opens) seen through ``rules`` (rule objects, their JSON, or a
+    JSON file) loaded by ``ckptbridge.adapters.flax.load`` onto MaxText's boxed tree on its mesh;
+    ``opt``: also into MaxText's AdamW state. Then: ``dump`` the loaded state (params, ``mu/``,
+    ``nu/``, ``count``), ``logits`` for ``tokens``, ``steps`` of training on ``train_tokens``
+    (``train_out/state.safetensors``, ``train.json``), ``save_universal`` the result with
+    ``ckptbridge.adapters.flax.save``. The job's result has ``load``: the report (timings, bytes
+    read, leaves not boxed or not sharded as MaxText's rules say, ``count``, ``losses``)."""
+    if isinstance(rules, (list, tuple)):
+        from ckptbridge import rules_to_json
+
+        rules = rules_to_json(rules)
+    else:
+        rules = str(rules)
+    job: dict[str, Any] = {"cmd": "load", "spec": spec, "source": str(source), "rules": rules, "opt": opt,
+                           **adamw}
+    for key, value in (("dump", dump), ("tokens", tokens), ("logits", logits), ("train_tokens", train_tokens),
+                       ("train_out", train_out), ("save_universal", save_universal), ("report", report)):
+        if value is not None:
+            job[key] = str(value)
+    if steps:
+        job["steps"] = steps
+    if update_scale:
+        job["update_scale"] = dict(update_scale)
+    return job
+
+
 def _env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
            if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "XLA_FLAGS", "JAX_PLATFORMS")}

@@ -99,6 +99,7 @@ def _all_rules():
         Cast,
         Crop,
         Deinterleave,
+        Expect,
         Interleave,
         Join,
         MergeDims,
@@ -116,7 +117,8 @@ def _all_rules():
             SplitDim("k", 0, (2, 4)), MergeDims("k", 0, 2), Interleave("q", 0, 16), Deinterleave("q", 0, 16),
             Pad("emb", 0, 251, 256), Crop("emb", 0, 251, 0, 256), Stack(r"^l\.(?P<l>\d+)\.w$", "w", 0, "l"),
             Unstack("^w$", "l.{i}.w", 0), Split("qkv", "{part}", 0, ("q", "k"), (2, 2)),
-            Join("{part}$", "qkv", 0, ("q", "k")), Scale("q", 0.125), Cast("w", "bfloat16", ("param",), "float32"))
+            Join("{part}$", "qkv", 0, ("q", "k")), Scale("q", 0.125), Cast("w", "bfloat16", ("param",), "float32"),
+            Expect("q", (128, None), "n_heads x head_dim"))
 
 
 def test_every_rule_round_trips_through_json():

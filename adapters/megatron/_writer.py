@@ -59,7 +59,7 @@ from ckptbridge.plugin import (
 from ckptbridge.plugin import dtypes as _dtypes
 
 from ._common import TRACKER, rank_dir_name
-from ._layout import LAYER_RE, MegatronConfig, local_params, stage_layers
+from ._layout import LAYER_RE, MegatronConfig, local_params, stage_layers, true_vocab_size
 from ._optim import buffer_layout, ddp_bucket_size, group_order
 from ._reader import index
 
@@ -80,8 +80,8 @@ def _source_info(ckpt: Any, args_file: str | None = None) -> dict[str, Any]:
         if not isinstance(given, Mapping):
             raise FormatError(f"{args_file}: Megatron args must be a JSON object")
         meg["args"] = {**dict(meg.get("args") or {}), **given}
-        if given.get("vocab_size") is not None:
-            meg["vocab_size"] = int(given["vocab_size"])
+        if given.get("vocab_size") is not None:  # NullTokenizer's vocab_size leaves out its EOD token
+            meg["vocab_size"] = true_vocab_size(meg["args"]) or int(given["vocab_size"])
     if not isinstance(meg.get("args"), Mapping):
         raise FormatError(
             f"{ckpt.path}: writing Megatron needs the run's Megatron args (model shape, vocab, "

@@ -22,7 +22,8 @@ bytes stay):
   :class:`Stack` / :class:`Unstack` (scanned layers, stacked experts; a named
   regex group picks the index, so layers and experts stack one after the other);
 * values: :class:`Scale` (with each state's meaning: a weight scaled by ``c``
-  has Adam moments ``exp_avg / c`` and ``exp_avg_sq / c**2``), :class:`Cast`.
+  has Adam moments ``exp_avg / c`` and ``exp_avg_sq / c**2``), :class:`Cast`;
+* checks: :class:`Expect` (shapes a rule set assumes, tested before anything else).
 
 Every mapping rule has an :meth:`~Rule.inverse`; :func:`invert` reverses a list::
 
@@ -53,7 +54,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from .._errors import FormatError, ShapeMismatchError
+from .._errors import FormatError, ShapeMismatchError, TensorNotFoundError
 from .._model import WEIGHT_STATES, Box, LogicalTensor, TensorState
 from . import transforms as T
 
@@ -185,18 +186,23 @@ class SplitDim(Rule):
 
     def inverse(self) -> MergeDims:
         return MergeDims(self.pattern, self.dim if self.dim >= 0 else self.dim - len(self.sizes) + 1,
-                         len(self.sizes))
+                         len(self.sizes), tuple(self.sizes))
 
 
 @dataclass(frozen=True)
 class MergeDims(Rule):
-    """Mapping: merge ``count`` dims from ``dim`` on into one: ``[E, H, D] -> [E, H*D]``."""
+    """Mapping: merge ``count`` dims from ``dim`` on into one: ``[E, H, D] -> [E, H*D]``; ``sizes``
+    (optional) records the merged dims' sizes so the rule can be inverted."""
 
     dim: int = 0
     count: int = 2
+    sizes: tuple[int, ...] = ()
 
-    def inverse(self) -> Rule:
-        raise FormatError(f"MergeDims({self.pattern!r}) cannot know the sizes it merged; write the SplitDim")
+    def inverse(self) -> SplitDim:
+        if not self.sizes:
+            raise FormatError(f"MergeDims({self.pattern!r}) cannot know the sizes it merged; give sizes= "
+                              "or write the SplitDim")
+        return SplitDim(self.pattern, self.dim, tuple(self.sizes))
 
 
 @dataclass(frozen=True)
@@ -307,7 +313,7 @@ class Split(Rule):
         head, _, tail = self.to.partition("{part}")
         pattern, to = _invert_rename(self.pattern, head + "\x00" + tail)
         return Join(pattern.replace(re.escape("\x00"), "{part}").replace("\x00", "{part}"), to, self.dim,
-                    self.parts, self.groups)
+                    self.parts, self.groups, tuple(self.widths))
 
 
 @dataclass(frozen=True)
@@ -323,9 +329,14 @@ class Join(Rule):
     dim: int = 0
     parts: tuple[str, ...] = ()
     groups: int = 1
+    widths: tuple[int, ...] = ()  # per part and group (optional; default equal): what inverts it
 
-    def inverse(self) -> Rule:
-        raise FormatError(f"Join({self.pattern!r}) cannot know the part widths; write the Split")
+    def inverse(self) -> Split:
+        if "{part}" not in self.pattern:
+            raise FormatError(f"Join({self.pattern!r}) has no {{part}} in its pattern")
+        pattern, to = _invert_rename(self.pattern.replace("{part}", "\x00"), self.to)
+        return Split(pattern, to.replace("\x00", "{part}"), self.dim, tuple(self.parts), tuple(self.widths),
+                     self.groups)
 
 
 # states that move with the weights, the first moment (1/c) and the second moment (1/c^2)
@@ -372,10 +383,29 @@ class Cast(Rule):
         return Cast(self.pattern, self.from_dtype, self.states, self.dtype)
 
 
+@dataclass(frozen=True)
+class Expect(Rule):
+    """Check (a mapping rule that changes nothing): every state of every tensor matching
+    ``pattern`` has ``shape`` (``None``: any size in that dim); ``why`` (printed with the error)
+    says where the expected sizes come from. Recipes begin with these, so a checkpoint that does
+    not fit the config fails first, naming the tensor and the expected and found shapes, before
+    any data is read::
+
+        Expect(r"\\.self_attn\\.q_proj\\.weight$", (4096, None), "n_heads x head_dim = 32 x 128 rows")
+
+    Its inverse is itself."""
+
+    shape: tuple[int | None, ...] = ()
+    why: str = ""
+
+    def inverse(self) -> Expect:
+        return self
+
+
 RULES: dict[str, type[Rule]] = {
     c.__name__: c
     for c in (Shard, Replicate, Fuse, Pad, Renumber, FlatPartition, State, Rename, Transpose, Reshape, SplitDim,
-              MergeDims, Interleave, Deinterleave, Crop, Stack, Unstack, Split, Join, Scale, Cast)
+              MergeDims, Interleave, Deinterleave, Crop, Stack, Unstack, Split, Join, Scale, Cast, Expect)
 }
 LAYOUT_RULES = (Shard, Replicate, Fuse, Renumber, FlatPartition, State)
 
@@ -496,6 +526,21 @@ def _apply_rename(tensors: dict[str, LogicalTensor], rule: Rename) -> dict[str, 
     return renamed
 
 
+def _apply_expect(tensors: dict[str, LogicalTensor], rule: Expect) -> dict[str, LogicalTensor]:
+    want = tuple(rule.shape)
+    shown = "(" + ", ".join("*" if w is None else str(w) for w in want) + ("," if len(want) == 1 else "") + ")"
+    for name, t in tensors.items():
+        if not rule.matches(name):
+            continue
+        for s, st in t.states.items():
+            found = tuple(st.shape)
+            if len(found) != len(want) or any(w is not None and w != f for w, f in zip(want, found)):
+                why = f" ({rule.why})" if rule.why else ""
+                state = "" if s in WEIGHT_STATES else f" state {s!r}"
+                raise ShapeMismatchError(f"tensor {name!r}{state}: expected shape {shown}{why}, found {found}")
+    return tensors
+
+
 def _stack_index(m: re.Match[str], index: int | str, rule: Rule, name: str) -> int:
     try:
         return int(m.group(index))
@@ -505,6 +550,7 @@ def _stack_index(m: re.Match[str], index: int | str, rule: Rule, name: str) -> i
 
 def _apply_stack(tensors: dict[str, LogicalTensor], rule: Stack) -> dict[str, LogicalTensor]:
     groups: dict[str, dict[int, LogicalTensor]] = {}
+    spans: dict[str, tuple[str, int, int]] = {}  # target -> (a member's name, span of its index)
     out: dict[str, LogicalTensor] = {}
     for name, t in tensors.items():
         m = re.search(rule.pattern, name)
@@ -513,10 +559,17 @@ def _apply_stack(tensors: dict[str, LogicalTensor], rule: Stack) -> dict[str, Lo
             continue
         target = re.sub(rule.pattern, rule.to, name)
         groups.setdefault(target, {})[_stack_index(m, rule.index, rule, name)] = t
+        spans.setdefault(target, (name, m.start(rule.index), m.end(rule.index)))
+    every = sorted(set().union(*(set(g) for g in groups.values()))) if groups else []
     for target, members in groups.items():
         idx = sorted(members)
-        if idx != list(range(len(idx))):
-            raise FormatError(f"Stack {target!r}: indices {idx} are not 0..{len(idx) - 1}")
+        if idx != every or idx != list(range(len(idx))):  # one rule stacks every group over the same indices
+            gone = [i for i in range(max(every) + 1) if i not in members]
+            name, a, b = spans[target]
+            shape = next(iter(members.values())).state().shape
+            raise TensorNotFoundError(
+                f"Stack {target!r}: no tensor {name[:a] + str(gone[0]) + name[b:]!r} (expected shape {shape}, "
+                f"like {name!r}); found indices {idx}, the other stacked tensors have 0..{max(every)}")
         items = [members[i] for i in idx]
         common = [s for s in items[0].states if all(s in it.states for it in items)]
         states = {}
@@ -605,6 +658,7 @@ def _shape_rule(tensors: dict[str, LogicalTensor], rule: Rule) -> dict[str, Logi
 
 _HANDLERS: dict[type[Rule], Callable[[dict[str, LogicalTensor], Any], dict[str, LogicalTensor]]] = {
     Rename: _apply_rename,
+    Expect: _apply_expect,
     Stack: _apply_stack,
     Unstack: _apply_unstack,
     Split: _apply_split,
@@ -643,7 +697,7 @@ def _invert_rename(pattern: str, to: str, hole: int | str | None = None) -> tupl
     groups = {v[0]: v for k, v in literal if k == "group"}
     by_name = {v[1]: v[0] for v in groups.values() if v[1]}
     # the reverse pattern: ``to`` with its group references replaced by the groups' regexes
-    rev_pattern, used = "", []
+    rev_pattern, used, names = "", [], []  # a reverse group keeps the name of the group it came from
     for piece in re.split(r"(\\\d+|\\g<\w+>)", to):
         ref = re.fullmatch(r"\\(\d+)|\\g<(\w+)>", piece)
         if ref:
@@ -651,7 +705,9 @@ def _invert_rename(pattern: str, to: str, hole: int | str | None = None) -> tupl
             if n not in groups:
                 raise FormatError(f"cannot invert rename {pattern!r} -> {to!r}: no group {n}")
             used.append(n)
-            rev_pattern += f"(?P<g{len(used)}>{groups[n][2]})"
+            own = groups[n][1]
+            names.append(own if own and own not in names else f"g{len(used)}")
+            rev_pattern += f"(?P<{names[-1]}>{groups[n][2]})"
         else:
             rev_pattern += re.escape(piece)
     hole_n = by_name.get(hole) if isinstance(hole, str) else hole
@@ -662,7 +718,7 @@ def _invert_rename(pattern: str, to: str, hole: int | str | None = None) -> tupl
         elif v[0] == hole_n:
             rev_to += "\x00"
         elif v[0] in used:
-            rev_to += f"\\g<g{used.index(v[0]) + 1}>"
+            rev_to += f"\\g<{names[used.index(v[0])]}>"
         else:
             raise FormatError(f"cannot invert rename {pattern!r} -> {to!r}: group {v[0]} is dropped")
     return ("^" if anchored_start else "") + rev_pattern + ("$" if anchored_end else ""), rev_to

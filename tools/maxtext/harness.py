@@ -8,7 +8,7 @@ Runs inside ``.maxtext/venv`` (Python 3.12, ``maxtext==0.2.5``, jax[cpu]; built 
   ``layers``, ``heads``, ``kv_heads``, ``head_dim``, ``mlp``, ``vocab``, ``scan``,
   ``rope_type`` (default|llama3.1), ``rope_theta``, ``norm_eps``, ``tied``, ``experts``,
   ``experts_per_tok``, ``mesh`` (``{"fsdp": 4, "tensor": 2}``: MaxText ``ici_*_parallelism``),
-  ``batch``, ``seq`` (the shapes MaxText initialises with);
+  ``batch``, ``seq`` (the shapes MaxText initialises with), ``weight_dtype`` (default float32);
 - **params** are a safetensors file whose keys are MaxText's Linen parameter paths joined
   by ``/`` without the leading ``params`` (``decoder/layers/self_attention/query/kernel``),
   or anything ``ckptbridge.open`` reads (a universal directory ...), loaded with
@@ -29,6 +29,9 @@ Subcommands::
     harness.py train      --spec s.json --params p.safetensors --tokens t.npy --steps 3 --out dir/
                           [--opt-state o.safetensors | --mu m.safetensors --nu n.safetensors --count N]
                           [--lr 1e-3 --b1 .9 --b2 .95 --eps 1e-8 --wd .1]
+    harness.py load       --spec s.json --source CKPT --rules rules.json [--opt] [--dump d.safetensors]
+                          [--tokens t.npy --logits l.npy] [--train-tokens tt.npy --steps N --train-out dir/]
+                          [--update-scale '{"query/kernel$": 0.17}'] [--save-universal dir/] [--report r.json]
     harness.py jobs       --jobs jobs.json   # several of the above in one process (one import)
 
 ``tree`` builds MaxText's decoder (``models.transformer_as_linen``) and lists every leaf
@@ -37,7 +40,10 @@ with its shape, dtype and the logical axis names of its ``nn.LogicallyPartitione
 rules (``nn.logical_to_mesh_sharding``) and writes fp32 logits. ``convert-hf`` runs
 MaxText's own converter (``maxtext.checkpoint_conversion.to_maxtext``: its
 ``PARAM_MAPPING``/``HOOK_FNS`` and its loading, stacking and shape checks) on a Hugging
-Face directory. ``train`` runs optax AdamW built by MaxText's ``optimizers.get_optimizer``
+Face directory. ``load`` opens any checkpoint with ``ckptbridge.open(source, rules=...)`` (e.g. an
+HF directory through ``ckptbridge.recipes``) and loads it with ``ckptbridge.adapters.flax.load`` onto
+MaxText's own abstract boxed tree (and with ``--opt`` into its optax AdamW state), reporting any leaf
+not boxed or not sharded as MaxText's rules say. ``train`` runs optax AdamW built by MaxText's ``optimizers.get_optimizer``
 (constant learning rate, no clipping) on MaxText's forward plus a plain next-token
 cross-entropy. See ``tools/maxtext/NOTES.md`` for what these show.
 """
@@ -82,6 +88,7 @@ class Spec:
     mesh: dict[str, int] = field(default_factory=lambda: {"fsdp": 4, "tensor": 2})
     batch: int = 8
     seq: int = 16
+    weight_dtype: str = "float32"  # MaxText's weight_dtype (the parameter tree's dtype); compute stays fp32
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Spec:
@@ -126,7 +133,7 @@ def maxtext_overrides(spec: Spec) -> list[str]:
         "normalize_embedding_logits": False,
         "normalization_layer_epsilon": spec.norm_eps,
         "dtype": "float32",
-        "weight_dtype": "float32",
+        "weight_dtype": spec.weight_dtype,
         "matmul_precision": "highest",
         "attention": "dot_product",
         "scan_layers": spec.scan,
@@ -175,6 +182,7 @@ class Built:
     model: Any
     leaves: dict[str, Any]  # path -> nn.LogicallyPartitioned (or ShapeDtypeStruct)
     shardings: dict[str, Any]  # path -> NamedSharding from MaxText's logical axis rules
+    abstract: Any = None  # MaxText's abstract boxed tree ({"params": ...}, nn.LogicallyPartitioned leaves)
 
 
 def _path_name(path: Sequence[Any]) -> str:
@@ -209,7 +217,7 @@ def build(spec: Spec) -> Built:
     mesh_shardings = nn.logical_to_mesh_sharding(specs, mesh, config.logical_axis_rules)
     flat_sh = jax.tree_util.tree_flatten_with_path(mesh_shardings)[0]
     shardings = {_path_name(p): s for p, s in flat_sh}
-    return Built(config, mesh, model, leaves, shardings)
+    return Built(config, mesh, model, leaves, shardings, abstract)
 
 
 def _unboxed(leaf: Any) -> Any:
@@ -403,11 +411,12 @@ def _adam_of(opt_state: Any) -> Any:
 
 
 def train(built: Built, variables: Any, tokens: Any, steps: int, hp: AdamW,
-          opt_in: dict[str, Any] | None) -> tuple[list[float], Any, Any]:
+          opt_in: dict[str, Any] | None, tx: Any = None, opt_state: Any = None) -> tuple[list[float], Any, Any]:
     """``steps`` AdamW steps; returns (losses before each update, params, opt_state).
 
     ``tokens`` is ``[b, s+1]`` (the same batch every step) or ``[steps, b, s+1]``;
-    the loss is the mean next-token cross-entropy of MaxText's logits.
+    the loss is the mean next-token cross-entropy of MaxText's logits. ``tx`` / ``opt_state``:
+    an optimizer and its state already loaded (default: MaxText's AdamW, fresh or ``opt_in``).
     """
     import flax.linen as nn
     import jax
@@ -419,11 +428,12 @@ def train(built: Built, variables: Any, tokens: Any, steps: int, hp: AdamW,
     batches = [tokens] * steps if tokens.ndim == 2 else list(tokens)
     if len(batches) != steps:
         raise SystemExit(f"tokens hold {len(batches)} batches for {steps} steps")
-    tx = _tx(built, hp)
+    tx = tx if tx is not None else _tx(built, hp)
     params = variables["params"]
     cfg = built.config
     with built.mesh, nn.logical_axis_rules(cfg.logical_axis_rules):
-        opt_state = jax.jit(tx.init)(params)
+        if opt_state is None:
+            opt_state = jax.jit(tx.init)(params)
         if opt_in is not None:
             names = list(built.leaves)
             count = jnp.asarray(opt_in["count"], dtype=jnp.int32).reshape(())
@@ -468,6 +478,134 @@ def _tx(built: Built, hp: AdamW) -> Any:
     from maxtext.optimizers import optimizers
 
     return optimizers.get_optimizer(_with_adam(built.config, hp), lambda step: hp.lr)
+
+
+# ----------------------------------------------------------------------------- ckptbridge recipes
+
+
+def read_rules(arg: Any) -> list[dict[str, Any]]:
+    """Rules as JSON data: a list given inline, or a file holding a list (or ``{"rules": [...]}``)."""
+    if isinstance(arg, list):
+        return arg
+    data = json.loads(Path(arg).read_text())
+    return list(data["rules"] if isinstance(data, dict) else data)
+
+
+def scaled_adamw(hp: AdamW, update_scale: dict[str, float]) -> Any:
+    """optax's AdamW as MaxText's ``get_optimizer`` builds it (``scale_by_adam``, decoupled weight
+    decay, a learning-rate schedule), with the Adam direction of the leaves whose path matches a
+    pattern of ``update_scale`` multiplied by its factor, before the decay and the learning rate.
+
+    A leaf reparametrised as ``w' = c w`` (MaxText's query kernel, ``c = 1/sqrt(head_dim)``) with
+    its moments mapped (``mu / c``, ``nu / c**2``) follows the original run's trajectory exactly
+    under factor ``c``; plain AdamW (factor 1) takes ``1/c`` times the equivalent step on it.
+    """
+    import re
+
+    import jax
+    import optax
+
+    from ckptbridge.adapters.jax import path_name
+
+    def factor(path: Any) -> float:
+        name = path_name(path)
+        hits = [f for pat, f in update_scale.items() if re.search(pat, name)]
+        return float(hits[0]) if hits else 1.0
+
+    def update(updates: Any, state: Any, params: Any = None) -> Any:
+        del params
+        return jax.tree_util.tree_map_with_path(lambda p, u: u * u.dtype.type(factor(p)), updates), state
+
+    scale = optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+    return optax.chain(
+        optax.scale_by_adam(b1=hp.b1, b2=hp.b2, eps=hp.eps, eps_root=0.0, mu_dtype="float32"),
+        scale,
+        optax.add_decayed_weights(hp.wd),
+        optax.scale_by_learning_rate(lambda step: hp.lr),
+    )
+
+
+def _opt_target(built: Built, opt_abstract: Any) -> Any:
+    """The optimizer state's abstract tree with shardings: each moment like its parameter
+    (MaxText's own state sharding), scalars replicated."""
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from ckptbridge.adapters.jax import path_name
+
+    def leaf(path: Any, x: Any) -> Any:
+        name = path_name(path)
+        param = next((n for n in built.shardings if name.endswith("/" + n)), None)
+        sh = built.shardings[param] if param is not None else NamedSharding(built.mesh, PartitionSpec())
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)
+
+    return jax.tree_util.tree_map_with_path(leaf, opt_abstract)
+
+
+def load_recipe(built: Built, source: str, rules: list[dict[str, Any]], tx: Any = None) -> tuple[Any, Any, dict[str, Any]]:
+    """``ckptbridge.open(source, rules=rules)`` loaded by ``ckptbridge.adapters.flax.load`` onto
+    MaxText's own abstract boxed tree (``nn.LogicallyPartitioned`` leaves, placed on MaxText's mesh by
+    its logical-axis rules) and, with ``tx``, into that optimizer's state (``mu``/``nu``/``count``).
+
+    Returns (``{"params": tree}`` unboxed for ``apply``, the optimizer state or None, a report:
+    timings, bytes read, and every leaf whose box or sharding is not MaxText's)."""
+    import flax.linen as nn
+    import jax
+
+    import ckptbridge
+    from ckptbridge.adapters import flax as cbflax
+    from ckptbridge.adapters.jax import path_name
+
+    cfg = built.config
+    t0 = time.perf_counter()
+    ckpt = ckptbridge.open(source, rules=rules)
+    opened = time.perf_counter() - t0
+    is_box = lambda x: isinstance(x, nn.LogicallyPartitioned)  # noqa: E731
+    kw = {"mesh": built.mesh, "axis_rules": cfg.logical_axis_rules}
+    t0 = time.perf_counter()
+    with built.mesh, nn.logical_axis_rules(cfg.logical_axis_rules):
+        if tx is None:
+            boxed, opt_state = cbflax.load(ckpt, built.abstract, **kw), None
+        else:
+            plain = jax.tree.map(_unboxed, built.abstract["params"], is_leaf=is_box)
+            target = _opt_target(built, jax.eval_shape(tx.init, plain))
+            boxed, opt_state = cbflax.load(ckpt, built.abstract, target, **kw)
+        jax.block_until_ready(jax.tree.map(_unboxed, boxed, is_leaf=is_box))
+    loaded = time.perf_counter() - t0
+    flat = jax.tree_util.tree_flatten_with_path(boxed, is_leaf=is_box)[0]
+    not_boxed, bad_sharding = [], []
+    for path, leaf in flat:
+        name = _path_name(path)
+        if not is_box(leaf) or tuple(leaf.names) != tuple(built.leaves[name].names):
+            not_boxed.append(name)
+        arr = _unboxed(leaf)
+        if not arr.sharding.is_equivalent_to(built.shardings[name], arr.ndim):
+            bad_sharding.append(name)
+    if opt_state is not None:
+        for path, arr in jax.tree_util.tree_flatten_with_path(opt_state)[0]:
+            name = path_name(path)
+            param = next((n for n in built.shardings if name.endswith("/" + n)), None)
+            if param is not None and not arr.sharding.is_equivalent_to(built.shardings[param], arr.ndim):
+                bad_sharding.append(name)
+    report = {"open_seconds": opened, "load_seconds": loaded, "bytes_read": int(ckpt.stats.bytes_read),
+              "leaves": len(flat), "not_boxed": not_boxed, "not_maxtext_sharding": bad_sharding,
+              "devices": int(built.mesh.devices.size)}
+    ckpt.close()
+    params = jax.tree.map(_unboxed, boxed, is_leaf=is_box)
+    return params, opt_state, report
+
+
+def _state_arrays(params: Any, opt_state: Any) -> dict[str, Any]:
+    """``{path: array}`` of the params, plus ``mu/<path>``, ``nu/<path>``, ``count`` of the Adam state."""
+    import numpy as np
+
+    out = {n: np.asarray(v) for n, v in _flat(params).items()}
+    if opt_state is not None:
+        adam = _adam_of(opt_state)
+        out["count"] = np.asarray(adam.count)
+        out |= {f"mu/{n}": np.asarray(v) for n, v in _flat(adam.mu).items()}
+        out |= {f"nu/{n}": np.asarray(v) for n, v in _flat(adam.nu).items()}
+    return out
 
 
 # ----------------------------------------------------------------------------- converter
@@ -695,10 +833,56 @@ def run_job(job: dict[str, Any], cache: dict[str, Built]) -> dict[str, Any]:
             "count": int(adam.count),
         })
         result["losses"] = losses
+    elif cmd == "load":
+        result.update(_load_job(job, get(spec)))
     else:
         raise SystemExit(f"unknown command {cmd!r}")
     result["seconds"] = round(time.time() - t0, 2)
     return result
+
+
+def _load_job(job: dict[str, Any], built: Built) -> dict[str, Any]:
+    """``load``: a ckptbridge checkpoint through rules onto MaxText's tree (and optimizer), then
+    any of: dump the loaded state, forward, train on, save the result with ckptbridge."""
+    import dataclasses
+
+    import numpy as np
+
+    hp = AdamW(**{k: float(job[k]) for k in ("lr", "b1", "b2", "eps", "wd") if k in job})
+    update_scale = job.get("update_scale") or {}
+    tx = None
+    if job.get("opt"):
+        tx = scaled_adamw(hp, update_scale) if update_scale else _tx(built, hp)
+    variables, opt_state, report = load_recipe(built, job["source"], read_rules(job.get("rules") or []), tx)
+    if opt_state is not None:
+        report["count"] = int(_adam_of(opt_state).count)
+    if job.get("dump"):
+        _write_safetensors(Path(job["dump"]), _state_arrays(variables["params"], opt_state))
+    if job.get("tokens"):
+        logits = forward(built, variables, np.load(job["tokens"], allow_pickle=False))
+        Path(job["logits"]).parent.mkdir(parents=True, exist_ok=True)
+        np.save(job["logits"], logits)
+    if job.get("steps"):
+        if tx is None:
+            tx = scaled_adamw(hp, update_scale) if update_scale else _tx(built, hp)
+        tokens = np.load(job["train_tokens"], allow_pickle=False)
+        losses, params, opt_state = train(built, variables, tokens, int(job["steps"]), hp, None, tx=tx,
+                                          opt_state=opt_state)
+        report["losses"] = losses
+        variables = {"params": params}
+        if job.get("train_out"):
+            out = Path(job["train_out"])
+            _write_safetensors(out / "state.safetensors", _state_arrays(params, opt_state))
+            _write_json(out / "train.json", {"losses": losses, "hyperparameters": dataclasses.asdict(hp),
+                                             "update_scale": update_scale, "count": int(_adam_of(opt_state).count)})
+    if job.get("save_universal"):  # MaxText's state as a ckptbridge checkpoint (weights, mu/nu, count)
+        from ckptbridge.adapters import flax as cbflax
+
+        count = int(_adam_of(opt_state).count) if opt_state is not None else None
+        cbflax.save(job["save_universal"], variables["params"], opt_state, step=count, overwrite=True)
+    if job.get("report"):
+        _write_json(Path(job["report"]), report)
+    return {"load": report}
 
 
 def _opt_tree(opt_state: Any) -> list[str]:
@@ -757,6 +941,20 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--out", required=True)
     for name, default in (("lr", 1e-3), ("b1", 0.9), ("b2", 0.95), ("eps", 1e-8), ("wd", 0.1)):
         r.add_argument(f"--{name}", type=float, default=default)
+    ld = sub.add_parser("load", help="a ckptbridge checkpoint through rules onto MaxText's boxed tree")
+    ld.add_argument("--spec", required=True)
+    ld.add_argument("--source", required=True, help="anything ckptbridge.open reads")
+    ld.add_argument("--rules", help="JSON list of rules (e.g. a recipe)")
+    ld.add_argument("--opt", action="store_true", help="also load mu/nu/count into MaxText's AdamW state")
+    ld.add_argument("--dump", help="write the loaded params (and mu/, nu/, count) as safetensors")
+    ld.add_argument("--tokens")
+    ld.add_argument("--logits")
+    ld.add_argument("--train-tokens")
+    ld.add_argument("--steps", type=int)
+    ld.add_argument("--train-out")
+    ld.add_argument("--update-scale", type=json.loads, help="JSON {path regex: factor} on the Adam direction")
+    ld.add_argument("--save-universal", help="save the (trained) state with ckptbridge.adapters.flax.save")
+    ld.add_argument("--report")
     j = sub.add_parser("jobs", help="several jobs (a JSON list of {cmd, ...options}) in one process")
     j.add_argument("--jobs", required=True)
     j.add_argument("--out", help="results JSON")

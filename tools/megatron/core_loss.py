@@ -40,8 +40,10 @@ For every checkpoint given, each of ``--world`` spawned ranks (gloo, CPU, tools/
 
 Prints one line per checkpoint, ``CORE_LOSS {"ckpt", "dist", "tp", "pp", "loss", "tokens",
 "token_losses", "digests"[, "step": {"updated", "grad_norm", "lr", "after_loss",
-"after_token_losses"}]}`` (``digests``: "tpTppP:<local name>" -> SHA-256 prefix), or
-``{"ckpt", ..., "error"}`` when the load failed (the loss is then not computed)::
+"after_token_losses"}][, "dump"]}`` (``digests``: "tpTppP:<local name>" -> SHA-256 prefix), or
+``{"ckpt", ..., "error"}`` when the load failed (the loss is then not computed). ``--dump DIR``
+also writes ``DIR/<n>.npz`` for the n-th checkpoint: the tokens and labels evaluated, the per-token
+losses and (PP 1) GPTModel's logits over the padded vocabulary, to compare with another framework::
 
     python tools/megatron/core_loss.py --world 2 --train-step tests/fixtures/megatron/A/tp1pp1/torch \\
         /tmp/written_tp1pp2 dist:tests/fixtures/megatron/A/tp2pp2/torch_dist:tp=2,pp=1
@@ -482,6 +484,32 @@ def _all_agree_on_error(err: str) -> str:
     return "; ".join(e for e in errs if e)
 
 
+def logits(model: Any, batches: list[dict[str, Any]]) -> Any:
+    """GPTModel's logits ``[micro-batches x micro_batch_size, seq, padded vocab]`` for ``batches``
+    (no pipeline: PP 1; the vocab-parallel shards gathered over TP), fp32 numpy."""
+    import torch
+    from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
+
+    out = []
+    with torch.no_grad():
+        for b in batches:
+            local = model(b["tokens"], b["position_ids"], b["attention_mask"])  # [b, s, vocab / tp]
+            out.append(gather_from_tensor_model_parallel_region(local.contiguous()).float())
+    return torch.cat(out).numpy()
+
+
+def dump(path: str, batches: list[dict[str, Any]], rec: dict[str, Any], lg: Any) -> None:
+    """The tokens, labels and per-token losses of an evaluation (and its logits) as one ``.npz``."""
+    import numpy as np
+
+    arrays = {"tokens": np.concatenate([b["tokens"].numpy() for b in batches]),
+              "labels": np.concatenate([b["labels"].numpy() for b in batches]),
+              "token_losses": np.asarray(rec.get("token_losses", []), dtype=np.float64)}
+    if lg is not None:
+        arrays["logits"] = lg
+    np.savez(path, **arrays)
+
+
 def evaluate(item: Item, opts: argparse.Namespace, index: int = 0) -> dict[str, Any] | None:
     """Every rank runs this; rank 0 returns the JSON record."""
     import argparse as ap
@@ -529,12 +557,17 @@ def evaluate(item: Item, opts: argparse.Namespace, index: int = 0) -> dict[str, 
         batches = mock_batches(opts.seed, opts.microbatches, opts.micro_batch_size or int(args.micro_batch_size),
                                int(args.seq_length), int(vocab or args.padded_vocab_size))
         res = forward_loss(model, args, batches)
+        lg = logits(model, batches) if opts.dump and pp == 1 else None
         first_dp = ps.get_data_parallel_rank() == 0
         mine = (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(), res,
                 digests(model) if first_dp else None)
         allr: list[Any] = [None] * world
         dist.all_gather_object(allr, mine)
         rec.update(_agree(allr))
+        if opts.dump and dist.get_rank() == 0:
+            os.makedirs(opts.dump, exist_ok=True)
+            rec["dump"] = os.path.join(opts.dump, f"{index}.npz")
+            dump(rec["dump"], batches, rec, lg)
         rec["digests"] = {f"tp{t}pp{p}:{k}": h for t, p, _, d in allr if d for k, h in d.items()}
         want_optimizer = item.save_to or (opts.train_step and (item.optim or not item.dist))
         if want_optimizer and "error" not in rec:
@@ -621,9 +654,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="legacy checkpoints (and dist: ones with optim=1): also load the optimizer and scheduler "
                          "state into megatron-core's optimizer, train one step on the same tokens and report the "
                          "loss after it")
-    ap.add_argument("--dump", default="",
-                    help="directory: each item's loaded optimizer state, as megatron-core holds it, saved to "
-                         "DUMP/<item index>/tpT_ppP_dpD.pt (see optimizer_state)")
+    ap.add_argument("--dump", default="", metavar="DIR",
+                    help="per checkpoint (n: its position): DIR/<n>.npz with tokens, labels, token_losses and the "
+                         "logits over the padded vocabulary (PP 1 only); with the optimizer loaded, its state as "
+                         "megatron-core holds it in DIR/<n>/tpT_ppP_dpD.pt (see optimizer_state)")
     ap.add_argument("--timeout", type=int, default=300, help="gloo collective timeout (s)")
     ap.add_argument("-v", "--verbose", action="store_true")
     opts = ap.parse_args(argv)
