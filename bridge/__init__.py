@@ -34,7 +34,7 @@ from ._version import __version__
 
 if TYPE_CHECKING:
     from ._checkpoint import Checkpoint, CheckpointIndex, TensorView
-    from ._checkpointer import Checkpointer, SaveStats
+    from ._checkpointer import Checkpointer, SavePolicy, SaveStats
     from ._convert import DiffRow, convert, diff, export, trace
     from ._errors import (
         CheckpointError,
@@ -80,6 +80,7 @@ if TYPE_CHECKING:
 
 _LAZY = {  # public name -> module: imported on first use, so the CLI and core start fast
     "Checkpointer": "._checkpointer",
+    "SavePolicy": "._checkpointer",
     "SaveStats": "._checkpointer",
     "Checkpoint": "._checkpoint",
     "CheckpointIndex": "._checkpoint",
@@ -177,6 +178,7 @@ __all__ = [
     "Replicate",
     "ReshardPlan",
     "Rule",
+    "SavePolicy",
     "SaveStats",
     "ShapeMismatchError",
     "Shard",

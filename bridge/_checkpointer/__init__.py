@@ -3,6 +3,7 @@
 The levels, one module each: ``leaves`` (what is captured, and the runtimes
 that capture it), ``host`` (reused host buffers laid out as file images),
 ``core`` (the :class:`Checkpointer`: snapshot and flush threads, commit),
+``policy`` (:class:`SavePolicy`: back-pressure and priorities under load),
 ``steps`` (step directories, retention, clean-up) and ``persist`` (the copy to
 a persistent directory or URL). See :class:`Checkpointer`.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 from .core import Checkpointer, SaveStats
 from .leaves import Capture, Leaf, LeafProvider, leaves_of, register_leaf_provider
+from .policy import SavePolicy
 from .steps import committed_steps, step_dir
 
 __all__ = [
@@ -18,6 +20,7 @@ __all__ = [
     "Checkpointer",
     "Leaf",
     "LeafProvider",
+    "SavePolicy",
     "SaveStats",
     "committed_steps",
     "leaves_of",

@@ -37,6 +37,9 @@ class Leaf:
     ``copy(out)`` writes the tensor's current value into the host buffer
     ``out``; ``lazy`` says a guard protects it, so the copy may run later in
     the background. ``write`` is False for replicas another rank writes.
+    ``start()``, if set, begins an asynchronous device-to-host transfer: the
+    snapshot calls it for every leaf before the first ``copy``, so that all
+    transfers overlap instead of running one after the other.
     """
 
     name: str
@@ -49,6 +52,7 @@ class Leaf:
     key: Any = None  # identity of the live tensor, for guards
     per_process: bool = False  # a plain tensor every process holds: treated as replicated, rank 0 writes
     pin: Callable[[mmap.mmap], Callable[[], None]] | None = None  # page-locks host buffers (CUDA tensors)
+    start: Callable[[], None] | None = None
 
     @property
     def buffer_key(self) -> str:
@@ -77,6 +81,9 @@ class LeafProvider:
     ``leaves(name, value, capture)``: the value's leaves on this rank.
     ``copy_into(value, array)``: restore a saved global array into a live value in place.
     ``guard_keys(optimizer)``: identities of every tensor ``optimizer.step()`` changes.
+    ``donated(fn, args, kwargs)``: identities (leaf ``key``) of the values a call
+    ``fn(*args, **kwargs)`` donates, or None when it cannot tell (a guarded call then waits
+    for every pending snapshot).
     """
 
     name: str
@@ -84,6 +91,7 @@ class LeafProvider:
     leaves: Callable[[str, Any, Capture], list[Leaf]]
     copy_into: Callable[[Any, np.ndarray], None] | None = None
     guard_keys: Callable[[Any], set[Any]] | None = None
+    donated: Callable[[Any, tuple[Any, ...], Mapping[str, Any]], frozenset[Any] | None] | None = None
 
 
 _LOCK = threading.RLock()
