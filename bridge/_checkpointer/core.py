@@ -61,7 +61,7 @@ from .. import _dtypes
 from .._commit import staging_path
 from .._errors import CheckpointError, IncompleteCheckpointError, MissingShardError
 from .._open import open as open_checkpoint
-from .._safetensors import FileSpec
+from .._safetensors import FileSpec, _lower_priority
 from .._universal import MARKER, Piece, commit_universal, plan_rank, write_rank
 from .host import BufferSet
 from .leaves import Capture, Leaf, flatten, leaves_of, pinner, provider_for, providers
@@ -157,10 +157,13 @@ class Checkpointer:
         self._buffers = [BufferSet() for _ in range(self.policy.host_buffers)]
         self._blocked = 0  # threads waiting for the disk (in save or wait): the flush is the bottleneck
         self._copiers = ThreadPoolExecutor(self.policy.snapshot_threads, thread_name_prefix="ckptbridge-copy")
+        # off every save's path, at the lower priority: retention, pre-faulting spare buffer sets
+        self._chores = ThreadPoolExecutor(1, thread_name_prefix="ckptbridge-chores", initializer=_lower_priority)
         self._snapshots: queue.Queue[_Job | None] = queue.Queue()
         self._flushes: queue.Queue[_Job | None] = queue.Queue()
         self._pending: list[_Job] = []
         self._lock = threading.Lock()
+        self._freed = threading.Condition(self._lock)  # a buffer set became free
         self._errors: list[BaseException] = []
         self._hooks: list[Any] = []
         self._jax_guarded = False
@@ -200,17 +203,20 @@ class Checkpointer:
                 if own_extra:
                     raise CheckpointError(f"local state must be tensors or numbers: {sorted(own_extra)}")
                 leaves += [dataclasses.replace(leaf, per_process=False) for leaf in own]
-            buffers.lay_out(self._plan(leaves), pinner(leaves))
+            plan, pin = self._plan(leaves), pinner(leaves)
+            fresh = buffers.lay_out(plan, pin)
             job = _Job(step, leaves, {**found_extra, **dict(extra or {})}, buffers)
             job.pending_lazy = [leaf for leaf in leaves if leaf.lazy]
             self._copy_all([leaf for leaf in leaves if not leaf.lazy], buffers)
         except BaseException:
-            buffers.busy.clear()
+            self._free(buffers)
             raise
         with self._lock:
             self._pending.append(job)
         job.stall = time.perf_counter() - t0
         self._snapshots.put(job)
+        if fresh:
+            self._warm_spares(buffers, plan, pin)
         return True
 
     def reserve(self, state: Any) -> None:
@@ -291,6 +297,7 @@ class Checkpointer:
         for t in self._threads:
             t.join(timeout=60)
         self._copiers.shutdown(wait=True)
+        self._chores.shutdown(wait=True)
         for b in self._buffers:
             b.release()
 
@@ -382,9 +389,10 @@ class Checkpointer:
     def _acquire_buffers(self, step: int) -> BufferSet | None:
         """A free host buffer set for a new save, as the policy says (None: the save is skipped)."""
         t0 = time.perf_counter()
-        while True:
-            with self._lock:
-                free = next((b for b in self._buffers if not b.busy.is_set()), None)
+        with self._lock:
+            while True:
+                idle = [b for b in self._buffers if not b.busy.is_set()]
+                free = next((b for b in idle if b.ready.is_set()), idle[0] if idle else None)
                 queued = [j for j in self._pending if not j.flushing and not j.superseded]
                 action = admit(self.policy, free is not None, bool(queued))
                 if action == "take":
@@ -399,32 +407,55 @@ class Checkpointer:
                     victim = queued[-1]
                     victim.superseded = True
                     copying = victim.copying
-                else:  # wait for the oldest save in flight to be on disk
-                    oldest = self._pending[0] if self._pending else None
-                    self._blocked += 1
-            if action == "replace":
-                if copying:  # let its copies into the buffers end (else the snapshot thread skips it)
-                    victim.snapshot_done.wait()
-                with self._lock:
-                    self._pending.remove(victim)
-                    self.dropped.append(victim.step)
-                victim.flushed.set()
-                log.info("step %d replaced by step %d before its flush started", victim.step, step)
-                free = victim.buffers
-                free.step = None
-                break
-            try:
-                if oldest is not None:
-                    oldest.flushed.wait()
-                else:  # its flush is ending (buffers about to be freed)
-                    time.sleep(0.001)
-            finally:
-                with self._lock:
+                    break
+                self._blocked += 1  # wait for a flush to free a set
+                try:
+                    self._freed.wait(timeout=1.0)
+                finally:
                     self._blocked -= 1
+        if action == "replace":
+            if copying:  # let its copies into the buffers end (else the snapshot thread skips it)
+                victim.snapshot_done.wait()
+            with self._lock:
+                self._pending.remove(victim)
+                self.dropped.append(victim.step)
+            victim.flushed.set()
+            log.info("step %d replaced by step %d before its flush started", victim.step, step)
+            free = victim.buffers
+            free.step = None
+        free.ready.wait()  # a background pre-fault of this set is ending
         waited = time.perf_counter() - t0
         if waited > 0.001:
             log.info("save waited %.3fs for a buffer set (flushes are slower than saves)", waited)
         return free
+
+    def _free(self, buffers: BufferSet) -> None:
+        with self._lock:
+            buffers.busy.clear()
+            self._freed.notify_all()
+
+    def _warm_spares(self, laid: BufferSet, plan: list[tuple[str, list[Piece], FileSpec]],
+                     pin: Callable[[Any], Callable[[], None]] | None) -> None:
+        """Lay out and pre-fault the idle buffer sets for a layout just seen, in the background,
+        so that the saves using them next do not pay for fresh memory."""
+        with self._lock:
+            spares = [b for b in self._buffers
+                      if b is not laid and not b.busy.is_set() and b.ready.is_set() and b.layout != laid.layout]
+            for b in spares:
+                b.ready.clear()
+                b.step = None
+
+        def warm(b: BufferSet) -> None:
+            try:
+                b.lay_out(plan, pin)
+                b.prefault()
+            except Exception as err:  # the save that uses this set lays it out again
+                log.warning("pre-faulting a host buffer set failed: %s", err)
+            finally:
+                b.ready.set()
+
+        for b in spares:
+            self._chores.submit(warm, b)
 
     def _copy_all(self, leaves: list[Leaf], buffers: BufferSet) -> None:
         """Copy leaves into their host buffers: every transfer started first, then the copies
@@ -483,7 +514,7 @@ class Checkpointer:
                 log.error("checkpoint of step %s failed: %s", job.step, err)
                 with self._lock:
                     self._errors.append(err)
-                job.buffers.busy.clear()
+                self._free(job.buffers)
                 job.flushed.set()
                 with self._lock:
                     self._pending.remove(job)
@@ -510,14 +541,14 @@ class Checkpointer:
                 shutil.rmtree(stage, ignore_errors=True)
         flush_s = time.perf_counter() - t0
         job.buffers.step, job.buffers.leaves, job.buffers.extra = job.step, job.leaves, job.extra
-        job.buffers.busy.clear()
+        self._free(job.buffers)
         persist_s = None
         if committed:
             if self.persistent:
                 t1 = time.perf_counter()
                 persist(dst, self.persistent)
                 persist_s = time.perf_counter() - t1
-            self._retain()
+            self._chores.submit(self._retain)  # deleting old steps must not hold up the next flush
         stats = SaveStats(job.step, nbytes, job.stall, job.snapshot_seconds, flush_s, persist_s, committed)
         self.stats.append(stats)
         log.info("step %d: %.1f MB, stall %.4fs, snapshot %.3fs, flush %.3fs (%.2f GB/s)%s",
@@ -537,12 +568,15 @@ class Checkpointer:
             time.sleep(0.01)
 
     def _retain(self) -> None:
-        steps = committed_steps(self.root)
-        if not steps:
-            return
-        clean_incomplete(self.root, steps[-1], self.commit_timeout)
-        for s in steps_to_drop(steps, self.keep_last, self.keep_every):
-            remove_checkpoint(step_dir(self.root, s))
+        try:
+            steps = committed_steps(self.root)
+            if not steps:
+                return
+            clean_incomplete(self.root, steps[-1], self.commit_timeout)
+            for s in steps_to_drop(steps, self.keep_last, self.keep_every):
+                remove_checkpoint(step_dir(self.root, s))
+        except OSError as err:  # the next commit tries again
+            log.warning("%s: removing old checkpoints failed: %s", self.root, err)
 
     def _raise_background_error(self) -> None:
         with self._lock:
