@@ -272,3 +272,34 @@ def test_an_unguarded_jax_save_frees_its_device_copies_once_they_are_on_the_host
         gc.collect()
         assert len(jax.live_arrays()) == before
         assert ck.restore(0)["params.w"].tobytes() == np.asarray(params["w"]).tobytes()
+
+
+class Staged:
+    """A tensor whose transfer to host is started first and finished later (as on a GPU)."""
+
+    def __init__(self, value: np.ndarray, log: list) -> None:
+        self.value, self.log = value, log
+
+
+def _staged_leaves(name, value, capture):
+    shape = value.value.shape
+    return [Leaf(name, "float32", shape, Box.full(shape),
+                 lambda out, v=value: (v.log.append(("copy", name)), np.copyto(out, v.value)),
+                 lazy=True, key=id(value), start=lambda v=value: v.log.append(("start", name)))]
+
+
+# (replaces the provider registered above: one provider per module)
+register_leaf_provider(LeafProvider("held-test", (__name__,), leaves=lambda n, v, c: (
+    _staged_leaves(n, v, c) if isinstance(v, Staged) else _held_leaves(n, v, c))))
+
+
+def test_every_transfer_is_started_before_the_first_copy_waits(tmp_path):
+    log = []
+    state = {f"t{i}": Staged(np.full(16, float(i), np.float32), log) for i in range(5)}
+    with Checkpointer(tmp_path / "ck", keep_last=None, policy=SavePolicy(snapshot_threads=1)) as ck:
+        ck.save(0, state)
+        ck.wait()
+        got = ck.restore(0)
+    assert [k for k, _ in log] == ["start"] * 5 + ["copy"] * 5
+    for i in range(5):
+        np.testing.assert_array_equal(got[f"t{i}"], np.full(16, float(i), np.float32))
