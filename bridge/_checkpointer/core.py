@@ -111,6 +111,7 @@ class _Job:
     copying: bool = False  # its background snapshot started
     flushing: bool = False  # its flush started (it can no longer be coalesced)
     superseded: bool = False  # dropped by a newer save (policy "coalesce"); its buffers went to that save
+    released: bool = False  # its buffers were handed back (a later save may own them now)
 
 
 class Checkpointer:
@@ -514,7 +515,8 @@ class Checkpointer:
                 log.error("checkpoint of step %s failed: %s", job.step, err)
                 with self._lock:
                     self._errors.append(err)
-                self._free(job.buffers)
+                if not job.released:
+                    self._free(job.buffers)
                 job.flushed.set()
                 with self._lock:
                     self._pending.remove(job)
@@ -541,6 +543,7 @@ class Checkpointer:
                 shutil.rmtree(stage, ignore_errors=True)
         flush_s = time.perf_counter() - t0
         job.buffers.step, job.buffers.leaves, job.buffers.extra = job.step, job.leaves, job.extra
+        job.released = True
         self._free(job.buffers)
         persist_s = None
         if committed:
