@@ -79,6 +79,7 @@ def _tree_bytes(path: str) -> int:
 def _torch_loop(spec: dict[str, Any]) -> tuple[Any, Any, Any]:
     import torch
 
+    torch.set_num_threads(1)  # on a shared 2-core VM two OpenMP threads are slower than one
     torch.manual_seed(0)
     rows = _rows(spec["gib"])
     params = [torch.nn.Parameter(torch.randn(rows, COLS)) for _ in range(N_TENSORS)]
@@ -315,10 +316,12 @@ def _calibrate(spec: dict[str, Any]) -> dict[str, Any]:
     """Seconds of one step without compute units, and per unit (for this framework)."""
     spec = dict(spec, units=0)
     train_step, _, _ = (_torch_loop if spec["framework"] == "torch" else _jax_loop)(spec)
-    t0 = min(_timed(train_step) for _ in range(3))
-    spec["units"] = 16
-    train_step, _, _ = (_torch_loop if spec["framework"] == "torch" else _jax_loop)(spec)
-    t16 = min(_timed(train_step) for _ in range(3))
+    t0 = statistics.median(_timed(train_step) for _ in range(3))
+    spec["units"] = 16  # the torch step reads it at each call; JAX compiles a new step
+    if spec["framework"] == "jax":
+        del train_step
+        train_step, _, _ = _jax_loop(spec)
+    t16 = statistics.median(_timed(train_step) for _ in range(3))
     return {"base": t0, "unit": max(1e-4, (t16 - t0) / 16)}
 
 
@@ -453,10 +456,7 @@ def main() -> None:
               "policy": {k: int(v) if v.isdigit() else v
                          for k, v in (kv.split("=") for kv in filter(None, args.policy.split(",")))}}
     frameworks = args.frameworks.split(",")
-    res: dict[str, Any] = {"args": vars(args), "calibration": {}, "regimes": {}}
-    for fw in frameworks:  # once: every tool of a framework runs the same step
-        res["calibration"][fw] = _child("calibrate", {**common, "framework": fw, "units": 0,
-                                                      "root": os.path.abspath(os.path.join(args.scratch, "cal"))})
+    res: dict[str, Any] = {"args": vars(args), "calibration": [], "regimes": {}}
     wanted = set(filter(None, args.cases.split(",")))
     facts: list[dict[str, Any]] = []
     runs: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
@@ -464,8 +464,10 @@ def main() -> None:
         facts.append(_child("facts", {**common, "root": os.path.abspath(os.path.join(args.scratch, "facts"))}))
         print(f"rep {rep}:", json.dumps(facts[-1]), flush=True)
         for regime in args.regimes.split(","):
-            for fw in frameworks:
-                cal = res["calibration"][fw]
+            for fw in frameworks:  # per run: the machine's load drifts; every tool of a run gets the same step
+                cal = _child("calibrate", {**common, "framework": fw, "units": 0,
+                                           "root": os.path.abspath(os.path.join(args.scratch, "cal"))})
+                res["calibration"].append({"rep": rep, "regime": regime, "framework": fw, **cal})
                 units = max(0, round((float(targets[regime]) - cal["base"]) / cal["unit"]))
                 for tool in CASES[fw] + (EXTRA_CASES[fw] if regime == "disk" else []):
                     if wanted and tool not in wanted and tool != "none":
