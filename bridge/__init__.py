@@ -34,7 +34,7 @@ from ._version import __version__
 
 if TYPE_CHECKING:
     from ._checkpoint import Checkpoint, CheckpointIndex, TensorView
-    from ._checkpointer import Checkpointer, RestoreResult, SaveStats
+    from ._checkpointer import Checkpointer, RestoreResult, SavePolicy, SaveStats
     from ._convert import DiffRow, convert, diff, export, trace
     from ._errors import (
         CheckpointError,
@@ -90,6 +90,7 @@ if TYPE_CHECKING:
 
 _LAZY = {  # public name -> module: imported on first use, so the CLI and core start fast
     "Checkpointer": "._checkpointer",
+    "SavePolicy": "._checkpointer",
     "SaveStats": "._checkpointer",
     "RestoreResult": "._checkpointer",
     "Checkpoint": "._checkpoint",
@@ -208,6 +209,7 @@ __all__ = [
     "ReshardPlan",
     "RestoreResult",
     "Rule",
+    "SavePolicy",
     "SaveStats",
     "Scale",
     "ShapeMismatchError",

@@ -302,9 +302,13 @@ def test_host_images_are_page_locked_for_cuda_tensors_and_unlocked_after(tmp_pat
     images = [img for b in ck._buffers for img in b.images.values()]
     assert len(images) == 2 and sorted(pinned.values()) == sorted(len(i) for i in images)
     assert set(pinned) == {np.frombuffer(i, np.uint8).ctypes.data for i in images}
-    ck.save(3, {"model": model.state_dict(), "extra": torch.ones(5)})  # a new layout for one set
-    ck.wait()
-    assert len(pinned) == 2 and sum(1 for k, _ in log if k == "unpin") == 1
+    ck.save(3, {"model": model.state_dict(), "extra": torch.ones(5)})  # a new layout: the save's set
+    ck.wait()  # and the spare one (pre-faulted in the background) drop their old images
+    for b in ck._buffers:
+        b.ready.wait()
+    images = [img for b in ck._buffers for img in b.images.values()]
+    assert set(pinned) == {np.frombuffer(i, np.uint8).ctypes.data for i in images}
+    assert len(pinned) == 2 and sum(1 for k, _ in log if k == "unpin") == 2
     ck.close()
     assert pinned == {}
     c = ckptbridge.open(step_dir(str(tmp_path / "ck"), 3))

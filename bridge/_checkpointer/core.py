@@ -34,6 +34,10 @@ wrapped with :meth:`Checkpointer.guard`) is copied lazily in the background;
 every other tensor is copied before ``save`` returns, so the caller may
 change it in place the moment ``save`` returns. A restored step is always
 bitwise the state at the moment ``save`` was called.
+
+Under load (a save while every host buffer set is still in use) the
+:class:`~ckptbridge.SavePolicy` decides: wait for the disk (default), skip the
+save, or coalesce it with the one waiting for the disk (``policy=``).
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,11 +61,12 @@ from .. import _dtypes
 from .._commit import staging_path
 from .._errors import CheckpointError, IncompleteCheckpointError, MissingShardError
 from .._open import open as open_checkpoint
-from .._safetensors import FileSpec
+from .._safetensors import FileSpec, _lower_priority
 from .._universal import MARKER, Piece, commit_universal, plan_rank, write_rank
 from .host import BufferSet
 from .leaves import Capture, Leaf, flatten, leaves_of, pinner, provider_for, providers
 from .persist import check_target, persist
+from .policy import SavePolicy, admit, flush_in_background
 from .restore import RestoreResult, restore_into
 from .steps import (
     clean_incomplete,
@@ -105,6 +111,10 @@ class _Job:
     snapshot_seconds: float = 0.0
     error: BaseException | None = None
     pending_lazy: list[Leaf] = field(default_factory=list)
+    copying: bool = False  # its background snapshot started
+    flushing: bool = False  # its flush started (it can no longer be coalesced)
+    superseded: bool = False  # dropped by a newer save (policy "coalesce"); its buffers went to that save
+    released: bool = False  # its buffers were handed back (a later save may own them now)
 
 
 class Checkpointer:
@@ -114,7 +124,10 @@ class Checkpointer:
     initialised, else 0/1. Every rank calls ``save`` with its own shards; rank
     0 commits a step once all ranks' pieces are on disk (it polls for them,
     up to ``commit_timeout`` seconds, so no collective runs in a background
-    thread).
+    thread). Under ``jax.distributed`` they default to JAX's process index and count.
+    ``policy`` (:class:`SavePolicy`): back-pressure, host buffer sets, flush priority,
+    snapshot threads. Steps that were not written (skipped or coalesced) are listed
+    in ``dropped``.
     """
 
     def __init__(
@@ -129,6 +142,7 @@ class Checkpointer:
         commit_timeout: float = 600.0,
         host_tier: bool = True,
         job_id: str | None = None,
+        policy: SavePolicy | None = None,
     ) -> None:
         self.root = os.fspath(root)
         self.keep_last, self.keep_every = keep_last, keep_every
@@ -141,13 +155,21 @@ class Checkpointer:
         # every rank of one job must agree on the token; separate jobs must not
         self.token = job_id or os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("SLURM_JOB_ID") or (
             uuid.uuid4().hex[:12] if self.world_size == 1 else "job")
+        self.policy = SavePolicy() if policy is None else policy
+        if not isinstance(self.policy, SavePolicy):
+            raise CheckpointError(f"policy=: expected a ckptbridge.SavePolicy, got {type(policy).__name__}")
         self.stats: list[SaveStats] = []
-        self._buffers = [BufferSet(), BufferSet()]
-        self._next_buffer = 0
+        self.dropped: list[int] = []
+        self._buffers = [BufferSet() for _ in range(self.policy.host_buffers)]
+        self._blocked = 0  # threads waiting for the disk (in save or wait): the flush is the bottleneck
+        self._copiers = ThreadPoolExecutor(self.policy.snapshot_threads, thread_name_prefix="ckptbridge-copy")
+        # off every save's path, at the lower priority: retention, pre-faulting spare buffer sets
+        self._chores = ThreadPoolExecutor(1, thread_name_prefix="ckptbridge-chores", initializer=_lower_priority)
         self._snapshots: queue.Queue[_Job | None] = queue.Queue()
         self._flushes: queue.Queue[_Job | None] = queue.Queue()
         self._pending: list[_Job] = []
         self._lock = threading.Lock()
+        self._freed = threading.Condition(self._lock)  # a buffer set became free
         self._errors: list[BaseException] = []
         self._hooks: list[Any] = []
         self._jax_guarded = False
@@ -164,36 +186,45 @@ class Checkpointer:
     # ---------------------------------------------------------------- saving
 
     def save(self, step: int, state: Any, *, optimizer: Any = None, extra: Mapping[str, Any] | None = None,
-             local: Any = None) -> None:
+             local: Any = None) -> bool:
         """Checkpoint ``state`` (nested dicts of torch/JAX/numpy tensors and plain values) as ``step``.
 
-        Returns as soon as every unguarded tensor is copied to host memory.
+        Returns as soon as every unguarded tensor is copied to host memory:
+        True, or False when the policy skipped this save (``on_busy="skip"``).
         ``local`` holds this rank's own state (saved by every rank as ``rank<r>.*``).
         With ``optimizer`` (a torch optimizer), its parameters and state are
         copied lazily and its ``step()`` waits for that copy.
         """
         self._raise_background_error()
         t0 = time.perf_counter()
-        lazy_keys = self._guard_optimizer(optimizer) if optimizer is not None else set()
-        flat, tree = walk(state)
-        leaves, found_extra = leaves_of(state, Capture(frozenset(lazy_keys), self._jax_guarded), flat)
-        if local is not None:  # numbers become 0-d arrays so that every rank's values are stored
-            numeric = {k: np.asarray(v) if isinstance(v, (bool, int, float)) else v for k, v in flatten(local)}
-            own, own_extra = leaves_of({f"rank{self.rank}": numeric})
-            if own_extra:
-                raise CheckpointError(f"local state must be tensors or numbers: {sorted(own_extra)}")
-            leaves += [dataclasses.replace(leaf, per_process=False) for leaf in own]
-        buffers = self._acquire_buffers()
-        buffers.lay_out(self._plan(leaves), pinner(leaves))
-        job = _Job(step, leaves, {**found_extra, **dict(extra or {})}, buffers, tree)
-        eager = [leaf for leaf in leaves if not leaf.lazy]
-        job.pending_lazy = [leaf for leaf in leaves if leaf.lazy]
-        for leaf in eager:
-            leaf.copy(buffers.get(leaf))
+        buffers = self._acquire_buffers(step)
+        if buffers is None:
+            return False
+        try:
+            lazy_keys = self._guard_optimizer(optimizer) if optimizer is not None else set()
+            flat, tree = walk(state)
+            leaves, found_extra = leaves_of(state, Capture(frozenset(lazy_keys), self._jax_guarded), flat)
+            if local is not None:  # numbers become 0-d arrays so that every rank's values are stored
+                numeric = {k: np.asarray(v) if isinstance(v, (bool, int, float)) else v for k, v in flatten(local)}
+                own, own_extra = leaves_of({f"rank{self.rank}": numeric})
+                if own_extra:
+                    raise CheckpointError(f"local state must be tensors or numbers: {sorted(own_extra)}")
+                leaves += [dataclasses.replace(leaf, per_process=False) for leaf in own]
+            plan, pin = self._plan(leaves), pinner(leaves)
+            fresh = buffers.lay_out(plan, pin)
+            job = _Job(step, leaves, {**found_extra, **dict(extra or {})}, buffers, tree)
+            job.pending_lazy = [leaf for leaf in leaves if leaf.lazy]
+            self._copy_all([leaf for leaf in leaves if not leaf.lazy], buffers)
+        except BaseException:
+            self._free(buffers)
+            raise
         with self._lock:
             self._pending.append(job)
         job.stall = time.perf_counter() - t0
         self._snapshots.put(job)
+        if fresh:
+            self._warm_spares(buffers, plan, pin)
+        return True
 
     def reserve(self, state: Any) -> None:
         """Allocate and touch the host buffers for ``state`` now, outside the training loop.
@@ -207,12 +238,26 @@ class Checkpointer:
             for leaf in leaves:
                 leaf.copy(b.get(leaf))
 
-    def guard(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-        """Wrap a JAX train step (e.g. one with ``donate_argnums``): each call first waits
-        for pending snapshots, so donated buffers are never read after donation, and
-        JAX arrays passed to ``save`` are captured lazily meanwhile."""
+    def guard(self, fn: Callable[..., Any], *, donates: bool | None = None) -> Callable[..., Any]:
+        """Wrap a JAX train step so that JAX arrays passed to ``save`` are captured lazily
+        (copied to host in the background, no device copy). A call waits for pending
+        snapshots only when it donates an array not yet copied, so a donated buffer is
+        never read after donation; a step that donates nothing never waits.
+
+        ``donates``: None (default) reads the donated arguments of a ``jax.jit`` function
+        (any other callable is taken to donate everything); True: every call waits for
+        pending snapshots; False: ``fn`` never donates, no call waits.
+        """
+        provider = provider_for(fn) if donates is None else None
+        donated = provider.donated if provider is not None else None
+
         def guarded(*args: Any, **kwargs: Any) -> Any:
-            self.wait_snapshots()
+            if donates is not False:
+                pending = self._pending_snapshot_keys()
+                if pending:
+                    keys = donated(fn, args, kwargs) if donated is not None and not donates else None
+                    if keys is None or not keys.isdisjoint(pending):
+                        self.wait_snapshots()
             return fn(*args, **kwargs)
 
         guarded.__wrapped__ = fn  # type: ignore[attr-defined]
@@ -241,8 +286,13 @@ class Checkpointer:
         """Block until every save so far is flushed, committed and persisted."""
         with self._lock:
             jobs = list(self._pending)
-        for job in jobs:
-            job.flushed.wait()
+            self._blocked += 1
+        try:
+            for job in jobs:
+                job.flushed.wait()
+        finally:
+            with self._lock:
+                self._blocked -= 1
         self._raise_background_error()
 
     def close(self) -> None:
@@ -253,6 +303,8 @@ class Checkpointer:
         self._snapshots.put(None)
         for t in self._threads:
             t.join(timeout=60)
+        self._copiers.shutdown(wait=True)
+        self._chores.shutdown(wait=True)
         for b in self._buffers:
             b.release()
 
@@ -358,23 +410,97 @@ class Checkpointer:
     def _plan(self, leaves: list[Leaf]) -> list[tuple[str, list[Piece], FileSpec]]:
         return plan_rank(self.root, self._pieces(leaves), self.rank)
 
-    def _acquire_buffers(self) -> BufferSet:
-        b = self._buffers[self._next_buffer]
-        self._next_buffer = (self._next_buffer + 1) % len(self._buffers)
+    def _acquire_buffers(self, step: int) -> BufferSet | None:
+        """A free host buffer set for a new save, as the policy says (None: the save is skipped)."""
         t0 = time.perf_counter()
-        while b.busy.is_set():  # both sets in flight: wait for the older flush
+        with self._lock:
+            while True:
+                idle = [b for b in self._buffers if not b.busy.is_set()]
+                free = next((b for b in idle if b.ready.is_set()), idle[0] if idle else None)
+                queued = [j for j in self._pending if not j.flushing and not j.superseded]
+                action = admit(self.policy, free is not None, bool(queued))
+                if action == "take":
+                    free.busy.set()
+                    free.step = None
+                    break
+                if action == "skip":
+                    self.dropped.append(step)
+                    log.info("step %d skipped: every host buffer set is still being flushed", step)
+                    return None
+                if action == "replace":  # under the lock, so neither thread starts it now
+                    victim = queued[-1]
+                    victim.superseded = True
+                    copying = victim.copying
+                    break
+                self._blocked += 1  # wait for a flush to free a set
+                try:
+                    self._freed.wait(timeout=1.0)
+                finally:
+                    self._blocked -= 1
+        if action == "replace":
+            if copying:  # let its copies into the buffers end (else the snapshot thread skips it)
+                victim.snapshot_done.wait()
             with self._lock:
-                older = [j for j in self._pending if j.buffers is b]
-            for j in older:
-                j.flushed.wait()
-            if not older:
-                break
+                self._pending.remove(victim)
+                self.dropped.append(victim.step)
+            victim.flushed.set()
+            log.info("step %d replaced by step %d before its flush started", victim.step, step)
+            free = victim.buffers
+            free.step = None
+        free.ready.wait()  # a background pre-fault of this set is ending
         waited = time.perf_counter() - t0
         if waited > 0.001:
             log.info("save waited %.3fs for a buffer set (flushes are slower than saves)", waited)
-        b.busy.set()
-        b.step = None
-        return b
+        return free
+
+    def _free(self, buffers: BufferSet) -> None:
+        with self._lock:
+            buffers.busy.clear()
+            self._freed.notify_all()
+
+    def _warm_spares(self, laid: BufferSet, plan: list[tuple[str, list[Piece], FileSpec]],
+                     pin: Callable[[Any], Callable[[], None]] | None) -> None:
+        """Lay out and pre-fault the idle buffer sets for a layout just seen, in the background,
+        so that the saves using them next do not pay for fresh memory."""
+        with self._lock:
+            spares = [b for b in self._buffers
+                      if b is not laid and not b.busy.is_set() and b.ready.is_set() and b.layout != laid.layout]
+            for b in spares:
+                b.ready.clear()
+                b.step = None
+
+        def warm(b: BufferSet) -> None:
+            try:
+                b.lay_out(plan, pin)
+                b.prefault()
+            except Exception as err:  # the save that uses this set lays it out again
+                log.warning("pre-faulting a host buffer set failed: %s", err)
+            finally:
+                b.ready.set()
+
+        for b in spares:
+            self._chores.submit(warm, b)
+
+    def _copy_all(self, leaves: list[Leaf], buffers: BufferSet) -> None:
+        """Copy leaves into their host buffers: every transfer started first, then the copies
+        on ``policy.snapshot_threads`` threads, largest first."""
+        for leaf in leaves:
+            if leaf.start is not None:
+                leaf.start()
+        if len(leaves) < 2 or self.policy.snapshot_threads == 1:
+            for leaf in leaves:
+                leaf.copy(buffers.get(leaf))
+            return
+        order = sorted(leaves, key=lambda leaf: -leaf.box.size * _dtypes.itemsize(leaf.dtype))
+        futures = [self._copiers.submit(leaf.copy, buffers.get(leaf)) for leaf in order]
+        for f in futures:
+            f.result()
+
+    def _pending_snapshot_keys(self) -> set[Any]:
+        """Identities of the lazily captured values whose copy to host is not done."""
+        with self._lock:
+            return {leaf.key for job in self._pending if not job.snapshot_done.is_set()
+                    for leaf in job.pending_lazy}
 
     def _snapshot_loop(self) -> None:
         while True:
@@ -383,9 +509,11 @@ class Checkpointer:
                 self._flushes.put(None)
                 return
             t0 = time.perf_counter()
+            with self._lock:
+                job.copying = not job.superseded
             try:
-                for leaf in job.pending_lazy:
-                    leaf.copy(job.buffers.get(leaf))
+                if job.copying:
+                    self._copy_all(job.pending_lazy, job.buffers)
             except BaseException as err:  # surfaced on the next save/wait
                 job.error = err
             job.snapshot_seconds = time.perf_counter() - t0
@@ -397,20 +525,26 @@ class Checkpointer:
             job = self._flushes.get()
             if job is None:
                 return
+            with self._lock:
+                if job.superseded:  # a newer save took its buffers (and finished it)
+                    continue
+                job.flushing = True
+                backlog = self._blocked > 0 or any(j is not job and not j.superseded for j in self._pending)
             try:
                 if job.error is not None:
                     raise job.error
-                self._flush(job)
+                self._flush(job, background=flush_in_background(self.policy, backlog))
             except BaseException as err:
                 log.error("checkpoint of step %s failed: %s", job.step, err)
                 with self._lock:
                     self._errors.append(err)
-                job.buffers.busy.clear()
+                if not job.released:
+                    self._free(job.buffers)
                 job.flushed.set()
                 with self._lock:
                     self._pending.remove(job)
 
-    def _flush(self, job: _Job) -> None:
+    def _flush(self, job: _Job, background: bool = True) -> None:
         t0 = time.perf_counter()
         dst = step_dir(self.root, job.step)
         pieces = self._pieces(job.leaves, job.buffers.arrays)
@@ -418,7 +552,7 @@ class Checkpointer:
         stage = staging_path(dst, self.token)
         os.makedirs(stage, exist_ok=True)
         record_owner(stage, self.rank)
-        write_rank(dst, pieces, self.rank, token=self.token, images=job.buffers.images, background=True)
+        write_rank(dst, pieces, self.rank, token=self.token, images=job.buffers.images, background=background)
         committed = False
         if self.rank == 0:
             self._await_ranks(stage)
@@ -433,14 +567,15 @@ class Checkpointer:
         flush_s = time.perf_counter() - t0
         job.buffers.step, job.buffers.leaves, job.buffers.extra = job.step, job.leaves, job.extra
         job.buffers.tree = job.tree
-        job.buffers.busy.clear()
+        job.released = True
+        self._free(job.buffers)
         persist_s = None
         if committed:
             if self.persistent:
                 t1 = time.perf_counter()
                 persist(dst, self.persistent)
                 persist_s = time.perf_counter() - t1
-            self._retain()
+            self._chores.submit(self._retain)  # deleting old steps must not hold up the next flush
         stats = SaveStats(job.step, nbytes, job.stall, job.snapshot_seconds, flush_s, persist_s, committed)
         self.stats.append(stats)
         log.info("step %d: %.1f MB, stall %.4fs, snapshot %.3fs, flush %.3fs (%.2f GB/s)%s",
@@ -460,12 +595,15 @@ class Checkpointer:
             time.sleep(0.01)
 
     def _retain(self) -> None:
-        steps = committed_steps(self.root)
-        if not steps:
-            return
-        clean_incomplete(self.root, steps[-1], self.commit_timeout)
-        for s in steps_to_drop(steps, self.keep_last, self.keep_every):
-            remove_checkpoint(step_dir(self.root, s))
+        try:
+            steps = committed_steps(self.root)
+            if not steps:
+                return
+            clean_incomplete(self.root, steps[-1], self.commit_timeout)
+            for s in steps_to_drop(steps, self.keep_last, self.keep_every):
+                remove_checkpoint(step_dir(self.root, s))
+        except OSError as err:  # the next commit tries again
+            log.warning("%s: removing old checkpoints failed: %s", self.root, err)
 
     def _raise_background_error(self) -> None:
         with self._lock:
@@ -483,5 +621,9 @@ def _dist_info(rank: int | None, world_size: int | None) -> tuple[int, int]:
     if dist is not None and dist.is_available() and dist.is_initialized():
         return (dist.get_rank() if rank is None else rank,
                 dist.get_world_size() if world_size is None else world_size)
+    jax = sys.modules.get("jax")
+    if jax is not None and jax.distributed.is_initialized():
+        return (jax.process_index() if rank is None else rank,
+                jax.process_count() if world_size is None else world_size)
     return (rank or 0, world_size or 1)
 

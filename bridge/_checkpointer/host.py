@@ -1,7 +1,14 @@
-"""The host level: buffers reused from save to save, laid out as images of the data files."""
+"""The host level: buffers reused from save to save, laid out as images of the data files.
+
+Fresh memory is expensive on virtual machines (the host backs each page on first touch:
+~1.5 s per GiB here, several memcpys' worth), so a set is touched once and reused; the
+spare sets are pre-faulted in the background (:meth:`BufferSet.prefault`) as soon as the
+layout is known, instead of by the snapshot of the save that first uses them.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import threading
 from collections.abc import Callable
@@ -24,18 +31,22 @@ class BufferSet:
         self.layout: tuple[Any, ...] | None = None
         self.unpin: list[Callable[[], None]] = []  # undo page-locking of the images, if pinned
         self.busy = threading.Event()
+        self.ready = threading.Event()  # cleared while a background pre-fault lays it out
+        self.ready.set()
         self.step: int | None = None  # the snapshot these buffers hold, for the host tier
         self.leaves: list[Leaf] = []
         self.extra: dict[str, Any] = {}
         self.tree: Any = None  # the skeleton of the state held (see .tree)
 
     def lay_out(self, plan: list[tuple[str, list[Piece], FileSpec]],
-                pin: Callable[[mmap.mmap], Callable[[], None]] | None = None) -> None:
+                pin: Callable[[mmap.mmap], Callable[[], None]] | None = None) -> bool:
         """Place the written leaves' buffers inside page-aligned images of their data files
         (kept while the layout holds), so the flush writes them with no copy. ``pin``
-        page-locks each image (device-to-host copies of CUDA tensors then run at DMA speed)."""
+        page-locks each image (device-to-host copies of CUDA tensors then run at DMA speed).
+        Returns True when the layout is new (fresh, untouched images)."""
         layout = tuple((rel, tuple((p.tensor, p.box, p.dtype) for p in group)) for rel, group, _ in plan)
-        if layout != self.layout:
+        fresh = layout != self.layout
+        if fresh:
             self.release()
             self.images, self.arrays = {}, {}  # drop the old layout's buffers
             for rel, group, spec in plan:
@@ -47,6 +58,16 @@ class BufferSet:
             self.layout = layout
         if pin is not None and not self.unpin:
             self.unpin = [pin(image) for image in self.images.values()]
+        return fresh
+
+    def prefault(self) -> None:
+        """Back every page of the images now (``MADV_POPULATE_WRITE``, else one write per page)."""
+        for image in self.images.values():
+            try:
+                image.madvise(_MADV_POPULATE_WRITE)
+            except (OSError, ValueError, AttributeError):  # kernels before 5.14, other systems
+                with contextlib.suppress(ValueError):
+                    np.frombuffer(image, np.uint8)[:: mmap.PAGESIZE] = 0
 
     def release(self) -> None:
         """Unpin the images (before they are dropped or the checkpointer closes)."""
@@ -69,3 +90,6 @@ class BufferSet:
             full = out.setdefault(leaf.name, np.empty(leaf.global_shape, _dtypes.to_numpy(leaf.dtype)))
             full[leaf.box.slices()] = self.arrays[leaf.buffer_key]
         return out | dict(self.extra)
+
+
+_MADV_POPULATE_WRITE = 23  # Linux >= 5.14 (not among Python's mmap constants before 3.13)

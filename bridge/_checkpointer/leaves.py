@@ -36,6 +36,9 @@ class Leaf:
     ``copy(out)`` writes the tensor's current value into the host buffer
     ``out``; ``lazy`` says a guard protects it, so the copy may run later in
     the background. ``write`` is False for replicas another rank writes.
+    ``start()``, if set, begins an asynchronous device-to-host transfer: the
+    snapshot calls it for every leaf before the first ``copy``, so that all
+    transfers overlap instead of running one after the other.
     """
 
     name: str
@@ -48,6 +51,7 @@ class Leaf:
     key: Any = None  # identity of the live tensor, for guards
     per_process: bool = False  # a plain tensor every process holds: treated as replicated, rank 0 writes
     pin: Callable[[mmap.mmap], Callable[[], None]] | None = None  # page-locks host buffers (CUDA tensors)
+    start: Callable[[], None] | None = None
 
     @property
     def buffer_key(self) -> str:
@@ -81,6 +85,9 @@ class LeafProvider:
     ``restoring`` the object first creates state it does not have yet (a fresh optimizer).
     ``after_restore(obj, saved)``: finish restoring such an object from its saved sub-tree
     (e.g. an optimizer's hyper-parameters, which its ``state_dict()`` only copies).
+    ``donated(fn, args, kwargs)``: identities (leaf ``key``) of the values a call
+    ``fn(*args, **kwargs)`` donates, or None when it cannot tell (a guarded call then waits
+    for every pending snapshot).
     """
 
     name: str
@@ -90,6 +97,7 @@ class LeafProvider:
     guard_keys: Callable[[Any], set[Any]] | None = None
     state_of: Callable[[Any, bool], Any] | None = None
     after_restore: Callable[[Any, Any], None] | None = None
+    donated: Callable[[Any, tuple[Any, ...], Mapping[str, Any]], frozenset[Any] | None] | None = None
 
 
 _GROUP = PluginGroup(ENTRY_POINT_GROUP)
