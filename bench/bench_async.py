@@ -1,15 +1,45 @@
-"""Training-loop checkpoint stall: ckptbridge.Checkpointer vs torch.save, DCP async_save, Orbax async.
+"""Training-loop cost of asynchronous checkpointing, one clock for every tool.
 
-    python bench/bench_async.py [--gib 1.0] [--steps 8] [--every 2] [--out bench/out]
+    python bench/bench_async.py [--gib 1.0] [--steps 12] [--every 2] [--regimes compute,disk]
+                                [--reps 3] [--warmup 1] [--no-donate] [--policy k=v,...]
+                                [--out bench/results] [--name bench_async]
 
-A torch loop (AdamW; parameters + both moments = ``gib`` GiB) and a JAX/optax
-loop with the same state size save every ``every`` steps. Each case runs in its own
-subprocess. Reported per case: median stall per save (time the training
-thread was blocked by checkpointing), end-to-end loop time, and for
-ckptbridge the flush throughput; plus, measured in the same run, one host
-memcpy of the state (into a preallocated buffer) and the disk's raw write
-speed (one fsync'd write of the same bytes), so the targets read as ratios:
-stall <= 1.5x memcpy, >= 20x less stall than sync torch.save, flush >= 0.8x raw disk.
+A torch loop (AdamW) and a JAX/optax loop, each holding ``gib`` GiB of
+parameters + Adam moments, save every ``every`` steps with each tool:
+
+- torch: none, ``torch.save`` (synchronous, fsync'd), DCP ``async_save``, ``ckptbridge.Checkpointer``;
+- JAX: none, Orbax ``CheckpointManager`` (async) at its default zstd compression and with
+  compression off, ``ckptbridge.Checkpointer`` (a guarded train step). The jitted step donates
+  its state (``donate_argnums``, as real loops do; ``--no-donate`` for one that does not).
+
+In the disk regime ckptbridge also runs with the other back-pressure policies
+(``SavePolicy(on_busy="coalesce")`` and, for JAX, ``"skip"``): they write fewer checkpoints,
+so their rows are not comparable with the others' and show what the policy buys.
+
+Two regimes: ``compute`` (steps of ~2 s: the disk keeps up with a save every two steps) and
+``disk`` (steps of ~0.3 s: the disk cannot keep up, so the loop is bound by bytes / disk
+speed). The number of matmuls standing in for forward/backward is calibrated once per
+framework (the same for every tool).
+
+The same clock for every tool, each case in a fresh process:
+
+- **loop time**: wall time of the whole loop, from the first step to the last save on disk
+  (``wait_until_finished`` / the last future / ``ck.wait()``);
+- **stall per save**: wall time around the save call, plus whatever the next train step took
+  beyond the median step time measured in the same process before any save (this is where a
+  wait in an optimizer hook or a guarded step shows up, and background work competing for
+  the cores too);
+- **bytes written**: ``/proc/self/io`` ``write_bytes`` over the loop.
+
+Warm-up: every tool (or none, ``--warmup 0``) saves the state ``--warmup`` times and waits
+for it to finish before the clock starts; no tool gets anything else outside the clock.
+Machine facts measured in the same run: cores, memory, one host memcpy of the state, the
+disk's raw write speed (best of a buffered fsync'd write and O_DIRECT with 1 and 3 streams).
+The bounds the issue sets are printed beside each ckptbridge figure: stall / memcpy, loop
+time / the peer's, loop time / max(loop without checkpoints, bytes written / raw disk).
+Results: ``bench/results/bench_async.json`` and ``.md`` (``--name`` for another stem; ratios are
+what to compare). Each case runs ``--reps`` times, interleaved with the others, and medians are
+reported (stalls pooled over every save of every run), with each run kept in the JSON.
 """
 
 from __future__ import annotations
@@ -17,224 +47,444 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
+import statistics
 import subprocess
 import sys
+import time
+from typing import Any
 
-CASE = r"""
-import json, os, shutil, statistics, sys, time
-import numpy as np
-case, root, gib, steps, every = sys.argv[1], sys.argv[2], float(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
-compute = int(sys.argv[6])
-n = 8
-rows = max(1, int(gib * (1 << 30) / 3 / 4 / n / 4096))  # params + exp_avg + exp_avg_sq = gib
-shutil.rmtree(root, ignore_errors=True); os.makedirs(root)
-result = {"case": case}
+CASES = {"torch": ["none", "torch_save", "dcp_async", "ckptbridge"],
+         "jax": ["none", "orbax", "orbax_nozstd", "ckptbridge"]}
+EXTRA_CASES = {"torch": ["ckptbridge_coalesce"], "jax": ["ckptbridge_coalesce", "ckptbridge_skip"]}
+N_TENSORS = 8
+COLS = 4096
 
-def fsync_file(p):
-    fd = os.open(p, os.O_RDONLY); os.fsync(fd); os.close(fd)
 
-if case == "ckptbridge_flush":  # the flush level alone, nothing competing for the CPU
-    from ckptbridge import Checkpointer
-    state = {f"w{i}": np.random.default_rng(i).standard_normal((rows * 3, 4096), dtype=np.float32) for i in range(n)}
-    ck = Checkpointer(root, keep_last=1)
-    ck.reserve(state)
-    for s in range(3):
-        ck.save(s, state); ck.wait()
-    result["flush_gbps"] = statistics.median(x.flush_gbps for x in ck.stats)
-    result["stall_median"] = statistics.median(x.stall_seconds for x in ck.stats)
-    result["loop_seconds"] = 0.0
-    ck.close()
-    print(json.dumps(result)); sys.exit(0)
+def _rows(gib: float) -> int:
+    return max(1, int(gib * (1 << 30) / 3 / 4 / N_TENSORS / COLS))  # params + exp_avg + exp_avg_sq
 
-if case in ("memcpy", "disk"):
-    src = np.random.default_rng(0).standard_normal(int(gib * (1 << 30) / 4), dtype=np.float32)
-    dst = np.empty_like(src); np.copyto(dst, src)  # fault the pages in once
-    if case == "memcpy":
-        times = []
-        for _ in range(3):
-            t = time.perf_counter(); np.copyto(dst, src); times.append(time.perf_counter() - t)
-        result["seconds"] = min(times)
-    else:  # the disk's raw write speed: the best of buffered+fsync and O_DIRECT (1 or 3 streams)
-        import mmap, threading
-        raw = memoryview(src).cast("B")
-        aligned = mmap.mmap(-1, 8 << 20); aligned.write(raw[: 8 << 20])
-        def direct(p, streams):
-            fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
-            offs = list(range(0, src.nbytes - src.nbytes % (8 << 20), 8 << 20))
-            def run(k):
-                for o in offs[k::streams]:
-                    os.pwrite(fd, aligned, o)
-            ths = [threading.Thread(target=run, args=(k,)) for k in range(streams)]
-            [t.start() for t in ths]; [t.join() for t in ths]
-            os.fsync(fd); os.close(fd)
-            return len(offs) * (8 << 20)
-        best = {}
-        for i in range(3):
-            for mode in ("buffered", "direct1", "direct3"):
-                p = os.path.join(root, f"raw{i}{mode}")
-                t = time.perf_counter()
-                if mode == "buffered":
-                    with open(p, "wb") as fh:
-                        fh.write(raw); fh.flush(); os.fsync(fh.fileno())
-                    nbytes = src.nbytes
-                else:
-                    nbytes = direct(p, 1 if mode == "direct1" else 3)
-                gbps = nbytes / (time.perf_counter() - t) / 1e9
-                best[mode] = max(best.get(mode, 0.0), gbps); os.remove(p)
-        result["modes_gbps"] = best; result["gbps"] = max(best.values())
-        result["seconds"] = src.nbytes / result["gbps"] / 1e9
-    print(json.dumps(result)); sys.exit(0)
 
-if case.startswith("torch") or case == "ckptbridge_torch":
+def _write_bytes() -> int:
+    with open("/proc/self/io") as fh:
+        return int(next(line for line in fh if line.startswith("write_bytes")).split()[1])
+
+
+def _tree_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
+
+
+# ------------------------------------------------------------------ the loops (run in a fresh process)
+
+def _torch_loop(spec: dict[str, Any]) -> tuple[Any, Any, Any]:
     import torch
+
+    torch.set_num_threads(1)  # on a shared 2-core VM two OpenMP threads are slower than one
     torch.manual_seed(0)
-    params = [torch.nn.Parameter(torch.randn(rows, 4096)) for _ in range(n)]
+    rows = _rows(spec["gib"])
+    params = [torch.nn.Parameter(torch.randn(rows, COLS)) for _ in range(N_TENSORS)]
     opt = torch.optim.AdamW(params, lr=1e-3)
-    x = torch.randn(1024, 1024)
-    def train_step():
+    x = torch.randn(1024, 1024) / 32
+
+    def train_step() -> None:
         y = x
-        for _ in range(compute):  # stands in for forward/backward
+        for _ in range(spec["units"]):  # stands in for forward/backward
             y = torch.tanh(y @ x)
         for p in params:
-            p.grad = torch.full_like(p, 1e-3)
+            p.grad = p.detach() * 1e-3 + y[0, 0] * 1e-9  # moments as incompressible as real ones
         opt.step()
-    train_step()  # materialise the moments
-    def state():
+
+    def state() -> dict[str, Any]:
         return {"model": {f"w{i}": p for i, p in enumerate(params)},
                 "optim": {str(i): s for i, s in enumerate(opt.state_dict()["state"].values())}}
-    stalls = []
-    ck = fut = None
-    if case == "torch_dcp_async":
-        import torch.distributed as dist, torch.distributed.checkpoint as dcp
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29500 + os.getpid() % 1000))
-        dist.init_process_group("gloo", rank=0, world_size=1)
-    if case == "ckptbridge_torch":
-        from ckptbridge import Checkpointer
-        ck = Checkpointer(root, keep_last=2)
-        ck.reserve(state())
-    t_loop = time.perf_counter()
-    for step in range(steps):
-        if step % every == 0:
-            t = time.perf_counter()
-            if case == "torch_save":
-                p = os.path.join(root, f"step{step}.pt"); torch.save(state(), p); fsync_file(p)
-            elif case == "torch_dcp_async":
-                if fut is not None:
-                    fut.result()
-                fut = dcp.async_save(state(), checkpoint_id=os.path.join(root, f"step{step}"))
-            elif case == "ckptbridge_torch":
-                ck.save(step, state(), optimizer=opt)
-            stalls.append(time.perf_counter() - t)
-        train_step()  # with ckptbridge, opt.step() first waits for a pending snapshot (counted in stats)
-    if fut is not None:
-        fut.result()
-    if ck is not None:
-        ck.wait()
-        stalls = [s.stall_seconds for s in ck.stats]
-        result["flush_gbps"] = statistics.median(s.flush_gbps for s in ck.stats)
-        ck.close()
-    result["loop_seconds"] = time.perf_counter() - t_loop
-else:
-    import jax, jax.numpy as jnp
+
+    train_step()  # materialise the moments
+    return train_step, state, opt
+
+
+def _jax_loop(spec: dict[str, Any]) -> tuple[Any, Any, Any]:
+    import jax
+    import jax.numpy as jnp
     import optax
-    params = {f"w{i}": jax.random.normal(jax.random.key(i), (rows, 4096)) for i in range(n)}
+
+    rows = _rows(spec["gib"])
+    holder: dict[str, Any] = {"p": {f"w{i}": jax.random.normal(jax.random.key(i), (rows, COLS))
+                                    for i in range(N_TENSORS)}}
     tx = optax.adamw(1e-3)
-    opt_state = tx.init(params)
-    x = jax.random.normal(jax.random.key(99), (1024, 1024))
-    @jax.jit
-    def train_step(p, s):
-        y = x
-        for _ in range(compute):  # stands in for forward/backward
-            y = jnp.tanh(y @ x)
-        g = jax.tree.map(lambda w: jnp.full_like(w, 1e-3) + 0 * y[0, 0], p)
+    holder["s"] = tx.init(holder["p"])
+    x = jax.random.normal(jax.random.key(99), (1024, 1024)) / 32
+    units = spec["units"]
+
+    def step(p: Any, s: Any) -> Any:
+        y = jax.lax.fori_loop(0, units, lambda _, y: jnp.tanh(y @ x), x)  # stands in for forward/backward
+        g = jax.tree.map(lambda w: w * 1e-3 + y[0, 0] * 1e-9, p)  # moments as incompressible as real ones
         u, s = tx.update(g, s, p)
         return optax.apply_updates(p, u), s
-    params, opt_state = train_step(params, opt_state); jax.block_until_ready(params)
-    stalls = []
-    if case == "orbax_async":
-        import orbax.checkpoint as ocp
-        mgr = ocp.CheckpointManager(root, options=ocp.CheckpointManagerOptions(max_to_keep=2, enable_async_checkpointing=True))
-    elif case == "ckptbridge_jax":
-        from ckptbridge import Checkpointer
-        ck = Checkpointer(root, keep_last=2)
-        ck.reserve({"params": params, "opt": opt_state})
-        train_step = ck.guard(train_step)
-    t_loop = time.perf_counter()
-    for step in range(steps):
-        if step % every == 0:
-            t = time.perf_counter()
-            if case == "orbax_async":
-                mgr.save(step, args=ocp.args.StandardSave({"params": params, "opt": opt_state}))
-            elif case == "ckptbridge_jax":
-                ck.save(step, {"params": params, "opt": opt_state})
-            stalls.append(time.perf_counter() - t)
-        params, opt_state = train_step(params, opt_state)
-        jax.block_until_ready(params)
-    if case == "orbax_async":
-        mgr.wait_until_finished()
-    elif case == "ckptbridge_jax":
-        ck.wait(); stalls = [s.stall_seconds for s in ck.stats]
-        result["flush_gbps"] = statistics.median(s.flush_gbps for s in ck.stats); ck.close()
-    result["loop_seconds"] = time.perf_counter() - t_loop
-result["stall_median"] = statistics.median(stalls) if stalls else 0.0
-result["stalls"] = stalls
-print(json.dumps(result))
-"""
 
-CASES = ["memcpy", "disk", "ckptbridge_flush", "torch_none", "torch_save", "torch_dcp_async", "ckptbridge_torch",
-         "jax_none", "orbax_async", "ckptbridge_jax"]
+    jitted = jax.jit(step, donate_argnums=(0, 1) if spec["donate"] else ())
+    box: dict[str, Any] = {"fn": jitted}
+
+    def train_step() -> None:
+        holder["p"], holder["s"] = box["fn"](holder["p"], holder["s"])
+        jax.block_until_ready(holder["p"])
+
+    def state() -> dict[str, Any]:
+        return {"params": holder["p"], "opt": holder["s"]}
+
+    train_step()  # compile
+    return train_step, state, box
+
+
+def run_case(spec: dict[str, Any]) -> dict[str, Any]:
+    """One (framework, tool) loop; returns its measurements."""
+    fw, tool, root = spec["framework"], spec["tool"], spec["root"]
+    shutil.rmtree(root, ignore_errors=True)
+    os.makedirs(root)
+    train_step, state, handle = (_torch_loop if fw == "torch" else _jax_loop)(spec)
+    out: dict[str, Any] = {"framework": fw, "tool": tool}
+
+    base = []
+    for _ in range(spec["base_steps"]):  # the step time before any checkpointing
+        t = time.perf_counter()
+        train_step()
+        base.append(time.perf_counter() - t)
+    step_base = statistics.median(base)
+    out["step_seconds"] = step_base
+
+    save, finish, ck = _saver(spec, state, handle)
+    for w in range(spec["warmup"] if save is not None else 0):  # given to every tool alike
+        save(w)
+        finish()
+    stalls, saves_made = [], 0
+    w0 = _write_bytes()
+    t_loop = time.perf_counter()
+    pending = 0.0
+    for i in range(spec["steps"]):
+        if save is not None and i % spec["every"] == 0:
+            t = time.perf_counter()
+            save(spec["warmup"] + i)
+            pending = time.perf_counter() - t
+            saves_made += 1
+        t = time.perf_counter()
+        train_step()
+        took = time.perf_counter() - t
+        if save is not None and i % spec["every"] == 0:
+            stalls.append(pending + max(0.0, took - step_base))
+    if finish is not None:
+        finish()
+    out["loop_seconds"] = time.perf_counter() - t_loop
+    out["bytes_written"] = _write_bytes() - w0
+    out["saves"] = saves_made
+    out["stalls"] = stalls
+    out["stall_median"] = statistics.median(stalls) if stalls else 0.0
+    if ck is not None:
+        timed = [s for s in ck.stats if s.step >= spec["warmup"]]
+        out["flush_gbps"] = statistics.median(s.flush_gbps for s in timed) if timed else None
+        out["dropped"] = [s for s in ck.dropped if s >= spec["warmup"]]
+        out["saves_written"] = len(timed)
+        ck.close()
+    last = max((e.path for e in os.scandir(root)), key=os.path.getmtime, default=None)  # the newest save
+    out["checkpoint_bytes"] = (_tree_bytes(last) if os.path.isdir(last) else os.path.getsize(last)) if last else 0
+    return out
+
+
+def _saver(spec: dict[str, Any], state: Any, handle: Any) -> tuple[Any, Any, Any]:
+    """(save(step), finish(), the Checkpointer or None) for one tool; Nones for the loop without checkpoints."""
+    tool, root = spec["tool"], spec["root"]
+    if tool == "none":
+        return None, None, None
+    if tool == "torch_save":
+        import torch
+
+        def save_pt(step: int) -> None:
+            path = os.path.join(root, f"step{step:08d}.pt")
+            torch.save(state(), path)
+            fd = os.open(path, os.O_RDONLY)
+            os.fsync(fd)
+            os.close(fd)
+            for old in sorted(os.listdir(root))[:-2]:
+                os.remove(os.path.join(root, old))
+
+        return save_pt, lambda: None, None
+    if tool == "dcp_async":
+        import torch.distributed as dist
+        import torch.distributed.checkpoint as dcp
+
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29500 + os.getpid() % 1000))
+        dist.init_process_group("gloo", rank=0, world_size=1)
+        fut: list[Any] = []
+
+        def save_dcp(step: int) -> None:
+            if fut:
+                fut.pop().result()
+            for old in sorted(os.listdir(root))[:-1]:
+                shutil.rmtree(os.path.join(root, old))
+            fut.append(dcp.async_save(state(), checkpoint_id=os.path.join(root, f"step{step:08d}")))
+
+        return save_dcp, lambda: fut.pop().result() if fut else None, None
+    if tool.startswith("orbax"):
+        import orbax.checkpoint as ocp
+
+        compress = tool == "orbax"
+        mgr = ocp.CheckpointManager(
+            root, options=ocp.CheckpointManagerOptions(max_to_keep=2, enable_async_checkpointing=True),
+            item_handlers=ocp.PyTreeCheckpointHandler(use_compression=compress))
+
+        def save_orbax(step: int) -> None:
+            mgr.save(step, args=ocp.args.PyTreeSave(state()))
+
+        return save_orbax, mgr.wait_until_finished, None
+    from ckptbridge import Checkpointer, SavePolicy
+
+    policy = SavePolicy(**{"on_busy": tool.split("_", 1)[1] if "_" in tool else "wait", **spec["policy"]})
+    ck = Checkpointer(root, keep_last=2, policy=policy)
+    if spec["framework"] == "torch":
+        opt = handle
+
+        def save_ours(step: int) -> None:
+            ck.save(step, state(), optimizer=opt)  # opt.step() waits for the snapshot if needed
+    else:
+        handle["fn"] = ck.guard(handle["fn"])  # the step waits only for snapshots of what it donates
+
+        def save_ours(step: int) -> None:
+            ck.save(step, state())
+    return save_ours, ck.wait, ck
+
+
+def _facts(spec: dict[str, Any]) -> dict[str, Any]:
+    """One host memcpy of the state and the disk's raw write speed, in this run."""
+    import mmap
+    import threading
+
+    import numpy as np
+
+    root = spec["root"]
+    shutil.rmtree(root, ignore_errors=True)
+    os.makedirs(root)
+    nbytes = 3 * N_TENSORS * _rows(spec["gib"]) * COLS * 4
+    src = np.random.default_rng(0).standard_normal(nbytes // 4, dtype=np.float32)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)  # fault the pages in once
+    times = []
+    for _ in range(3):
+        t = time.perf_counter()
+        np.copyto(dst, src)
+        times.append(time.perf_counter() - t)
+    raw = memoryview(src).cast("B")
+    chunk = 8 << 20
+    aligned = mmap.mmap(-1, chunk)
+    aligned.write(raw[:chunk])
+
+    def direct(path: str, streams: int) -> int:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+        offs = list(range(0, nbytes - nbytes % chunk, chunk))
+
+        def run(k: int) -> None:
+            for o in offs[k::streams]:
+                os.pwrite(fd, aligned, o)
+
+        ths = [threading.Thread(target=run, args=(k,)) for k in range(streams)]
+        for th in ths:
+            th.start()
+        for th in ths:
+            th.join()
+        os.fsync(fd)
+        os.close(fd)
+        return len(offs) * chunk
+
+    best: dict[str, float] = {}
+    for i in range(2):
+        for mode in ("buffered", "direct1", "direct3"):
+            path = os.path.join(root, f"raw{i}{mode}")
+            t = time.perf_counter()
+            if mode == "buffered":
+                with open(path, "wb") as fh:
+                    fh.write(raw)
+                    fh.flush()
+                    os.fsync(fh.fileno())
+                n = nbytes
+            else:
+                n = direct(path, 1 if mode == "direct1" else 3)
+            best[mode] = max(best.get(mode, 0.0), n / (time.perf_counter() - t) / 1e9)
+            os.remove(path)
+    return {"state_bytes": nbytes, "memcpy_seconds": min(times), "disk_modes_gbps": best,
+            "disk_gbps": max(best.values()), "cores": os.cpu_count(),
+            "memory_gib": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / (1 << 30)}
+
+
+def _calibrate(spec: dict[str, Any]) -> dict[str, Any]:
+    """Seconds of one step without compute units, and per unit (for this framework)."""
+    spec = dict(spec, units=0)
+    train_step, _, _ = (_torch_loop if spec["framework"] == "torch" else _jax_loop)(spec)
+    t0 = statistics.median(_timed(train_step) for _ in range(3))
+    spec["units"] = 16  # the torch step reads it at each call; JAX compiles a new step
+    if spec["framework"] == "jax":
+        del train_step
+        train_step, _, _ = _jax_loop(spec)
+    t16 = statistics.median(_timed(train_step) for _ in range(3))
+    return {"base": t0, "unit": max(1e-4, (t16 - t0) / 16)}
+
+
+def _timed(fn: Any) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+# ------------------------------------------------------------------ the driver
+
+def _child(kind: str, spec: dict[str, Any]) -> dict[str, Any]:
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", kind, json.dumps(spec)],
+                         capture_output=True, text=True, env=env)
+    shutil.rmtree(spec["root"], ignore_errors=True)
+    if out.returncode != 0:
+        return {"error": (out.stderr.strip().splitlines() or ["?"])[-1]}
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One case over its repetitions: medians (stalls pooled over every save), with the raw runs."""
+    ok = [r for r in runs if "error" not in r]
+    if not ok:
+        return runs[0]
+    out = dict(ok[0])
+    for key in ("loop_seconds", "bytes_written", "step_seconds", "flush_gbps", "saves_written", "checkpoint_bytes"):
+        values = [r[key] for r in ok if r.get(key) is not None]
+        if values:
+            out[key] = statistics.median(values)
+    stalls = [s for r in ok for s in r["stalls"]]
+    out["stall_median"] = statistics.median(stalls) if stalls else 0.0
+    out["loop_range"] = [min(r["loop_seconds"] for r in ok), max(r["loop_seconds"] for r in ok)]
+    out["reps"] = runs
+    return out
+
+
+def _aggregate_facts(facts: list[dict[str, Any]]) -> dict[str, Any]:
+    out = dict(facts[0])
+    for key in ("memcpy_seconds", "disk_gbps"):
+        out[key] = statistics.median(f[key] for f in facts)
+        out[key + "_range"] = [min(f[key] for f in facts), max(f[key] for f in facts)]
+    out["disk_modes_gbps"] = {m: statistics.median(f["disk_modes_gbps"][m] for f in facts)
+                              for m in facts[0]["disk_modes_gbps"]}
+    out["reps"] = facts
+    return out
+
+
+def _table(res: dict[str, Any], args: argparse.Namespace) -> str:
+    facts = res["facts"]
+    memcpy, disk = facts["memcpy_seconds"], facts["disk_gbps"]
+    lo, hi = facts["disk_gbps_range"]
+    lines = [f"# bench_async: {args.gib} GiB state, {args.steps} steps, a save every {args.every}, "
+             f"warm-up {args.warmup} save(s) per tool, JAX step {'donates' if args.donate else 'does not donate'}"
+             f" its state; medians of {args.reps} interleaved runs", "",
+             f"{facts['cores']} cores, {facts['memory_gib']:.0f} GiB; one host memcpy of the state "
+             f"({facts['state_bytes'] / (1 << 30):.2f} GiB): {memcpy:.3f} s; raw disk write {disk:.2f} GB/s "
+             f"({lo:.2f}-{hi:.2f} across runs; best of "
+             + ", ".join(f"{k} {v:.2f}" for k, v in facts["disk_modes_gbps"].items()) + ")", ""]
+    for regime, per_fw in res["regimes"].items():
+        lines += [f"## regime `{regime}`", "",
+                  "| loop | checkpointing | step (s) | median stall per save (s) | stall / memcpy | saves written "
+                  "| GB written | loop time (s), median (range) | loop / max(no ckpt, GB written / raw disk) |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for fw, cases in per_fw.items():
+            none = cases.get("none", {}).get("loop_seconds")
+            for tool, r in cases.items():
+                if "error" in r:
+                    lines.append(f"| {fw} | {tool} | error: {r['error']} | | | | | | |")
+                    continue
+                bound = max(none or 0.0, r["bytes_written"] / 1e9 / disk)
+                written = r.get("saves_written", r["saves"])
+                stall = "—" if tool == "none" else f"{r['stall_median']:.3f}"
+                ratio = "—" if tool == "none" else f"{r['stall_median'] / memcpy:.2f}x"
+                lines.append(f"| {fw} | {tool} | {r['step_seconds']:.2f} | {stall} | {ratio} | {written} | "
+                             f"{r['bytes_written'] / 1e9:.2f} | {r['loop_seconds']:.2f} "
+                             f"({r['loop_range'][0]:.1f}-{r['loop_range'][1]:.1f}) | "
+                             f"{r['loop_seconds'] / bound:.2f}x |")
+        lines.append("")
+        for fw, cases in per_fw.items():
+            ours = cases.get("ckptbridge", {})
+            if "loop_seconds" not in ours:
+                continue
+            none = cases.get("none", {}).get("loop_seconds", 0.0)
+            bound = max(none, ours["bytes_written"] / 1e9 / disk)
+            bits = [f"stall {ours['stall_median'] / memcpy:.2f}x one memcpy (target <= 1.5x)",
+                    f"loop {ours['loop_seconds'] / bound:.2f}x max(no ckpt {none:.2f} s, "
+                    f"{ours['bytes_written'] / 1e9:.2f} GB / raw disk = {ours['bytes_written'] / 1e9 / disk:.2f} s)"
+                    " (target <= 1.05x)"]
+            for peer in ("orbax", "orbax_nozstd"):
+                if "loop_seconds" in cases.get(peer, {}):
+                    bits.append(f"loop / {peer}'s {ours['loop_seconds'] / cases[peer]['loop_seconds']:.2f}x "
+                                "(target <= 1.0x)")
+            if ours.get("flush_gbps"):
+                bits.append(f"flush {ours['flush_gbps']:.2f} GB/s = {ours['flush_gbps'] / disk:.2f}x raw disk")
+            lines.append(f"- {fw} ckptbridge: " + "; ".join(bits))
+        lines.append("")
+    return "\n".join(lines)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    if len(sys.argv) > 2 and sys.argv[1] == "--child":
+        spec = json.loads(sys.argv[3])
+        fn = {"case": run_case, "facts": _facts, "calibrate": _calibrate}[sys.argv[2]]
+        print(json.dumps(fn(spec)))
+        return
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--gib", type=float, default=1.0)
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--every", type=int, default=2)
-    ap.add_argument("--compute", type=int, default=40, help="1024^3 matmuls per step standing in for fwd/bwd")
-    ap.add_argument("--out", default="bench/out")
-    ap.add_argument("--cases", default=",".join(CASES), help="comma-separated subset (memcpy and disk always run)")
+    ap.add_argument("--warmup", type=int, default=1, help="saves (waited for) before the clock, for every tool")
+    ap.add_argument("--base-steps", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=3, help="runs of every case, interleaved; medians reported")
+    ap.add_argument("--regimes", default="compute,disk", help="compute (steps ~2 s), disk (steps ~0.3 s)")
+    ap.add_argument("--step-seconds", default="compute=2.0,disk=0.3")
+    ap.add_argument("--frameworks", default="torch,jax")
+    ap.add_argument("--cases", default="", help="comma-separated tools to run (default: all, plus the extra "
+                    "back-pressure policies in the disk regime)")
+    ap.add_argument("--policy", default="", help="SavePolicy fields for the ckptbridge cases, e.g. "
+                    "flush_priority=background,snapshot_threads=1 (default: the defaults)")
+    ap.add_argument("--no-donate", dest="donate", action="store_false", help="JAX step without donate_argnums")
+    ap.add_argument("--scratch", default="bench/out", help="where checkpoints are written (the disk measured)")
+    ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--name", default="bench_async", help="results file stem (OUT/NAME.json and .md)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    env = dict(os.environ, XLA_FLAGS=os.environ.get("XLA_FLAGS", ""), JAX_PLATFORMS="cpu")
-    res = {}
-    chosen = ["memcpy", "disk", *(c for c in CASES[2:] if c in args.cases.split(","))]
-    for case in chosen:
-        root = os.path.abspath(os.path.join(args.out, f"async_{case}"))
-        real_case = case.replace("torch_none", "torch_nockpt").replace("jax_none", "jax_nockpt")
-        out = subprocess.run([sys.executable, "-c", CASE, real_case, root, str(args.gib), str(args.steps),
-                              str(args.every), str(args.compute)], capture_output=True, text=True, env=env)
-        subprocess.run(["rm", "-rf", root])
-        if out.returncode != 0:
-            res[case] = {"error": out.stderr.strip().splitlines()[-1:]}
-            continue
-        res[case] = json.loads(out.stdout.strip().splitlines()[-1])
-    memcpy, disk = res["memcpy"]["seconds"], res["disk"]
-    ours_t = res.get("ckptbridge_torch", {}).get("stall_median", 0.0)
-    ours_j = res.get("ckptbridge_jax", {}).get("stall_median", 0.0)
-    lines = [f"# bench_async: {args.gib} GiB state, {args.steps} steps, save every {args.every}", "",
-             f"one host memcpy of the state: {memcpy:.3f} s; raw disk write: {disk['gbps']:.2f} GB/s (best of "
-             + ", ".join(f"{k} {v:.2f}" for k, v in disk.get("modes_gbps", {}).items()) + ")", "",
-             "| loop | case | median stall per save (s) | stall / memcpy | stall vs ckptbridge | loop time (s) |",
-             "|---|---|---|---|---|---|"]
-    for case in [c for c in CASES[3:] if c in res]:
-        r = res[case]
-        if "error" in r:
-            lines.append(f"| | {case} | error: {r['error']} | | | |")
-            continue
-        ours = ours_j if case in ("jax_none", "orbax_async", "ckptbridge_jax") else ours_t
-        st = r.get("stall_median", 0.0)
-        lines.append(f"| {'jax' if ours is ours_j else 'torch'} | {case} | {st:.4f} | {st / memcpy:.2f}x | "
-                     f"{(st / ours) if ours else float('nan'):.1f}x | {r['loop_seconds']:.2f} |")
-    for case in ("ckptbridge_flush", "ckptbridge_torch", "ckptbridge_jax"):
-        if "flush_gbps" in res.get(case, {}):
-            where = "alone" if case == "ckptbridge_flush" else "while the loop trains on the same cores"
-            lines.append(f"\n{case}: flush {res[case]['flush_gbps']:.2f} GB/s = "
-                         f"{res[case]['flush_gbps'] / disk['gbps']:.2f}x raw disk ({where})")
-    text = "\n".join(lines)
+    os.makedirs(args.scratch, exist_ok=True)
+    targets = dict(kv.split("=") for kv in args.step_seconds.split(","))
+    common = {"gib": args.gib, "steps": args.steps, "every": args.every, "warmup": args.warmup,
+              "base_steps": args.base_steps, "donate": args.donate,
+              "policy": {k: int(v) if v.isdigit() else v
+                         for k, v in (kv.split("=") for kv in filter(None, args.policy.split(",")))}}
+    frameworks = args.frameworks.split(",")
+    res: dict[str, Any] = {"args": vars(args), "calibration": [], "regimes": {}}
+    wanted = set(filter(None, args.cases.split(",")))
+    facts: list[dict[str, Any]] = []
+    runs: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
+    for rep in range(args.reps):  # cases interleaved, so that a noisy minute hits every tool alike
+        facts.append(_child("facts", {**common, "root": os.path.abspath(os.path.join(args.scratch, "facts"))}))
+        print(f"rep {rep}:", json.dumps(facts[-1]), flush=True)
+        for regime in args.regimes.split(","):
+            for fw in frameworks:  # per run: the machine's load drifts; every tool of a run gets the same step
+                cal = _child("calibrate", {**common, "framework": fw, "units": 0,
+                                           "root": os.path.abspath(os.path.join(args.scratch, "cal"))})
+                res["calibration"].append({"rep": rep, "regime": regime, "framework": fw, **cal})
+                units = max(0, round((float(targets[regime]) - cal["base"]) / cal["unit"]))
+                for tool in CASES[fw] + (EXTRA_CASES[fw] if regime == "disk" else []):
+                    if wanted and tool not in wanted and tool != "none":
+                        continue
+                    spec = {**common, "framework": fw, "tool": tool, "units": units,
+                            "root": os.path.abspath(os.path.join(args.scratch, f"async_{fw}_{tool}"))}
+                    r = _child("case", spec)
+                    runs.setdefault((regime, fw, tool), []).append(r)
+                    print(rep, regime, fw, tool, json.dumps({k: v for k, v in r.items() if k != "stalls"}), flush=True)
+    res["facts"] = _aggregate_facts(facts)
+    for (regime, fw, tool), rs in runs.items():
+        res["regimes"].setdefault(regime, {}).setdefault(fw, {})[tool] = _aggregate(rs)
+    text = _table(res, args)
     print(text)
-    with open(os.path.join(args.out, "bench_async.json"), "w") as fh:
+    with open(os.path.join(args.out, f"{args.name}.json"), "w") as fh:
         json.dump(res, fh, indent=1)
-    with open(os.path.join(args.out, "bench_async.md"), "w") as fh:
+    with open(os.path.join(args.out, f"{args.name}.md"), "w") as fh:
         fh.write(text + "\n")
 
 

@@ -50,8 +50,9 @@ elif case == "write_safetensors":
     from safetensors.torch import save_file
     save_file(sd, os.path.join(work, "w.safetensors")); fsync(os.path.join(work, "w.safetensors"))
 elif case == "write_ckptbridge":
-    from ckptbridge._model import Box
-    from ckptbridge._universal import Piece, save
+    from ckptbridge.plugin import Box
+    from ckptbridge.plugin import Piece
+    from ckptbridge.plugin import write_universal as save
     pieces = [Piece(k, "fp32", "float32", tuple(v.shape), Box.full(tuple(v.shape)), v.numpy()) for k, v in sd.items()]
     save(os.path.join(work, "w.universal"), pieces)
 elif case == "convert_ckptbridge":   # file -> file: torch.save output to the universal layout

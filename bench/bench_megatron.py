@@ -37,7 +37,7 @@ TOOLS = os.path.join(ROOT, "tests", "fixtures", "megatron", "tools")
 
 def one(mode: str, path: str) -> dict:
     if mode.startswith("ckptbridge_"):
-        import ckptbridge._open as O
+        import ckptbridge as O
         from ckptbridge.adapters import megatron
     else:
         sys.path.insert(0, TOOLS)

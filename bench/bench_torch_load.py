@@ -147,7 +147,7 @@ def _target(world: int, n: int) -> dict:
 def load_ckptbridge(rank: int, world: int, path: str, n: int) -> dict:
     import torch.distributed as dist
 
-    import ckptbridge._open as cb_open
+    import ckptbridge as cb_open
     from ckptbridge.adapters import torch as cbt
 
     out = _target(world, n)
@@ -182,7 +182,7 @@ def load_ckptbridge_alloc(rank: int, world: int, path: str, n: int) -> dict:
     import torch.distributed as dist
     from torch.distributed.tensor import Shard
 
-    import ckptbridge._open as cb_open
+    import ckptbridge as cb_open
     from ckptbridge.adapters import torch as cbt
 
     mesh = _mesh(world)

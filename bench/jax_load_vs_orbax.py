@@ -84,7 +84,7 @@ def run_mode(root: str, mode: str, reps: int) -> dict:
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    import ckptbridge._open as cbopen
+    import ckptbridge as cbopen
     from ckptbridge.adapters import jax as cbjax
 
     _, dst = _meshes()

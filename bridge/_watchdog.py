@@ -205,7 +205,7 @@ class Watchdog:
         if self._thread is not None:
             return self
         self._rank, self._world = _rank_world(self._rank, self._world)
-        from .adapters._kv import retry, store_for
+        from ._jobstore import retry, store_for
 
         # a call slower than a beat interval counts as failed (the store is then judged after
         # hang_periods of failures); a healthy store answers in well under a millisecond
