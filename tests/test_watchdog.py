@@ -15,7 +15,7 @@ import pytest
 from _elastic_harness import example, run_group
 
 import ckptbridge
-from ckptbridge._health import (
+from ckptbridge.health import (
     Beat,
     Peer,
     PeerSeen,
