@@ -50,6 +50,7 @@ checkpointer before exiting.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -156,7 +157,7 @@ class Watchdog:
         self._code_waits: dict[Any, bool] = {}  # code object -> inside a wait_frames file
         self._waiting = False  # main thread's state at the last sample, and since when (monotonic)
         self._state_since = time.monotonic()
-        self._main = threading.main_thread().ident
+        self._main: int = threading.main_thread().ident or 0
         # observer state (watchdog thread only)
         self._seq = 0
         self._my_beats = 0
@@ -219,7 +220,7 @@ class Watchdog:
         missing = kv.wait([f"peer/{r}" for r in range(self.world_size)], self.startup_timeout)
         for r in range(self.world_size):
             if f"peer/{r}" not in missing:
-                self.peers[r] = Peer.decode(retry(lambda r=r: kv.get(f"peer/{r}"), self.startup_timeout) or "{}")
+                self.peers[r] = Peer.decode(retry(functools.partial(kv.get, f"peer/{r}"), self.startup_timeout) or "{}")
         self._install_sigterm()
         self._store_ok = time.monotonic()
         now = time.monotonic()
