@@ -15,6 +15,7 @@ import pytest
 from _elastic_harness import example, run_group
 
 import ckptbridge
+import ckptbridge.health
 from ckptbridge.health import (
     Beat,
     Peer,
@@ -118,6 +119,32 @@ def test_import_does_not_load_torch_or_jax() -> None:
     code = "import ckptbridge, sys; ckptbridge.Watchdog; ckptbridge.EXIT_RESTART; print('torch' in sys.modules, 'jax' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "False"]
+
+
+def test_the_job_store_comes_from_the_runtime_registered_for_it() -> None:
+    """``store=`` is served by the runtime registered in the ``ckptbridge.job_stores`` group
+    (torch: a real TCPStore on 127.0.0.1, the rank's beats land in it); an object no runtime
+    serves is refused, naming its type."""
+    import datetime
+    import importlib.metadata
+    import os
+
+    import torch.distributed as dist
+
+    assert {e.name for e in importlib.metadata.entry_points(group="ckptbridge.job_stores")} >= {"torch", "jax"}
+    with pytest.raises(ckptbridge.WatchdogError, match="no installed runtime serves a builtins.object"):
+        ckptbridge.Watchdog(store=object(), rank=0, world_size=1, startup_timeout=1).start()
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                           timeout=datetime.timedelta(seconds=10))
+    wd = ckptbridge.Watchdog(store=server, rank=0, world_size=1, job="t", exit_on_fault=False, startup_timeout=5)
+    with wd:
+        for s in range(3):
+            time.sleep(0.05)
+            wd.step(s)
+        time.sleep(0.3)
+    assert wd.verdicts == [] and wd.peers[0].pid == os.getpid()
+    beat = ckptbridge.health.Beat.decode(server.get("ckptbridge/watchdog/t/0//beat/0").decode())
+    assert beat is not None and beat.seq > 0 and beat.step == 2, beat
 
 
 # ---------------------------------------------------------------- real jobs
