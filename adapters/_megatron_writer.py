@@ -16,7 +16,8 @@ with ``--no-load-rng``.
 
 Options: ``tp``, ``pp`` (default: the source's), ``dp`` (recorded in the args),
 ``distributed_optimizer`` (default: as the source; ``True`` writes
-``distrib_optim.pt``), ``iteration``. The target has no virtual pipeline and
+``distrib_optim.pt``), ``iteration``, ``optimizer`` (``false``: the model weights only, as
+Megatron-LM's ``tools/checkpoint/convert.py`` writes them). The target has no virtual pipeline and
 uniform stages. The fp16 loss-scaler state is not carried (Megatron restarts it).
 Vocabulary rows beyond the tokenizer's size are taken from the source's padding
 rows where it is a Megatron checkpoint (they are trained rows; Megatron's softmax
@@ -190,7 +191,8 @@ def _torch(arr: np.ndarray, dtype: str) -> Any:
 
 
 def write(ckpt: Any, dst: str, tp: int | None = None, pp: int | None = None, dp: int | None = None,
-          distributed_optimizer: Any = None, iteration: int | None = None, **_: Any) -> None:
+          distributed_optimizer: Any = None, iteration: int | None = None, optimizer: Any = True,
+          **_: Any) -> None:
     """Write ``ckpt`` (any format with Megatron args in ``extra``) as a legacy Megatron checkpoint."""
     import torch
 
@@ -225,7 +227,7 @@ def write(ckpt: Any, dst: str, tp: int | None = None, pp: int | None = None, dp:
         shapes[n] = (padded, *shape[1:]) if n in _VOCAB else shape
     weight_dtype = "bfloat16" if cfg.bf16 else "float16" if cfg.fp16 else "float32"
     mixed = cfg.bf16 or cfg.fp16
-    have_opt = all(src.has_state(n, "exp_avg") and src.has_state(n, "exp_avg_sq") for n in names)
+    have_opt = _bool(optimizer) and all(src.has_state(n, "exp_avg") and src.has_state(n, "exp_avg_sq") for n in names)
     groups_src = [dict(g) for g in (info.get("param_groups") or [])] or _default_groups(args)
     for g in groups_src:
         g.pop("step", None)
