@@ -12,12 +12,12 @@ export DS_ACCELERATOR := cpu
 export DS_SKIP_CUDA_CHECK := 1
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: venv test test-fast test-megatron-lm demo lint bench fuzz clean
+.PHONY: venv test test-fast test-megatron-lm demo lint bench bench-quick fuzz clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[dev,torch,jax,deepspeed,megatron]'
+	$(PY) -m pip install -q -e '.[dev,torch,jax,deepspeed,megatron,bench]'
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -45,8 +45,15 @@ test-megatron-lm: venv
 fuzz: venv
 	FUZZ_CASES=$${FUZZ_CASES:-20000} $(PY) -m pytest -q tests/test_fuzz.py tests/test_fuzz_adapters.py
 
+# Every benchmark on one harness (bench/README.md): results -> bench/results/, then the README's
+# tables regenerated from them. The Megatron rows need Megatron-LM's source: bench/megatron_source.sh.
 bench: venv
-	$(PY) bench/bench_core.py
+	$(PY) bench/run.py
+	$(PY) bench/readme.py
+
+# the same at a tiny size (CI smoke; results in bench/out/results-quick, README untouched)
+bench-quick: venv
+	$(PY) bench/run.py --quick
 
 clean:
 	rm -rf $(VENV) demo_out bench/out .pytest_cache .ruff_cache

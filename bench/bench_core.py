@@ -99,7 +99,7 @@ def _write_setup(ctx):
 def write_ckptbridge(ctx) -> None:
     import ckptbridge
 
-    warm.ckptbridge()
+    warm.ckptbridge(torch=True)
     sd = _write_setup(ctx)
     with ctx.region():
         ck = ckptbridge.Checkpointer(ctx.out("ck"), keep_last=1)
@@ -268,6 +268,7 @@ SUITE = Suite(
     title="Core: write, convert and read a fp32 state dict (16 tensors)",
     description=__doc__.split("\n\n", 2)[2].strip(),
     prepare="prepare",
+    disk_gib=lambda g: 5.5 * g,  # inputs in four formats + one run's output
     sizes={"quick": Size("quick", 1 / 32, reps=1), "1g": Size("1g", 1.0, reps=3), "8g": Size("8g", 8.0, reps=2)},
     cases=(
         Case("write/ckptbridge", W, "ckptbridge", "Checkpointer.save + wait", "ours", fn="write_ckptbridge",

@@ -171,6 +171,7 @@ SUITE = Suite(
     # DeepSpeed itself makes the checkpoint: each rank holds the fp32 model, its bf16 copy and its
     # half of the fp32 master + Adam moments, ~16 bytes a parameter per rank at peak
     prepare_mem_gib=lambda g: 2.5 * g + 2,
+    disk_gib=lambda g: 2.5 * g,
     sizes={
         "quick": Size("quick", 0.01, reps=1, params={"d_model": 128, "n_layer": 2}),
         "1g": Size("1g", 1.0, reps=3, params={"d_model": 1024, "n_layer": 6}),      # ~76M params, ~1.0 GiB

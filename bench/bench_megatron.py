@@ -200,7 +200,7 @@ def load_cb(ctx) -> None:
     import ckptbridge
     from ckptbridge.adapters import torch as cbt
 
-    warm.ckptbridge()
+    warm.ckptbridge(torch=True)
     model, vocab, _ = _model(ctx)
     params = dict(model.named_parameters())
     with ctx.region(), ckptbridge.open(ctx.input("torch_dist")) as ck:
@@ -218,6 +218,7 @@ SUITE = Suite(
     prepare="prepare",
     # Megatron-LM training the model on 4 CPU ranks: fp32 weights, grads, Adam, DDP buffers
     prepare_mem_gib=lambda g: 2.2 * g + 3,
+    disk_gib=lambda g: 3.5 * g,
     sizes={
         "quick": Size("quick", 0.001, reps=1, params={"model": None}),
         # ~100M params: fp32 weights + Adam = ~1.1 GiB of legacy files

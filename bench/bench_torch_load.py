@@ -116,7 +116,7 @@ def _load(rank: int, method: str, path: str, n: int, result: str) -> None:
     from torch.distributed.tensor import Shard
 
     if method.startswith("cb"):
-        warm.ckptbridge()
+        warm.ckptbridge(torch=True)
     import ckptbridge
     from ckptbridge.adapters import torch as cbt
 
@@ -197,6 +197,7 @@ SUITE = Suite(
     description=__doc__.split("\n\n", 2)[2].strip(),
     prepare="prepare",
     prepare_mem_gib=lambda g: g + 1.5,
+    disk_gib=lambda g: 1.2 * g,
     sizes={"quick": Size("quick", 1 / 16, reps=1), "1g": Size("1g", 1.0, reps=3), "8g": Size("8g", 8.0, reps=2)},
     cases=(
         Case("dcp/prealloc", G, "torch DCP", "default (dcp.load; destination allocated before the clock)",

@@ -149,6 +149,7 @@ SUITE = Suite(
     description=__doc__.split("\n\n", 2)[2].strip(),
     prepare="prepare",
     prepare_mem_gib=lambda g: 2.5 * g + 1,
+    disk_gib=lambda g: 3.2 * g,
     sizes={"quick": Size("quick", 1 / 32, reps=1), "1g": Size("1g", 1.0, reps=3), "8g": Size("8g", 8.0, reps=2)},
     cases=(
         Case("orbax/default", G, "Orbax", "default (StandardCheckpointer, zstd checkpoint)", fn="orbax_default",

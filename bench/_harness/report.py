@@ -178,20 +178,25 @@ def _net(row: dict[str, Any], kind: str) -> str:
     return f"{row['net_s']:.3f}"
 
 
-def group_table(doc: dict[str, Any], g: dict[str, Any]) -> list[str]:
+def group_table(doc: dict[str, Any], g: dict[str, Any], compact: bool = False) -> list[str]:
+    """One group's table; ``compact`` (the README's) leaves out the largest process, ``rchar`` and
+    the sampled mapped bytes (all in the result file and its .md)."""
     cases = {c["name"]: c for c in doc["cases"]}
     cols = doc.get("columns") or []
+    cold = doc.get("cold_inputs_run")
     head = ["tool", "settings", "time s", "start-up s", "time − start-up s", "time / ckptbridge's",
-            "peak memory above base, tree PSS MiB", "largest process RSS (whole run) MiB", "read calls (rchar) MiB", "mapped (sampled) MiB",
-            "inputs evicted: time s", "inputs evicted: read from storage MiB"]
+            "peak memory above base, tree PSS MiB"]
+    if not compact:
+        head += ["largest process RSS (whole run) MiB", "read calls (rchar) MiB", "mapped (sampled) MiB"]
+    if cold:
+        head += ["inputs evicted: time s", "inputs evicted: read from storage MiB"]
     head += [c["header"] for c in cols]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in g["rows"]:
         c = cases[row["case"]]
         name = c["tool"] + (" (ref)" if c["name"] == g["ref"] else "")
         if row["wall_s"] is None:
-            why = c.get("reason") or "no result"
-            why = why.splitlines()[0][:160]
+            why = (c.get("reason") or "no result").splitlines()[0][:200]
             lines.append(f"| {name} | {c['settings']} | {c['status']}: {why} |" + " |" * (len(head) - 3))
             continue
         med = c["median"]
@@ -199,9 +204,11 @@ def group_table(doc: dict[str, Any], g: dict[str, Any]) -> list[str]:
         if c["kind"] == "cmd" and row.get("startup_s") is not None and row.get("net_vs_ref") is not None:
             ratio += f" (net {_f(row['net_vs_ref'])})"
         cells = [name, c["settings"], _f(row["wall_s"], "{:.3f}"), _f(row.get("startup_s"), "{:.3f}"),
-                 _net(row, c['kind']), ratio,
-                 _mib(med.get("pss_above_base")), _mib(med.get("maxrss")), _mib(med.get("rchar")), _mib(med.get("mapped")),
-                 _f((c.get("cold") or {}).get("wall_s"), "{:.3f}"), _mib((c.get("cold") or {}).get("read_bytes"))]
+                 _net(row, c["kind"]), ratio, _mib(med.get("pss_above_base"))]
+        if not compact:
+            cells += [_mib(med.get("maxrss")), _mib(med.get("rchar")), _mib(med.get("mapped"))]
+        if cold:
+            cells += [_f((c.get("cold") or {}).get("wall_s"), "{:.3f}"), _mib((c.get("cold") or {}).get("read_bytes"))]
         cells += [_f(med.get(f"m.{col['key']}"), col["fmt"]) for col in cols]
         lines.append("| " + " | ".join(cells) + " |")
     return lines

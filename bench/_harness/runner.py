@@ -28,7 +28,8 @@ BENCH = os.path.dirname(HERE)
 ROOT = os.path.dirname(BENCH)
 CHILD = os.path.join(HERE, "child.py")
 SCHEMA = "ckptbridge-bench/1"
-MEM_MARGIN = 1 << 30
+# memory left to everything else on the machine when deciding whether a case fits
+MEM_MARGIN = int(float(os.environ.get("CB_BENCH_MEM_MARGIN_GIB", "3")) * 2**30)
 
 
 def mem_available() -> int:
@@ -78,6 +79,10 @@ def _ctx(suite: Suite, case: str, size_name: str, inputs: str, work: str) -> dic
     size = suite.sizes[size_name]
     return {"suite": suite.name, "case": case, "size": size.name, "gib": size.gib, "params": dict(size.params),
             "inputs": inputs, "work": work, "root": ROOT}
+
+
+def _dir_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(path) for f in fs)
 
 
 def _inputs_ready(suite: Suite, size_name: str, work_root: str) -> bool:
@@ -196,7 +201,15 @@ def run_suite(suite: Suite, size_name: str, *, work_root: str, reps: int | None 
     need = int(suite.prepare_memory_needed(size.gib) * 2**30)
     ready = _inputs_ready(suite, size_name, work_root)
     skip_all = None
-    if need and not ready and need + MEM_MARGIN > mem_available():
+    os.makedirs(work_root, exist_ok=True)
+    disk = int(suite.disk_needed(size.gib) * 2**30)
+    free = shutil.disk_usage(work_root).free
+    have = free + (_dir_bytes(os.path.join(work_root, suite.name, size_name, "inputs")) if ready else 0)
+    if disk and disk + (4 << 30) > have:
+        skip_all = f"needs ~{disk / 2**30:.0f} GiB of disk in {work_root}; {free / 2**30:.0f} GiB free"
+        inputs, prep_s = "", None
+        log(f"[{suite.name}/{size_name}] skipped: {skip_all}")
+    elif need and not ready and need + MEM_MARGIN > mem_available():
         skip_all = (f"making the inputs needs ~{need / 2**30:.1f} GiB of memory; "
                     f"{mem_available() / 2**30:.1f} GiB available")
         inputs, prep_s = "", None

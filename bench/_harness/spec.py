@@ -96,6 +96,8 @@ class Column:
 class Suite:
     """A benchmark: sizes, the inputs' ``prepare`` function, cases and start-up probes.
 
+    ``prepare_mem_gib`` / ``disk_gib``: memory to make the inputs, disk for inputs + one run's
+    outputs, at a state size of ``gib`` (the suite is skipped, with why, where they do not fit).
     ``derive``: a function of the suite module called with the summarized result document
     to add derived per-case metrics (``case["median"]["m.<key>"]``) before it is written."""
 
@@ -111,6 +113,7 @@ class Suite:
     env: Mapping[str, str] = dataclasses.field(default_factory=dict)
     timeout_s: float = 3600.0
     prepare_mem_gib: float | Callable[[float], float] = 0.0
+    disk_gib: float | Callable[[float], float] = 0.0
     derive: str | None = None
 
     def __post_init__(self) -> None:
@@ -121,6 +124,10 @@ class Suite:
         for c in self.cases:
             if c.startup is not None and c.startup not in self.startups:
                 raise ValueError(f"case {c.name}: unknown start-up probe {c.startup!r}")
+
+    def disk_needed(self, gib: float) -> float:
+        d = self.disk_gib
+        return float(d(gib) if callable(d) else d)
 
     def prepare_memory_needed(self, gib: float) -> float:
         m = self.prepare_mem_gib

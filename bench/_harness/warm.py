@@ -21,6 +21,11 @@ def import_all(package: str) -> int:
     return n
 
 
-def ckptbridge() -> None:
-    """The whole of ckptbridge and ckptbridge.adapters (frameworks stay lazily imported)."""
+def ckptbridge(torch: bool = False) -> None:
+    """The whole of ckptbridge and ckptbridge.adapters (frameworks stay lazily imported). ``torch``:
+    the case hands ckptbridge torch tensors, so also import ``torch.distributed.tensor``, which
+    ckptbridge's torch adapter imports on first use (seconds) and DCP at ``import
+    torch.distributed.checkpoint``: before the clock for both."""
     import_all("ckptbridge")
+    if torch:
+        importlib.import_module("torch.distributed.tensor")
