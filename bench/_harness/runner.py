@@ -232,10 +232,13 @@ def run_suite(suite: Suite, size_name: str, *, work_root: str, reps: int | None 
                 continue
             need, avail = rec["mem_needed_bytes"], mem_available()
             if need and need + MEM_MARGIN > avail:
-                rec["status"] = "skipped"
-                rec["reason"] = (f"needs ~{need / 2**30:.1f} GiB of memory; {avail / 2**30:.1f} GiB available "
-                                 f"(keeping {MEM_MARGIN >> 30} GiB spare)")
-                log(f"[{suite.name}/{size_name}] {c.name}: skipped: {rec['reason']}")
+                why = (f"needs ~{need / 2**30:.1f} GiB of memory; {avail / 2**30:.1f} GiB available "
+                       f"(keeping {MEM_MARGIN / 2**30:.0f} GiB spare)")
+                if rec["runs"]:  # it ran before: keep those reps, skip this one
+                    rec.setdefault("reps_skipped", []).append(why)
+                else:
+                    rec["status"], rec["reason"] = "skipped", why
+                log(f"[{suite.name}/{size_name}] {c.name}: skipped: {why}")
                 continue
             run = run_once(suite, c, size_name, inputs, scratch)
             if "skip" in run:
