@@ -12,23 +12,32 @@ export DS_ACCELERATOR := cpu
 export DS_SKIP_CUDA_CHECK := 1
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: venv test test-fast test-megatron-lm demo lint bench bench-quick fuzz clean
+.PHONY: venv maxtext-venv test test-fast test-megatron-lm demo lint bench bench-quick fuzz clean
 
-$(STAMP): pyproject.toml
+# constraints.txt pins what CI tests (torch's CPU wheel, deepspeed, megatron-core); pyproject's
+# extras give users ranges.
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[dev,torch,jax,deepspeed,megatron,bench]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[dev,torch,jax,deepspeed,megatron,remote,bench]'
 	touch $(STAMP)
 
 venv: $(STAMP)
 
+# MaxText 0.2.5 in its own Python 3.12 venv, for tools/maxtext/harness.py (tests/test_maxtext_harness.py)
+MAXTEXT_STAMP := .maxtext/venv/.installed-stamp
+$(MAXTEXT_STAMP): tools/maxtext/requirements.txt tools/maxtext/setup.sh pyproject.toml
+	bash tools/maxtext/setup.sh
+
+maxtext-venv: $(MAXTEXT_STAMP)
+
 lint: venv
 	$(VENV)/bin/ruff check .
 
-test: venv lint
+test: venv maxtext-venv lint
 	$(PY) -m pytest -q
 
-test-fast: venv
+test-fast: venv maxtext-venv
 	$(PY) -m pytest -q -m "not heavy"
 
 demo: venv
@@ -56,4 +65,4 @@ bench-quick: venv
 	$(PY) bench/run.py --quick
 
 clean:
-	rm -rf $(VENV) demo_out bench/out .pytest_cache .ruff_cache
+	rm -rf $(VENV) .maxtext demo_out bench/out .pytest_cache .ruff_cache

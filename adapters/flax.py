@@ -37,16 +37,34 @@ and shapes; the rules themselves move fragment boxes and strides only.
 from __future__ import annotations
 
 import re
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from .._checkpoint import Checkpoint, CheckpointIndex
-from .._errors import FormatError
-from .._model import WEIGHT_STATES, LogicalTensor, TensorState
-from .._rules import Rename, Rule, Stack, State, Transpose, Unstack, apply_rules, rules_to_json
+from ckptbridge.plugin import (
+    WEIGHT_STATES,
+    Checkpoint,
+    FileCache,
+    FormatError,
+    LogicalTensor,
+    Rename,
+    Rule,
+    ShapeMismatchError,
+    Stack,
+    State,
+    TensorState,
+    Transpose,
+    Unstack,
+    read_state,
+    rules_to_json,
+    weight_state_for,
+)
+from ckptbridge.plugin import dtypes as _dtypes
+
+from .jax import _as_checkpoint, flatten, load_arrays, path_name, save_pieces, tree_pieces
 
 __all__ = [
     "AdamGroup",
@@ -68,13 +86,40 @@ PARAMS_PREFIX = "params/"
 
 
 def flatten_state(tree: Any) -> dict[str, Any]:
-    """``{"/"-joined key path: leaf}`` of a params / optimizer tree (NNX ``State`` -> pure dict first)."""
-    from .jax import flatten
-
+    """``{"/"-joined key path: leaf}`` of a params / optimizer tree (NNX ``State`` -> pure dict first;
+    Flax's boxed leaves, ``nn.Partitioned`` / ``nn.LogicallyPartitioned``, are leaves of their own)."""
     if hasattr(tree, "to_pure_dict"):
         tree = tree.to_pure_dict()
-    flat, _ = flatten(tree)
-    return dict(flat)
+    flat, _ = flatten(tree, is_leaf=_is_box)
+    return {name: _unbox(leaf) for name, leaf in flat}
+
+
+def _is_box(x: Any) -> bool:
+    """A Flax ``AxisMetadata`` box (what ``model.init`` returns under ``nn.with_logical_partitioning``)."""
+    meta = sys.modules.get("flax.core.meta")
+    return meta is not None and isinstance(x, meta.AxisMetadata)
+
+
+def _unbox(leaf: Any) -> Any:
+    """A box's raw value (``unbox()`` would also apply its sharding constraint, which abstract
+    targets such as ``ShapeDtypeStruct`` cannot take)."""
+    return leaf.value if _is_box(leaf) else leaf
+
+
+def _box_sharding(box: Any, mesh: Any = None, axis_rules: Any = None) -> Any:
+    """The sharding a boxed leaf asks for: its value's, else its logical names on its mesh (a box
+    without a mesh, as MaxText's abstract tree holds them, takes ``mesh`` and ``axis_rules``)."""
+    sh = getattr(_unbox(box), "sharding", None)
+    box_mesh = getattr(box, "mesh", None) or mesh
+    if sh is not None or box_mesh is None:
+        return sh
+    import flax.linen as nn
+    from jax.sharding import NamedSharding
+
+    if isinstance(box, nn.LogicallyPartitioned):  # logical names -> mesh axes by its rules (or the context's)
+        rules = box.rules if box.rules is not None else axis_rules
+        return NamedSharding(box_mesh, nn.logical_to_mesh_axes(box.names, rules))
+    return NamedSharding(box_mesh, box.get_partition_spec())
 
 
 def _strip_params(name: str) -> str:
@@ -164,10 +209,6 @@ def group_names(names: Sequence[str], weight_names: Sequence[str] | None = None)
     return out
 
 
-def _weight_state(dtype: str) -> str:
-    return "param" if dtype in ("bfloat16", "float16") else "fp32"
-
-
 def group_train_state(
     raw: Mapping[str, TensorState], read_count: Any = None
 ) -> tuple[dict[str, LogicalTensor], list[dict[str, Any]]]:
@@ -177,7 +218,6 @@ def group_train_state(
     ``count`` the scalar ``step``. Returns the tensors and the (descriptive) rules applied.
     Names not part of a train state keep their own logical tensor.
     """
-    from .._read import FileCache, read_state
 
     g = group_names(list(raw))
     tensors: dict[str, LogicalTensor] = {}
@@ -190,7 +230,7 @@ def group_train_state(
         states: dict[str, TensorState] = {}
         if "weights" in native:
             w = raw[native["weights"]]
-            states[_weight_state(w.dtype)] = w
+            states[weight_state_for(w.dtype)] = w
         for s in ("exp_avg", "exp_avg_sq"):
             if s in native:
                 states[s] = raw[native[s]]
@@ -202,10 +242,10 @@ def group_train_state(
             scalars["step"] = counts[cname]
         tensors[uni] = LogicalTensor(uni, states, scalars)
     for n in g.rest:
-        tensors.setdefault(n, LogicalTensor(n, {_weight_state(raw[n].dtype): raw[n]}))
+        tensors.setdefault(n, LogicalTensor(n, {weight_state_for(raw[n].dtype): raw[n]}))
     rules: list[Rule] = []
     if any(n.startswith(PARAMS_PREFIX) for n in raw):
-        kinds = sorted({_weight_state(raw[n].dtype) for n in raw if n.startswith(PARAMS_PREFIX)})
+        kinds = sorted({weight_state_for(raw[n].dtype) for n in raw if n.startswith(PARAMS_PREFIX)})
         rules.append(State(r"^params/(.*)$", r"\1", "|".join(kinds)))
     for grp in g.groups:
         pre = re.escape(grp.prefix + "/") if grp.prefix else ""
@@ -238,7 +278,6 @@ def save(
     """
     import jax
 
-    from .jax import save_pieces, tree_pieces
 
     flat_params = {_strip_params(n): v for n, v in flatten_state(params).items()}
     flat_opt = flatten_state(opt_state) if opt_state is not None else {}
@@ -248,7 +287,9 @@ def save(
     missing = sorted(set(mu) - set(flat_params))
     if missing:
         raise FormatError(f"optimizer moments for {missing[:5]} have no parameter of that name in params")
-    rest = {f"opt_state/{n}": flat_opt[n] for n in g.rest}
+    adam_counts = {int(np.asarray(jax.device_get(flat_opt[c]))) for c in set(g.counts.values())}
+    rest = {f"opt_state/{n}": flat_opt[n] for n in g.rest
+            if not _same_count(n, flat_opt[n], adam_counts)}  # a schedule's count is the step: not a tensor
     pieces, layout = tree_pieces(flat_params)
     for tree, state in ((mu, "exp_avg"), (nu, "exp_avg_sq")):
         more, _ = tree_pieces(tree, state)
@@ -270,47 +311,53 @@ def save(
                        scalars=scalars, overwrite=overwrite)
 
 
+def _same_count(name: str, value: Any, adam_counts: set[int]) -> bool:
+    """An optax ``count`` leaf (a schedule's) holding the Adam step: :func:`load` restores it from the step."""
+    import jax
+
+    if not (name == "count" or name.endswith("/count")) or len(adam_counts) != 1 or getattr(value, "ndim", 1):
+        return False
+    return int(np.asarray(jax.device_get(value))) in adam_counts
+
+
 # ------------------------------------------------------------------ load
 
 
-def _with_rules(ckpt: Checkpoint, rules: Sequence[Any]) -> Checkpoint:
-    if not rules:
-        return ckpt
-    from .._rules import rule_from_json
+def _fill(ckpt: Checkpoint, target: Any, assign: Any, dtype: Any, mesh: Any = None,
+          axis_rules: Any = None) -> Any:
+    """Fill every leaf of ``target``: ``assign(name)`` gives ``(tensor, state)``, a scalar or None (keep).
 
-    parsed = [r if isinstance(r, Rule) else rule_from_json(r) for r in rules]
-    tensors = apply_rules(ckpt.index.tensors, parsed)
-    idx = ckpt.index
-    index = CheckpointIndex(idx.format, idx.path, tensors, idx.step, idx.extra,
-                            (*idx.rules, *rules_to_json(parsed)), idx.provenance)
-    return Checkpoint(index, ckpt.files)
-
-
-def _fill(ckpt: Checkpoint, target: Any, assign: Any, dtype: Any) -> Any:
-    """Fill every leaf of ``target``: ``assign(name)`` gives ``(tensor, state)``, a scalar or None (keep)."""
+    Every leaf is matched and checked (name, shape) before any data is read."""
     import jax
 
-    from .jax import load_arrays
 
     pure = target.to_pure_dict() if hasattr(target, "to_pure_dict") else target
-    flat, treedef = jax.tree_util.tree_flatten_with_path(pure)
-    from .jax import path_name
-
-    leaves = [leaf for _, leaf in flat]
+    flat, treedef = jax.tree_util.tree_flatten_with_path(pure, is_leaf=_is_box)
+    boxes = {i: leaf for i, (_, leaf) in enumerate(flat) if _is_box(leaf)}
+    leaves = [_unbox(leaf) for _, leaf in flat]
+    shardings = {i: _box_sharding(b, mesh, axis_rules) for i, b in boxes.items()}
+    assigned = [assign(path_name(kp)) for kp, _ in flat]  # raises on a missing tensor, before any read
+    for i, got in enumerate(assigned):
+        if isinstance(got, tuple) and hasattr(leaves[i], "shape"):
+            found = ckpt[got[0]].state(got[1]).shape if got[1] else ckpt[got[0]].shape
+            if tuple(found) != tuple(leaves[i].shape):
+                raise ShapeMismatchError(f"{ckpt.path}: tensor {got[0]!r} has shape {tuple(found)}, the target "
+                                         f"{path_name(flat[i][0])!r} expects {tuple(leaves[i].shape)}")
     reqs, where = [], []
-    for i, (kp, leaf) in enumerate(flat):
+    for i, (kp, _) in enumerate(flat):
+        leaf = leaves[i]
         name = path_name(kp)
-        got = assign(name)
+        got = assigned[i]
         if got is None:
             continue
         if not isinstance(got, tuple):  # a scalar (the Adam count)
             value = np.asarray(got, dtype=getattr(leaf, "dtype", None))
-            sh = getattr(leaf, "sharding", None)
+            sh = shardings.get(i, getattr(leaf, "sharding", None))
             leaves[i] = jax.device_put(value, sh) if sh is not None else value
             continue
         tname, state = got
         want = dtype if dtype is not None else getattr(leaf, "dtype", None)
-        sh = getattr(leaf, "sharding", None)
+        sh = shardings.get(i, getattr(leaf, "sharding", None))
         if sh is not None:
             reqs.append((tname, sh, want, tuple(getattr(leaf, "shape", ())), state))
             where.append(i)
@@ -318,13 +365,12 @@ def _fill(ckpt: Checkpoint, target: Any, assign: Any, dtype: Any) -> Any:
             view = ckpt[tname].state(state) if state else ckpt[tname]
             arr = view.read(dtype=None if want is None else np.dtype(want).name)
             if hasattr(leaf, "shape") and tuple(leaf.shape) != arr.shape:
-                from .._errors import ShapeMismatchError
-
                 raise ShapeMismatchError(f"{ckpt.path}: tensor {tname!r} has shape {arr.shape}, "
                                          f"the target {name!r} expects {tuple(leaf.shape)}")
             leaves[i] = arr
     for i, arr in zip(where, load_arrays(ckpt, reqs), strict=True):
         leaves[i] = arr
+    leaves = [boxes[i].replace_boxed(leaf) if i in boxes else leaf for i, leaf in enumerate(leaves)]
     filled = jax.tree_util.tree_unflatten(treedef, leaves)
     if hasattr(target, "to_pure_dict"):
         from flax import nnx
@@ -349,6 +395,8 @@ def load(
     *,
     rules: Sequence[Any] = (),
     dtype: Any = None,
+    mesh: Any = None,
+    axis_rules: Any = None,
 ) -> Any:
     """Load a train state from ``source`` (path or Checkpoint, any format) into Flax/optax trees.
 
@@ -356,12 +404,20 @@ def load(
     doc). ``rules`` (e.g. :func:`torch_to_flax_rules`) rename and reshape the
     checkpoint's tensors first. Returns ``params`` (or ``(params, opt_state)``
     when ``opt_state`` is given) filled with the checkpoint's values.
+
+    Boxed leaves (``nn.LogicallyPartitioned``) load onto the mesh their logical
+    names ask for; boxes without a mesh of their own (MaxText's abstract tree)
+    use ``mesh`` and ``axis_rules`` (the model's logical-axis rules)::
+
+        params = cbflax.load(ckpt, abstract_boxed, mesh=mesh, axis_rules=config.logical_axis_rules)
+
+    Every optax ``count`` (Adam's and a schedule's) is set to the checkpoint's step.
+    Names and shapes are all checked before any data is read.
     """
-    from .jax import _as_checkpoint
 
     ckpt, owned = _as_checkpoint(source)
     try:
-        view = _with_rules(ckpt, rules)
+        view = ckpt.with_rules(rules)
         tensors = view.index.tensors
         linen = hasattr(params, "keys") and "params" in params and len(params) == 1 and not hasattr(
             params, "to_pure_dict")
@@ -374,9 +430,8 @@ def load(
             t = tensors[uni]
             return uni, next((s for s in WEIGHT_STATES if s in t.states), None)
 
-        out_params = _fill(view, params, weight, dtype)
         if opt_state is None:
-            return out_params
+            return _fill(view, params, weight, dtype, mesh, axis_rules)
         names = list(flatten_state(opt_state))
         g = group_names(names, weight_names=[])
         native: dict[str, tuple[str, str]] = {}
@@ -385,7 +440,8 @@ def load(
                 if s in st:
                     native[st[s]] = (uni, s)
         step = _step_of(view, list(g.states))
-        counts = {c for c in g.counts.values()}
+        # Adam's count, and any other optax count (a schedule's) counts the same updates
+        counts = {c for c in g.counts.values()} | {n for n in names if n == "count" or n.endswith("/count")}
 
         def moment(name: str) -> Any:
             if name in native:
@@ -403,7 +459,10 @@ def load(
                 return other, None
             return None
 
-        return out_params, _fill(view, opt_state, moment, None)
+        for name in names:  # every optimizer leaf found before any data is read
+            moment(name)
+        out_params = _fill(view, params, weight, dtype, mesh, axis_rules)
+        return out_params, _fill(view, opt_state, moment, None, mesh, axis_rules)
     finally:
         if owned:
             ckpt.close()
@@ -421,11 +480,10 @@ def abstract_params(source: Any, rules: Sequence[Any] = (), sharding: Any = None
     """
     import jax
 
-    from .jax import _as_checkpoint
 
     ckpt, owned = _as_checkpoint(source)
     try:
-        tensors = _with_rules(ckpt, rules).index.tensors
+        tensors = ckpt.with_rules(rules).index.tensors
         out: dict[str, Any] = {}
         for name, t in tensors.items():
             st = t.state()
@@ -443,8 +501,6 @@ def abstract_params(source: Any, rules: Sequence[Any] = (), sharding: Any = None
 
 
 def _np_dtype(name: str) -> Any:
-    from .. import _dtypes
-
     return _dtypes.to_numpy(name)
 
 

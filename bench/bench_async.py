@@ -1,376 +1,492 @@
-#!/usr/bin/env python
-"""Checkpointing inside a training loop: what it costs the loop, measured the same way for every tool.
+"""Training-loop cost of asynchronous checkpointing, one clock for every tool.
 
-    python bench/bench_async.py [--quick | --size 1g]
+    python bench/bench_async.py [--gib 1.0] [--steps 12] [--every 2] [--regimes compute,disk]
+                                [--reps 3] [--warmup 1] [--no-donate] [--policy k=v,...]
+                                [--out bench/results] [--name bench_async]
 
-A torch loop (AdamW) and a JAX/optax loop, parameters + both Adam moments = ``gib`` GiB
-(``rows x 4096`` fp32 tensors), each step ``compute`` 1024^3 matmuls standing in for
-forward/backward, then the optimizer step. Each case runs in a fresh process: warm-up steps
-(no checkpoint) give the loop's own step time, then the timed region runs ``steps`` steps,
-checkpointing every ``every`` steps, and ends when the last checkpoint is durable (every
-tool's own wait). Nothing is prepared outside the clock for any tool (no ``reserve()``, no
-pre-allocated staging): first saves pay for their memory. Per save, the loop code (the same
-for every tool) records:
+A torch loop (AdamW) and a JAX/optax loop, each holding ``gib`` GiB of
+parameters + Adam moments, save every ``every`` steps with each tool:
 
-* ``save call s``: wall time around the tool's save call;
-* ``stall s``: the save call plus what the step after it took beyond the loop's own step
-  time (waits the loop pays later: ckptbridge's optimizer hook or ``guard``, DCP's staging
-  wait, CPU the background writer takes from training). The first save (which pays for
-  every tool's set-up: buffers, staging memory, DCP's checkpoint process) is reported on
-  its own; the medians are of the later saves;
-* ``loop overhead per save s``: (region time - the same loop without checkpoints) / saves;
-* ``stall / one memcpy``: the stall over one host memcpy of the state, memcpy speed
-  measured in the same run (machine facts).
+- torch: none, ``torch.save`` (synchronous, fsync'd), DCP ``async_save``, ``ckptbridge.Checkpointer``;
+- JAX: none, Orbax ``CheckpointManager`` (async) at its default zstd compression and with
+  compression off, ``ckptbridge.Checkpointer`` (a guarded train step). The jitted step donates
+  its state (``donate_argnums``, as real loops do; ``--no-donate`` for one that does not).
 
-Tools: ``torch.save`` (synchronous, fsync'd); DCP ``async_save`` at its defaults (thread,
-staging in the call) and with its recommended options (a persistent ``DefaultStager`` with
-shared memory and background staging, the checkpoint process executor; the loop waits for
-staging before the optimizer step, for the upload before the next save); Orbax
-``CheckpointManager`` (async) at its defaults (zstd) and without compression; ckptbridge
-``Checkpointer`` (torch: ``save(..., optimizer=opt)``; JAX: ``guard(train_step)``).
+In the disk regime ckptbridge also runs with the other back-pressure policies
+(``SavePolicy(on_busy="coalesce")`` and, for JAX, ``"skip"``): they write fewer checkpoints,
+so their rows are not comparable with the others' and show what the policy buys.
+
+Two regimes: ``compute`` (steps of ~2 s: the disk keeps up with a save every two steps) and
+``disk`` (steps of ~0.3 s: the disk cannot keep up, so the loop is bound by bytes / disk
+speed). The number of matmuls standing in for forward/backward is calibrated once per
+framework (the same for every tool).
+
+The same clock for every tool, each case in a fresh process:
+
+- **loop time**: wall time of the whole loop, from the first step to the last save on disk
+  (``wait_until_finished`` / the last future / ``ck.wait()``);
+- **stall per save**: wall time around the save call, plus whatever the next train step took
+  beyond the median step time measured in the same process before any save (this is where a
+  wait in an optimizer hook or a guarded step shows up, and background work competing for
+  the cores too);
+- **bytes written**: ``/proc/self/io`` ``write_bytes`` over the loop.
+
+Warm-up: every tool (or none, ``--warmup 0``) saves the state ``--warmup`` times and waits
+for it to finish before the clock starts; no tool gets anything else outside the clock.
+Machine facts measured in the same run: cores, memory, one host memcpy of the state, the
+disk's raw write speed (best of a buffered fsync'd write and O_DIRECT with 1 and 3 streams).
+The bounds the issue sets are printed beside each ckptbridge figure: stall / memcpy, loop
+time / the peer's, loop time / max(loop without checkpoints, bytes written / raw disk).
+Results: ``bench/results/bench_async.json`` and ``.md`` (``--name`` for another stem; ratios are
+what to compare). Each case runs ``--reps`` times, interleaved with the others, and medians are
+reported (stalls pooled over every save of every run), with each run kept in the JSON.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import time
+from typing import Any
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from _harness import Case, Column, Size, Suite, main, warm
-
-N = 8
+CASES = {"torch": ["none", "torch_save", "dcp_async", "ckptbridge"],
+         "jax": ["none", "orbax", "orbax_nozstd", "ckptbridge"]}
+EXTRA_CASES = {"torch": ["ckptbridge_coalesce"], "jax": ["ckptbridge_coalesce", "ckptbridge_skip"]}
+N_TENSORS = 8
 COLS = 4096
-WARM_STEPS = 3
 
 
 def _rows(gib: float) -> int:
-    return max(1, int(gib * (1 << 30) / 3 / 4 / N / COLS))  # params + exp_avg + exp_avg_sq
+    return max(1, int(gib * (1 << 30) / 3 / 4 / N_TENSORS / COLS))  # params + exp_avg + exp_avg_sq
 
 
-def _loop(ctx, save, step_fn, finish, block=lambda: None) -> None:
-    """The one loop every case runs: warm-up steps, then the timed region (see module docs)."""
-    steps, every = ctx.param("steps"), ctx.param("every")
-    warm_times = []
-    for _ in range(WARM_STEPS):
-        t = time.perf_counter()
-        step_fn()
-        block()
-        warm_times.append(time.perf_counter() - t)
-    base = statistics.median(warm_times)
-    calls, stalls, saves = [], [], 0
-    with ctx.region():
-        for step in range(steps):
-            t0 = time.perf_counter()
-            saved = save is not None and step % every == 0
-            if saved:
-                save(step)
-                saves += 1
-            t1 = time.perf_counter()
-            step_fn()
-            block()
-            t2 = time.perf_counter()
-            if saved:
-                calls.append(t1 - t0)
-                stalls.append((t1 - t0) + max(0.0, (t2 - t1) - base))
-        finish()
-    ctx.metrics.update(base_step_s=base, saves=saves, state_bytes=int(3 * N * _rows(ctx.gib) * COLS * 4))
-    if saves:
-        later = stalls[1:] or stalls
-        ctx.metrics.update(save_call_s=statistics.median(calls[1:] or calls), stall_s=statistics.median(later),
-                           first_stall_s=stalls[0], stalls=stalls, save_calls=calls)
+def _write_bytes() -> int:
+    with open("/proc/self/io") as fh:
+        return int(next(line for line in fh if line.startswith("write_bytes")).split()[1])
 
 
-def _retire(paths: list[str], keep: int = 2) -> None:
-    while len(paths) > keep:
-        shutil.rmtree(paths.pop(0), ignore_errors=True)
+def _tree_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
 
 
-# ------------------------------------------------------------------------------------ torch
+# ------------------------------------------------------------------ the loops (run in a fresh process)
 
-def _torch_setup(ctx):
+def _torch_loop(spec: dict[str, Any]) -> tuple[Any, Any, Any]:
     import torch
 
+    torch.set_num_threads(1)  # on a shared 2-core VM two OpenMP threads are slower than one
     torch.manual_seed(0)
-    params = [torch.nn.Parameter(torch.randn(_rows(ctx.gib), COLS)) for _ in range(N)]
+    rows = _rows(spec["gib"])
+    params = [torch.nn.Parameter(torch.randn(rows, COLS)) for _ in range(N_TENSORS)]
     opt = torch.optim.AdamW(params, lr=1e-3)
-    x = torch.randn(1024, 1024)
-    compute = ctx.param("compute")
+    x = torch.randn(1024, 1024) / 32
 
-    def step_fn():
+    def train_step() -> None:
         y = x
-        for _ in range(compute):
+        for _ in range(spec["units"]):  # stands in for forward/backward
             y = torch.tanh(y @ x)
         for p in params:
-            p.grad = torch.full_like(p, 1e-3)
+            p.grad = p.detach() * 1e-3 + y[0, 0] * 1e-9  # moments as incompressible as real ones
         opt.step()
 
-    def state():
+    def state() -> dict[str, Any]:
         return {"model": {f"w{i}": p for i, p in enumerate(params)},
                 "optim": {str(i): s for i, s in enumerate(opt.state_dict()["state"].values())}}
 
-    return opt, step_fn, state
+    train_step()  # materialise the moments
+    return train_step, state, opt
 
 
-def torch_none(ctx):
-    _, step_fn, _ = _torch_setup(ctx)
-    _loop(ctx, None, step_fn, lambda: None)
-
-
-def torch_save(ctx):
-    import torch
-
-    _, step_fn, state = _torch_setup(ctx)
-    done: list[str] = []
-
-    def save(step):
-        p = ctx.out(f"step{step}.pt")
-        torch.save(state(), p)
-        fd = os.open(p, os.O_RDONLY)
-        os.fsync(fd)
-        os.close(fd)
-        done.append(p)
-        _retire(done)
-
-    _loop(ctx, save, step_fn, lambda: None)
-
-
-def _dcp_init():
-    import torch.distributed as dist
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(20000 + os.getpid() % 20000))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-
-
-def torch_dcp(ctx):
-    import torch.distributed.checkpoint as dcp
-
-    _, step_fn, state = _torch_setup(ctx)
-    _dcp_init()
-    pending = {"fut": None}
-    done: list[str] = []
-
-    def save(step):
-        if pending["fut"] is not None:
-            pending["fut"].result()
-            _retire(done)
-        p = ctx.out(f"step{step}")
-        pending["fut"] = dcp.async_save(state(), checkpoint_id=p)
-        done.append(p)
-
-    def finish():
-        if pending["fut"] is not None:
-            pending["fut"].result()
-
-    _loop(ctx, save, step_fn, finish)
-
-
-def torch_dcp_tuned(ctx):
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
-
-    opt, step_fn, state = _torch_setup(ctx)
-    _dcp_init()
-    pending = {"resp": None, "stager": None}
-    done: list[str] = []
-
-    def save(step):
-        if pending["resp"] is not None:
-            pending["resp"].upload_completion.result()
-            _retire(done)
-        if pending["stager"] is None:  # created on the first save, inside the clock like everyone's set-up
-            pending["stager"] = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=True,
-                                                             use_async_staging=True, use_non_blocking_copy=False))
-        p = ctx.out(f"step{step}")
-        pending["resp"] = dcp.async_save(state(), checkpoint_id=p, async_stager=pending["stager"],
-                                         async_checkpointer_type=AsyncCheckpointerType.PROCESS)
-        done.append(p)
-
-    def wait_staged(*_):  # the optimizer must not change the tensors while DCP still copies them
-        if pending["resp"] is not None:
-            pending["resp"].staging_completion.result()
-
-    opt.register_step_pre_hook(wait_staged)
-
-    def finish():
-        if pending["resp"] is not None:
-            pending["resp"].upload_completion.result()
-        if pending["stager"] is not None:
-            pending["stager"].close()
-
-    _loop(ctx, save, step_fn, finish)
-
-
-def torch_ckptbridge(ctx):
-    import ckptbridge
-
-    warm.ckptbridge(torch=True)
-    opt, step_fn, state = _torch_setup(ctx)
-    box = {}
-
-    def save(step):
-        if "ck" not in box:
-            box["ck"] = ckptbridge.Checkpointer(ctx.out("ck"), keep_last=2)
-        box["ck"].save(step, state(), optimizer=opt)
-
-    def finish():
-        if "ck" in box:
-            box["ck"].close()  # waits for every save to be flushed and committed
-
-    _loop(ctx, save, step_fn, finish)
-
-
-# ------------------------------------------------------------------------------------ JAX
-
-def _jax_setup(ctx):
+def _jax_loop(spec: dict[str, Any]) -> tuple[Any, Any, Any]:
     import jax
     import jax.numpy as jnp
     import optax
 
-    params = {f"w{i}": jax.random.normal(jax.random.key(i), (_rows(ctx.gib), COLS)) for i in range(N)}
+    rows = _rows(spec["gib"])
+    holder: dict[str, Any] = {"p": {f"w{i}": jax.random.normal(jax.random.key(i), (rows, COLS))
+                                    for i in range(N_TENSORS)}}
     tx = optax.adamw(1e-3)
-    box = {"params": params, "opt": tx.init(params)}
-    x = jax.random.normal(jax.random.key(99), (1024, 1024))
-    compute = ctx.param("compute")
+    holder["s"] = tx.init(holder["p"])
+    x = jax.random.normal(jax.random.key(99), (1024, 1024)) / 32
+    units = spec["units"]
 
-    @jax.jit
-    def train_step(p, s):
-        y = x
-        for _ in range(compute):
-            y = jnp.tanh(y @ x)
-        g = jax.tree.map(lambda w: jnp.full_like(w, 1e-3) + 0 * y[0, 0], p)
+    def step(p: Any, s: Any) -> Any:
+        y = jax.lax.fori_loop(0, units, lambda _, y: jnp.tanh(y @ x), x)  # stands in for forward/backward
+        g = jax.tree.map(lambda w: w * 1e-3 + y[0, 0] * 1e-9, p)  # moments as incompressible as real ones
         u, s = tx.update(g, s, p)
         return optax.apply_updates(p, u), s
 
-    box["step"] = train_step
+    jitted = jax.jit(step, donate_argnums=(0, 1) if spec["donate"] else ())
+    box: dict[str, Any] = {"fn": jitted}
 
-    def step_fn():
-        box["params"], box["opt"] = box["step"](box["params"], box["opt"])
+    def train_step() -> None:
+        holder["p"], holder["s"] = box["fn"](holder["p"], holder["s"])
+        jax.block_until_ready(holder["p"])
 
-    def block():
-        jax.block_until_ready(box["params"])
+    def state() -> dict[str, Any]:
+        return {"params": holder["p"], "opt": holder["s"]}
 
-    return box, step_fn, block
-
-
-def jax_none(ctx):
-    _, step_fn, block = _jax_setup(ctx)
-    _loop(ctx, None, step_fn, lambda: None, block)
+    train_step()  # compile
+    return train_step, state, box
 
 
-def _orbax(ctx, compress: bool) -> None:
-    import orbax.checkpoint as ocp
+def run_case(spec: dict[str, Any]) -> dict[str, Any]:
+    """One (framework, tool) loop; returns its measurements."""
+    fw, tool, root = spec["framework"], spec["tool"], spec["root"]
+    shutil.rmtree(root, ignore_errors=True)
+    os.makedirs(root)
+    train_step, state, handle = (_torch_loop if fw == "torch" else _jax_loop)(spec)
+    out: dict[str, Any] = {"framework": fw, "tool": tool}
 
-    box, step_fn, block = _jax_setup(ctx)
-    mgr = {}
+    base = []
+    for _ in range(spec["base_steps"]):  # the step time before any checkpointing
+        t = time.perf_counter()
+        train_step()
+        base.append(time.perf_counter() - t)
+    step_base = statistics.median(base)
+    out["step_seconds"] = step_base
 
-    def save(step):
-        if "m" not in mgr:
-            opts = ocp.CheckpointManagerOptions(max_to_keep=2, enable_async_checkpointing=True)
-            kw = {} if compress else {"item_handlers": ocp.PyTreeCheckpointHandler(use_compression=False)}
-            mgr["m"] = ocp.CheckpointManager(ctx.out("orbax"), options=opts, **kw)
-        tree = {"params": box["params"], "opt": box["opt"]}
-        mgr["m"].save(step, args=ocp.args.StandardSave(tree) if compress else ocp.args.PyTreeSave(tree))
-
-    def finish():
-        if "m" in mgr:
-            mgr["m"].wait_until_finished()
-            mgr["m"].close()
-
-    _loop(ctx, save, step_fn, finish, block)
-
-
-def jax_orbax(ctx):
-    _orbax(ctx, True)
-
-
-def jax_orbax_nozstd(ctx):
-    _orbax(ctx, False)
-
-
-def jax_ckptbridge(ctx):
-    import ckptbridge
-
-    warm.ckptbridge()
-    box, step_fn, block = _jax_setup(ctx)
-    ck = {}
-
-    def save(step):
-        if "ck" not in ck:
-            ck["ck"] = ckptbridge.Checkpointer(ctx.out("ck"), keep_last=2)
-            box["step"] = ck["ck"].guard(box["step"])  # each step first waits for pending snapshots
-        ck["ck"].save(step, {"params": box["params"], "opt": box["opt"]})
-
-    def finish():
-        if "ck" in ck:
-            ck["ck"].close()
-
-    _loop(ctx, save, step_fn, finish, block)
-
-
-def derive(doc: dict) -> None:
-    """Loop overhead per save (vs the group's no-checkpoint row) and stall / one memcpy."""
-    memcpy = (doc.get("machine") or {}).get("memcpy_gbps")
-    for g in doc["groups"]:
-        cases = [c for c in doc["cases"] if c["group"] == g["group"] and c["status"] == "ok" and c["median"]]
-        base = next((c for c in cases if c["role"] == "baseline"), None)
-        for c in cases:
-            med = c["median"]
-            saves = med.get("m.saves")
-            if base is not None and saves:
-                med["m.overhead_per_save_s"] = (med["wall_s"] - base["median"]["wall_s"]) / saves
-            if memcpy and med.get("m.stall_s") is not None and med.get("m.state_bytes"):
-                med["m.stall_over_memcpy"] = med["m.stall_s"] / (med["m.state_bytes"] / memcpy / 1e9)
+    save, finish, ck = _saver(spec, state, handle)
+    for w in range(spec["warmup"] if save is not None else 0):  # given to every tool alike
+        save(w)
+        finish()
+    stalls, saves_made = [], 0
+    w0 = _write_bytes()
+    t_loop = time.perf_counter()
+    pending = 0.0
+    for i in range(spec["steps"]):
+        if save is not None and i % spec["every"] == 0:
+            t = time.perf_counter()
+            save(spec["warmup"] + i)
+            pending = time.perf_counter() - t
+            saves_made += 1
+        t = time.perf_counter()
+        train_step()
+        took = time.perf_counter() - t
+        if save is not None and i % spec["every"] == 0:
+            stalls.append(pending + max(0.0, took - step_base))
+    if finish is not None:
+        finish()
+    out["loop_seconds"] = time.perf_counter() - t_loop
+    out["bytes_written"] = _write_bytes() - w0
+    out["saves"] = saves_made
+    out["stalls"] = stalls
+    out["stall_median"] = statistics.median(stalls) if stalls else 0.0
+    if ck is not None:
+        timed = [s for s in ck.stats if s.step >= spec["warmup"]]
+        out["flush_gbps"] = statistics.median(s.flush_gbps for s in timed) if timed else None
+        out["dropped"] = [s for s in ck.dropped if s >= spec["warmup"]]
+        out["saves_written"] = len(timed)
+        ck.close()
+    last = max((e.path for e in os.scandir(root)), key=os.path.getmtime, default=None)  # the newest save
+    out["checkpoint_bytes"] = (_tree_bytes(last) if os.path.isdir(last) else os.path.getsize(last)) if last else 0
+    return out
 
 
-T = "torch loop (AdamW)"
-J = "JAX loop (optax adamw)"
-SUITE = Suite(
-    name="async", module="bench_async",
-    title="Checkpointing in a training loop (ckptbridge.Checkpointer vs torch.save, DCP async_save, Orbax)",
-    description=__doc__.split("\n\n", 2)[2].strip(),
-    sizes={
-        "quick": Size("quick", 1 / 32, reps=1, params={"steps": 4, "every": 2, "compute": 2}),
-        "1g": Size("1g", 1.0, reps=3, params={"steps": 12, "every": 2, "compute": 40}),
-        "8g": Size("8g", 8.0, reps=2, params={"steps": 8, "every": 2, "compute": 40}),
-    },
-    cases=(
-        Case("torch/none", T, "no checkpoints", "the loop alone", "baseline", fn="torch_none",
-             mem_gib=lambda g: 1.2 * g + 1),
-        Case("torch/torch.save", T, "torch.save", "default, synchronous, fsync'd", fn="torch_save",
-             mem_gib=lambda g: 1.5 * g + 1),
-        Case("torch/dcp", T, "torch DCP async_save", "default (thread, staging in the call)", fn="torch_dcp",
-             mem_gib=lambda g: 3.2 * g + 1),
-        Case("torch/dcp-tuned", T, "torch DCP async_save",
-             "recommended: persistent DefaultStager (shared memory, background staging), process executor",
-             fn="torch_dcp_tuned", mem_gib=lambda g: 3.2 * g + 1.5),
-        Case("torch/ckptbridge", T, "ckptbridge", "Checkpointer.save(..., optimizer=opt)", "ours",
-             fn="torch_ckptbridge", mem_gib=lambda g: 3.2 * g + 1),
-        Case("jax/none", J, "no checkpoints", "the loop alone", "baseline", fn="jax_none",
-             mem_gib=lambda g: 2.2 * g + 1),
-        Case("jax/orbax", J, "Orbax CheckpointManager", "default (async, zstd)", fn="jax_orbax",
-             mem_gib=lambda g: 4.5 * g + 1),
-        Case("jax/orbax-nozstd", J, "Orbax CheckpointManager", "async, use_compression=False",
-             fn="jax_orbax_nozstd", mem_gib=lambda g: 4.5 * g + 1),
-        Case("jax/ckptbridge", J, "ckptbridge", "Checkpointer.save + guard(train_step)", "ours",
-             fn="jax_ckptbridge", mem_gib=lambda g: 4.2 * g + 1),
-    ),
-    columns=(
-        Column("first_stall_s", "first save's stall s", "{:.3f}"),
-        Column("save_call_s", "later saves: median save call s", "{:.4f}"),
-        Column("stall_s", "later saves: median stall s", "{:.4f}"),
-        Column("stall_over_memcpy", "stall / one memcpy", "{:.2f}"),
-        Column("overhead_per_save_s", "loop overhead per save s", "{:.3f}"),
-    ),
-    derive="derive",
-    disk_gib=lambda g: 3 * g,  # every tool keeps its last 2 checkpoints
-    env={"JAX_PLATFORMS": "cpu"},
-)
+def _saver(spec: dict[str, Any], state: Any, handle: Any) -> tuple[Any, Any, Any]:
+    """(save(step), finish(), the Checkpointer or None) for one tool; Nones for the loop without checkpoints."""
+    tool, root = spec["tool"], spec["root"]
+    if tool == "none":
+        return None, None, None
+    if tool == "torch_save":
+        import torch
+
+        def save_pt(step: int) -> None:
+            path = os.path.join(root, f"step{step:08d}.pt")
+            torch.save(state(), path)
+            fd = os.open(path, os.O_RDONLY)
+            os.fsync(fd)
+            os.close(fd)
+            for old in sorted(os.listdir(root))[:-2]:
+                os.remove(os.path.join(root, old))
+
+        return save_pt, lambda: None, None
+    if tool == "dcp_async":
+        import torch.distributed as dist
+        import torch.distributed.checkpoint as dcp
+
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29500 + os.getpid() % 1000))
+        dist.init_process_group("gloo", rank=0, world_size=1)
+        fut: list[Any] = []
+
+        def save_dcp(step: int) -> None:
+            if fut:
+                fut.pop().result()
+            for old in sorted(os.listdir(root))[:-1]:
+                shutil.rmtree(os.path.join(root, old))
+            fut.append(dcp.async_save(state(), checkpoint_id=os.path.join(root, f"step{step:08d}")))
+
+        return save_dcp, lambda: fut.pop().result() if fut else None, None
+    if tool.startswith("orbax"):
+        import orbax.checkpoint as ocp
+
+        compress = tool == "orbax"
+        mgr = ocp.CheckpointManager(
+            root, options=ocp.CheckpointManagerOptions(max_to_keep=2, enable_async_checkpointing=True),
+            item_handlers=ocp.PyTreeCheckpointHandler(use_compression=compress))
+
+        def save_orbax(step: int) -> None:
+            mgr.save(step, args=ocp.args.PyTreeSave(state()))
+
+        return save_orbax, mgr.wait_until_finished, None
+    from ckptbridge import Checkpointer, SavePolicy
+
+    policy = SavePolicy(**{"on_busy": tool.split("_", 1)[1] if "_" in tool else "wait", **spec["policy"]})
+    ck = Checkpointer(root, keep_last=2, policy=policy)
+    if spec["framework"] == "torch":
+        opt = handle
+
+        def save_ours(step: int) -> None:
+            ck.save(step, state(), optimizer=opt)  # opt.step() waits for the snapshot if needed
+    else:
+        handle["fn"] = ck.guard(handle["fn"])  # the step waits only for snapshots of what it donates
+
+        def save_ours(step: int) -> None:
+            ck.save(step, state())
+    return save_ours, ck.wait, ck
+
+
+def _facts(spec: dict[str, Any]) -> dict[str, Any]:
+    """One host memcpy of the state and the disk's raw write speed, in this run."""
+    import mmap
+    import threading
+
+    import numpy as np
+
+    root = spec["root"]
+    shutil.rmtree(root, ignore_errors=True)
+    os.makedirs(root)
+    nbytes = 3 * N_TENSORS * _rows(spec["gib"]) * COLS * 4
+    src = np.random.default_rng(0).standard_normal(nbytes // 4, dtype=np.float32)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)  # fault the pages in once
+    times = []
+    for _ in range(3):
+        t = time.perf_counter()
+        np.copyto(dst, src)
+        times.append(time.perf_counter() - t)
+    raw = memoryview(src).cast("B")
+    chunk = 8 << 20
+    aligned = mmap.mmap(-1, chunk)
+    aligned.write(raw[:chunk])
+
+    def direct(path: str, streams: int) -> int:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+        offs = list(range(0, nbytes - nbytes % chunk, chunk))
+
+        def run(k: int) -> None:
+            for o in offs[k::streams]:
+                os.pwrite(fd, aligned, o)
+
+        ths = [threading.Thread(target=run, args=(k,)) for k in range(streams)]
+        for th in ths:
+            th.start()
+        for th in ths:
+            th.join()
+        os.fsync(fd)
+        os.close(fd)
+        return len(offs) * chunk
+
+    best: dict[str, float] = {}
+    for i in range(2):
+        for mode in ("buffered", "direct1", "direct3"):
+            path = os.path.join(root, f"raw{i}{mode}")
+            t = time.perf_counter()
+            if mode == "buffered":
+                with open(path, "wb") as fh:
+                    fh.write(raw)
+                    fh.flush()
+                    os.fsync(fh.fileno())
+                n = nbytes
+            else:
+                n = direct(path, 1 if mode == "direct1" else 3)
+            best[mode] = max(best.get(mode, 0.0), n / (time.perf_counter() - t) / 1e9)
+            os.remove(path)
+    return {"state_bytes": nbytes, "memcpy_seconds": min(times), "disk_modes_gbps": best,
+            "disk_gbps": max(best.values()), "cores": os.cpu_count(),
+            "memory_gib": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / (1 << 30)}
+
+
+def _calibrate(spec: dict[str, Any]) -> dict[str, Any]:
+    """Seconds of one step without compute units, and per unit (for this framework)."""
+    spec = dict(spec, units=0)
+    train_step, _, _ = (_torch_loop if spec["framework"] == "torch" else _jax_loop)(spec)
+    t0 = statistics.median(_timed(train_step) for _ in range(3))
+    spec["units"] = 16  # the torch step reads it at each call; JAX compiles a new step
+    if spec["framework"] == "jax":
+        del train_step
+        train_step, _, _ = _jax_loop(spec)
+    t16 = statistics.median(_timed(train_step) for _ in range(3))
+    return {"base": t0, "unit": max(1e-4, (t16 - t0) / 16)}
+
+
+def _timed(fn: Any) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+# ------------------------------------------------------------------ the driver
+
+def _child(kind: str, spec: dict[str, Any]) -> dict[str, Any]:
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", kind, json.dumps(spec)],
+                         capture_output=True, text=True, env=env)
+    shutil.rmtree(spec["root"], ignore_errors=True)
+    if out.returncode != 0:
+        return {"error": (out.stderr.strip().splitlines() or ["?"])[-1]}
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One case over its repetitions: medians (stalls pooled over every save), with the raw runs."""
+    ok = [r for r in runs if "error" not in r]
+    if not ok:
+        return runs[0]
+    out = dict(ok[0])
+    for key in ("loop_seconds", "bytes_written", "step_seconds", "flush_gbps", "saves_written", "checkpoint_bytes"):
+        values = [r[key] for r in ok if r.get(key) is not None]
+        if values:
+            out[key] = statistics.median(values)
+    stalls = [s for r in ok for s in r["stalls"]]
+    out["stall_median"] = statistics.median(stalls) if stalls else 0.0
+    out["loop_range"] = [min(r["loop_seconds"] for r in ok), max(r["loop_seconds"] for r in ok)]
+    out["reps"] = runs
+    return out
+
+
+def _aggregate_facts(facts: list[dict[str, Any]]) -> dict[str, Any]:
+    out = dict(facts[0])
+    for key in ("memcpy_seconds", "disk_gbps"):
+        out[key] = statistics.median(f[key] for f in facts)
+        out[key + "_range"] = [min(f[key] for f in facts), max(f[key] for f in facts)]
+    out["disk_modes_gbps"] = {m: statistics.median(f["disk_modes_gbps"][m] for f in facts)
+                              for m in facts[0]["disk_modes_gbps"]}
+    out["reps"] = facts
+    return out
+
+
+def _table(res: dict[str, Any], args: argparse.Namespace) -> str:
+    facts = res["facts"]
+    memcpy, disk = facts["memcpy_seconds"], facts["disk_gbps"]
+    lo, hi = facts["disk_gbps_range"]
+    lines = [f"# bench_async: {args.gib} GiB state, {args.steps} steps, a save every {args.every}, "
+             f"warm-up {args.warmup} save(s) per tool, JAX step {'donates' if args.donate else 'does not donate'}"
+             f" its state; medians of {args.reps} interleaved runs", "",
+             f"{facts['cores']} cores, {facts['memory_gib']:.0f} GiB; one host memcpy of the state "
+             f"({facts['state_bytes'] / (1 << 30):.2f} GiB): {memcpy:.3f} s; raw disk write {disk:.2f} GB/s "
+             f"({lo:.2f}-{hi:.2f} across runs; best of "
+             + ", ".join(f"{k} {v:.2f}" for k, v in facts["disk_modes_gbps"].items()) + ")", ""]
+    for regime, per_fw in res["regimes"].items():
+        lines += [f"## regime `{regime}`", "",
+                  "| loop | checkpointing | step (s) | median stall per save (s) | stall / memcpy | saves written "
+                  "| GB written | loop time (s), median (range) | loop / max(no ckpt, GB written / raw disk) |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for fw, cases in per_fw.items():
+            none = cases.get("none", {}).get("loop_seconds")
+            for tool, r in cases.items():
+                if "error" in r:
+                    lines.append(f"| {fw} | {tool} | error: {r['error']} | | | | | | |")
+                    continue
+                bound = max(none or 0.0, r["bytes_written"] / 1e9 / disk)
+                written = r.get("saves_written", r["saves"])
+                stall = "—" if tool == "none" else f"{r['stall_median']:.3f}"
+                ratio = "—" if tool == "none" else f"{r['stall_median'] / memcpy:.2f}x"
+                lines.append(f"| {fw} | {tool} | {r['step_seconds']:.2f} | {stall} | {ratio} | {written} | "
+                             f"{r['bytes_written'] / 1e9:.2f} | {r['loop_seconds']:.2f} "
+                             f"({r['loop_range'][0]:.1f}-{r['loop_range'][1]:.1f}) | "
+                             f"{r['loop_seconds'] / bound:.2f}x |")
+        lines.append("")
+        for fw, cases in per_fw.items():
+            ours = cases.get("ckptbridge", {})
+            if "loop_seconds" not in ours:
+                continue
+            none = cases.get("none", {}).get("loop_seconds", 0.0)
+            bound = max(none, ours["bytes_written"] / 1e9 / disk)
+            bits = [f"stall {ours['stall_median'] / memcpy:.2f}x one memcpy (target <= 1.5x)",
+                    f"loop {ours['loop_seconds'] / bound:.2f}x max(no ckpt {none:.2f} s, "
+                    f"{ours['bytes_written'] / 1e9:.2f} GB / raw disk = {ours['bytes_written'] / 1e9 / disk:.2f} s)"
+                    " (target <= 1.05x)"]
+            for peer in ("orbax", "orbax_nozstd"):
+                if "loop_seconds" in cases.get(peer, {}):
+                    bits.append(f"loop / {peer}'s {ours['loop_seconds'] / cases[peer]['loop_seconds']:.2f}x "
+                                "(target <= 1.0x)")
+            if ours.get("flush_gbps"):
+                bits.append(f"flush {ours['flush_gbps']:.2f} GB/s = {ours['flush_gbps'] / disk:.2f}x raw disk")
+            lines.append(f"- {fw} ckptbridge: " + "; ".join(bits))
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    if len(sys.argv) > 2 and sys.argv[1] == "--child":
+        spec = json.loads(sys.argv[3])
+        fn = {"case": run_case, "facts": _facts, "calibrate": _calibrate}[sys.argv[2]]
+        print(json.dumps(fn(spec)))
+        return
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--gib", type=float, default=1.0)
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--every", type=int, default=2)
+    ap.add_argument("--warmup", type=int, default=1, help="saves (waited for) before the clock, for every tool")
+    ap.add_argument("--base-steps", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=3, help="runs of every case, interleaved; medians reported")
+    ap.add_argument("--regimes", default="compute,disk", help="compute (steps ~2 s), disk (steps ~0.3 s)")
+    ap.add_argument("--step-seconds", default="compute=2.0,disk=0.3")
+    ap.add_argument("--frameworks", default="torch,jax")
+    ap.add_argument("--cases", default="", help="comma-separated tools to run (default: all, plus the extra "
+                    "back-pressure policies in the disk regime)")
+    ap.add_argument("--policy", default="", help="SavePolicy fields for the ckptbridge cases, e.g. "
+                    "flush_priority=background,snapshot_threads=1 (default: the defaults)")
+    ap.add_argument("--no-donate", dest="donate", action="store_false", help="JAX step without donate_argnums")
+    ap.add_argument("--scratch", default="bench/out", help="where checkpoints are written (the disk measured)")
+    ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--name", default="bench_async", help="results file stem (OUT/NAME.json and .md)")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    os.makedirs(args.scratch, exist_ok=True)
+    targets = dict(kv.split("=") for kv in args.step_seconds.split(","))
+    common = {"gib": args.gib, "steps": args.steps, "every": args.every, "warmup": args.warmup,
+              "base_steps": args.base_steps, "donate": args.donate,
+              "policy": {k: int(v) if v.isdigit() else v
+                         for k, v in (kv.split("=") for kv in filter(None, args.policy.split(",")))}}
+    frameworks = args.frameworks.split(",")
+    res: dict[str, Any] = {"args": vars(args), "calibration": [], "regimes": {}}
+    wanted = set(filter(None, args.cases.split(",")))
+    facts: list[dict[str, Any]] = []
+    runs: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
+    for rep in range(args.reps):  # cases interleaved, so that a noisy minute hits every tool alike
+        facts.append(_child("facts", {**common, "root": os.path.abspath(os.path.join(args.scratch, "facts"))}))
+        print(f"rep {rep}:", json.dumps(facts[-1]), flush=True)
+        for regime in args.regimes.split(","):
+            for fw in frameworks:  # per run: the machine's load drifts; every tool of a run gets the same step
+                cal = _child("calibrate", {**common, "framework": fw, "units": 0,
+                                           "root": os.path.abspath(os.path.join(args.scratch, "cal"))})
+                res["calibration"].append({"rep": rep, "regime": regime, "framework": fw, **cal})
+                units = max(0, round((float(targets[regime]) - cal["base"]) / cal["unit"]))
+                for tool in CASES[fw] + (EXTRA_CASES[fw] if regime == "disk" else []):
+                    if wanted and tool not in wanted and tool != "none":
+                        continue
+                    spec = {**common, "framework": fw, "tool": tool, "units": units,
+                            "root": os.path.abspath(os.path.join(args.scratch, f"async_{fw}_{tool}"))}
+                    r = _child("case", spec)
+                    runs.setdefault((regime, fw, tool), []).append(r)
+                    print(rep, regime, fw, tool, json.dumps({k: v for k, v in r.items() if k != "stalls"}), flush=True)
+    res["facts"] = _aggregate_facts(facts)
+    for (regime, fw, tool), rs in runs.items():
+        res["regimes"].setdefault(regime, {}).setdefault(fw, {})[tool] = _aggregate(rs)
+    text = _table(res, args)
+    print(text)
+    with open(os.path.join(args.out, f"{args.name}.json"), "w") as fh:
+        json.dump(res, fh, indent=1)
+    with open(os.path.join(args.out, f"{args.name}.md"), "w") as fh:
+        fh.write(text + "\n")
 
 
 if __name__ == "__main__":
-    sys.exit(main([SUITE]))
+    main()

@@ -3,10 +3,16 @@
 
     python bench/readme.py [--results bench/results] [--readme README.md] [--check]
 
-Every ``bench/results/<suite>-<size>.json`` is rendered (``_harness.report.readme_block``)
-between the README's marker comments ``<!-- bench:<suite>-<size> -->`` and
-``<!-- /bench:<suite>-<size> -->``. A result file without markers, or markers without a
-result file, is reported. ``--check`` changes nothing and exits 1 if the README is stale.
+Every harness result ``bench/results/<suite>-<size>.json`` (schema ``ckptbridge-bench/1``) is
+rendered (``_harness.report.readme_block``) between the README's marker comments
+``<!-- bench:<suite>-<size> -->`` and ``<!-- /bench:<suite>-<size> -->``. A standalone
+benchmark's result ``bench/results/<stem>.json`` (its own format: bench_async.py,
+bench_orbax_inplace.py, bench_ds_resume.py, bench_big_state.py, bench_recipes.py ...) goes
+between ``<!-- bench:<stem> -->`` markers as the Markdown table its script wrote beside it
+(``<stem>.md``), or, where the script writes none, as a pointer to the JSON: never as numbers
+typed or re-derived here. A result file without markers, or markers without a result file,
+is reported (the README then says the file is missing). ``--check`` changes nothing and
+exits 1 if the README is stale.
 """
 
 from __future__ import annotations
@@ -38,7 +44,9 @@ def render(text: str, results: dict[str, dict]) -> tuple[str, list[str], list[st
         doc = results.get(key)
         if doc is None:
             missing.append(key)
-            body = f"*No result file `bench/results/{key}.json` yet: run `make bench`.*\n"
+            body = f"*No result file `bench/results/{key}.json` yet (bench/README.md: the command that writes it).*\n"
+        elif STANDALONE in doc:
+            body = standalone_block(key, doc[STANDALONE])
         else:
             body = readme_block(doc)
         return m.group(1) + body + m.group(4)
@@ -47,11 +55,29 @@ def render(text: str, results: dict[str, dict]) -> tuple[str, list[str], list[st
     return out, missing, sorted(set(results) - seen)
 
 
+STANDALONE = "_standalone_md"  # key of a standalone result: the text of its .md (or None)
+
+
+def standalone_block(key: str, md: str | None) -> str:
+    """A standalone benchmark's own Markdown, verbatim, under a line naming its files."""
+    src = f"*From `bench/results/{key}.json`"
+    if md is None:
+        return (src + " (the script's own format, not rendered as a table: read the JSON or the "
+                "script's docstring).*\n")
+    return src + f" and `{key}.md`, as the script wrote them.*\n\n" + md.strip() + "\n"
+
+
 def load_results(folder: str) -> dict[str, dict]:
-    out = {}
+    """Harness results by ``<suite>-<size>``; standalone ones (no harness schema) by file stem."""
+    out: dict[str, dict] = {}
     for path in sorted(glob.glob(os.path.join(folder, "*.json"))):
         with open(path) as fh:
             doc = json.load(fh)
+        if not isinstance(doc, dict) or "schema" not in doc:
+            md = os.path.splitext(path)[0] + ".md"
+            text = open(md).read() if os.path.exists(md) else None
+            out[os.path.splitext(os.path.basename(path))[0]] = {STANDALONE: text}
+            continue
         problems = validate(doc)
         if problems:
             raise SystemExit(f"{path}: not a valid result file: {problems[:5]}")

@@ -27,51 +27,72 @@ Framework adapters live in ``ckptbridge.adapters`` (``.jax``, ``.torch``,
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
-
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from ._version import __version__
+
 if TYPE_CHECKING:
-    from ._async import Checkpointer, SaveStats
     from ._checkpoint import Checkpoint, CheckpointIndex, TensorView
-    from ._convert import DiffRow, convert, diff, export
+    from ._checkpointer import Checkpointer, RestoreResult, SavePolicy, SaveStats
+    from ._convert import DiffRow, convert, diff, export, trace
     from ._errors import (
         CheckpointError,
         CorruptionError,
         FormatError,
         IncompleteCheckpointError,
+        MissingExtraError,
         MissingShardError,
+        OptionError,
         ShapeMismatchError,
         TensorNotFoundError,
         TruncatedError,
         UnknownFormatError,
         UnsafePickleError,
+        WriteError,
     )
+    from ._formats import Format, formats
     from ._html import ReshardPlan
     from ._model import Box, FileRegion, Fragment, LogicalTensor, TensorState, flat_range_fragments
     from ._open import detect_format, open
     from ._plan import CopyOp, plan
     from ._reshard import reshard
     from ._rules import (
+        Cast,
+        Crop,
+        Deinterleave,
+        Expect,
+        FlatPartition,
         Fuse,
+        Interleave,
+        Join,
+        MergeDims,
         Pad,
         Rename,
         Renumber,
         Replicate,
+        Reshape,
         Rule,
+        Scale,
         Shard,
         Split,
+        SplitDim,
         Stack,
+        State,
         Transpose,
         Unstack,
         apply_rules,
+        invert,
+        rule_from_json,
+        rules_to_json,
     )
     from ._universal import verify
 
 _LAZY = {  # public name -> module: imported on first use, so the CLI and core start fast
-    "Checkpointer": "._async",
-    "SaveStats": "._async",
+    "Checkpointer": "._checkpointer",
+    "SavePolicy": "._checkpointer",
+    "SaveStats": "._checkpointer",
+    "RestoreResult": "._checkpointer",
     "Checkpoint": "._checkpoint",
     "CheckpointIndex": "._checkpoint",
     "TensorView": "._checkpoint",
@@ -79,16 +100,22 @@ _LAZY = {  # public name -> module: imported on first use, so the CLI and core s
     "convert": "._convert",
     "diff": "._convert",
     "export": "._convert",
+    "trace": "._convert",
     "CheckpointError": "._errors",
     "CorruptionError": "._errors",
     "FormatError": "._errors",
     "IncompleteCheckpointError": "._errors",
+    "MissingExtraError": "._errors",
     "MissingShardError": "._errors",
+    "OptionError": "._errors",
     "ShapeMismatchError": "._errors",
     "TensorNotFoundError": "._errors",
     "TruncatedError": "._errors",
     "UnknownFormatError": "._errors",
     "UnsafePickleError": "._errors",
+    "WriteError": "._errors",
+    "Format": "._formats",
+    "formats": "._formats",
     "ReshardPlan": "._html",
     "Box": "._model",
     "FileRegion": "._model",
@@ -101,7 +128,9 @@ _LAZY = {  # public name -> module: imported on first use, so the CLI and core s
     "CopyOp": "._plan",
     "plan": "._plan",
     "reshard": "._reshard",
+    "FlatPartition": "._rules",
     "Fuse": "._rules",
+    "Join": "._rules",
     "Pad": "._rules",
     "Rename": "._rules",
     "Renumber": "._rules",
@@ -110,14 +139,29 @@ _LAZY = {  # public name -> module: imported on first use, so the CLI and core s
     "Shard": "._rules",
     "Split": "._rules",
     "Stack": "._rules",
+    "State": "._rules",
     "Transpose": "._rules",
     "Unstack": "._rules",
     "apply_rules": "._rules",
+    "rule_from_json": "._rules",
+    "rules_to_json": "._rules",
+    "Cast": "._rules",
+    "Crop": "._rules",
+    "Deinterleave": "._rules",
+    "Expect": "._rules",
+    "Interleave": "._rules",
+    "MergeDims": "._rules",
+    "Reshape": "._rules",
+    "Scale": "._rules",
+    "SplitDim": "._rules",
+    "invert": "._rules",
     "verify": "._universal",
 }
 
 
 def __getattr__(name: str) -> Any:
+    if name in ("recipes", "plugin"):  # public submodules
+        return importlib.import_module(f".{name}", __name__)
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'ckptbridge' has no attribute {name!r}")
@@ -132,31 +176,48 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "Box",
+    "Cast",
     "Checkpoint",
     "CheckpointError",
     "CheckpointIndex",
     "Checkpointer",
     "CopyOp",
     "CorruptionError",
+    "Crop",
+    "Deinterleave",
     "DiffRow",
+    "Expect",
     "FileRegion",
+    "FlatPartition",
+    "Format",
     "FormatError",
     "Fragment",
     "Fuse",
     "IncompleteCheckpointError",
+    "Interleave",
+    "Join",
     "LogicalTensor",
+    "MergeDims",
+    "MissingExtraError",
     "MissingShardError",
+    "OptionError",
     "Pad",
     "Rename",
     "Renumber",
     "Replicate",
+    "Reshape",
     "ReshardPlan",
+    "RestoreResult",
     "Rule",
+    "SavePolicy",
     "SaveStats",
+    "Scale",
     "ShapeMismatchError",
     "Shard",
     "Split",
+    "SplitDim",
     "Stack",
+    "State",
     "TensorNotFoundError",
     "TensorState",
     "TensorView",
@@ -165,6 +226,7 @@ __all__ = [
     "UnknownFormatError",
     "UnsafePickleError",
     "Unstack",
+    "WriteError",
     "__version__",
     "apply_rules",
     "convert",
@@ -172,8 +234,13 @@ __all__ = [
     "diff",
     "export",
     "flat_range_fragments",
+    "formats",
+    "invert",
     "open",
     "plan",
     "reshard",
+    "rule_from_json",
+    "rules_to_json",
+    "trace",
     "verify",
 ]

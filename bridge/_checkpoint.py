@@ -15,16 +15,19 @@ reader. Nothing is read until a tensor is sliced::
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+import dataclasses
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from ._errors import TensorNotFoundError
+from ._errors import CheckpointError, TensorNotFoundError
+from ._html import checkpoint_html, tensor_html
 from ._model import Box, LogicalTensor, TensorState
 from ._plan import normalize_index
 from ._read import FileCache, ReadStats, read_state
+from ._rules import Rule, apply_rules, rule_from_json, rules_to_json
 
 
 @dataclass(frozen=True)
@@ -85,8 +88,6 @@ class TensorView:
         return f"{self._ckpt.path}: tensor {self.name!r} state {self.state_name!r}"
 
     def _repr_html_(self) -> str:
-        from ._html import tensor_html
-
         return tensor_html(self)
 
     def __repr__(self) -> str:
@@ -150,6 +151,24 @@ class Checkpoint(Mapping[str, TensorView]):
             seen.update(dict.fromkeys(t.states))
         return tuple(seen)
 
+    def with_rules(self, rules: Sequence[Rule | Mapping[str, Any]]) -> Checkpoint:
+        """This checkpoint seen through mapping ``rules`` (rule objects or their JSON form):
+        names, shapes and states after the rules, sharing this checkpoint's reader. Nothing is
+        read; the rules are appended to ``rules`` (and recorded by ``convert``)::
+
+            hf = ckptbridge.open("llama/").with_rules(recipes.rules("llama", src="hf", dst="maxtext", ...))
+            hf["decoder/layers/self_attention/query/kernel"].shape
+        """
+        parsed = [r if isinstance(r, Rule) else rule_from_json(r) for r in rules]
+        if not parsed:
+            return self
+        try:
+            tensors = apply_rules(self.index.tensors, parsed)
+        except CheckpointError as err:  # name the checkpoint too
+            raise type(err)(f"{self.path}: {err.args[0] if err.args else err}") from None
+        index = dataclasses.replace(self.index, tensors=tensors, rules=(*self.index.rules, *rules_to_json(parsed)))
+        return Checkpoint(index, self.files)
+
     def close(self) -> None:
         self.files.close()
 
@@ -160,8 +179,6 @@ class Checkpoint(Mapping[str, TensorView]):
         self.close()
 
     def _repr_html_(self) -> str:
-        from ._html import checkpoint_html
-
         return checkpoint_html(self)
 
     def __repr__(self) -> str:

@@ -1,38 +1,60 @@
-"""The ``ckptbridge`` command line.
+"""The ``ckptbridge`` command line (also ``python -m ckptbridge``).
 
 ::
 
     ckptbridge inspect PATH [--json] [--fragments]
-    ckptbridge convert SRC DST
+    ckptbridge convert SRC DST [--states S1,S2]
     ckptbridge export SRC OUT.safetensors [--state fp32] [--dtype bfloat16]
     ckptbridge verify PATH
-    ckptbridge diff A B [--json] [--state S]
-    ckptbridge reshard SRC DST --to FORMAT [--tp N --pp M --dp N --world-size N --zero-stage N -o k=v]
+    ckptbridge diff A B [--json] [--state S] [--atol X] [--rtol Y]
+    ckptbridge reshard SRC DST --to FORMAT [--tp N --pp M ... -o key=value]
+    ckptbridge formats
+    ckptbridge recipe [FAMILY SRC DST [--hf-config config.json] [-c key=value ...] [--out R.json]]
 
-Rich tables on a terminal, plain text when piped. Exit status: 0 success,
-1 the check failed (verify, diff with differences), 2 bad input.
+Every command that reads takes ``--format`` (skip detection), ``-O key=value`` (the
+source format's open options) and ``--rules FILE.json`` (view the source through
+mapping rules). Rich tables and progress bars on a terminal; clean tab-separated
+output and no progress when piped. Exit status: 0 success, 1 a check failed
+(verify, diff found differences), 2 bad input or a failed write (one line on
+stderr naming the file).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import sys
-from collections.abc import Sequence
-from typing import Any
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, NoReturn
 
 from ._checkpoint import Checkpoint
-from ._errors import CheckpointError
+from ._convert import convert, diff, export
+from ._errors import CheckpointError, MissingExtraError, OptionError, UnknownFormatError, WriteError
+from ._formats import describe_options, formats, get_format, writable_formats
+from ._open import open as open_ckpt
+from ._reshard import destination, reshard
+from ._rules import rule_from_json
+from ._verify import verify_checkpoint
+from ._version import __version__
+
+# flags of `reshard` that are shorthands for format options of the same name
+_LAYOUT_FLAGS = ("tp", "pp", "dp", "world_size", "zero_stage", "state")
 
 
-def _console() -> Any:
-    from rich.console import Console
+# ------------------------------------------------------------------ output helpers
 
-    return Console(highlight=False, soft_wrap=not sys.stdout.isatty())
+
+def _tty(stream: Any = None) -> bool:
+    return bool(getattr(stream or sys.stdout, "isatty", lambda: False)())
 
 
 def _table(title: str, columns: Sequence[str], rows: list[Sequence[Any]]) -> None:
-    if sys.stdout.isatty():
+    """A rich table on a terminal; on a pipe the header line and tab-separated rows only."""
+    if _tty():
+        from rich.console import Console
         from rich.table import Table
 
         table = Table(title=title)
@@ -40,20 +62,133 @@ def _table(title: str, columns: Sequence[str], rows: list[Sequence[Any]]) -> Non
             table.add_column(c)
         for r in rows:
             table.add_row(*(str(x) for x in r))
-        _console().print(table)
+        Console(highlight=False).print(table)
     else:
-        print(title)
         print("\t".join(columns))
         for r in rows:
             print("\t".join(str(x) for x in r))
 
 
+@contextlib.contextmanager
+def _progress(label: str, total: int, done: Callable[[], int]) -> Iterator[None]:
+    """A progress bar on stderr while the block runs, polling ``done()`` (bytes); nothing on a pipe."""
+    if not _tty(sys.stderr) or total <= 0:
+        yield
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
+
+    bar = Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
+                   TransferSpeedColumn(), transient=True, console=Console(stderr=True))
+    task = bar.add_task(label, total=total)
+    stop = threading.Event()
+
+    def poll() -> None:
+        while not stop.wait(0.1):
+            bar.update(task, completed=min(done(), total))
+
+    with bar:
+        th = threading.Thread(target=poll, daemon=True)
+        th.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            th.join()
+            bar.update(task, completed=min(done(), total))  # the last frame shows where it ended
+
+
+@contextlib.contextmanager
+def _writing(dst: str) -> Iterator[None]:
+    """Failures to write ``dst`` (read-only place, ``/proc``, full disk ...) become one
+    :class:`WriteError` naming ``dst``; errors about the source pass through unchanged."""
+    try:
+        yield
+    except WriteError as err:
+        raise _write_failure(err, dst) from err
+    except (CheckpointError, FileExistsError):
+        raise
+    except OSError as err:
+        if err.filename and not _under(os.fspath(err.filename), dst):
+            raise  # about another file (the source): main() names it
+        raise _write_failure(err, dst) from err
+
+
+def _under(name: str, dst: str) -> bool:
+    """Whether a failing path is the destination, inside it, its staging copy, or a parent of it."""
+    name, target = os.path.abspath(name), os.path.abspath(dst)
+    return (name == target or name.startswith((target + os.sep, target + ".partial"))
+            or target.startswith(name.rstrip(os.sep) + os.sep))
+
+
+def _write_failure(err: OSError, dst: str) -> WriteError:
+    reason = os.strerror(err.errno) if err.errno else str(err)
+    name = os.fspath(err.filename) if err.filename else None
+    where = f": {name}" if name and os.path.abspath(name) != os.path.abspath(dst) else ""
+    return WriteError(f"{dst}: cannot write the checkpoint here ({reason}{where})", err.errno)
+
+
+def _bytes_of(ckpt: Checkpoint, states: Sequence[str] | None = None) -> int:
+    return sum(st.nbytes for t in ckpt.tensors.values() for s, st in t.states.items()
+               if states is None or s in states)
+
+
+def _view_bytes(ckpt: Checkpoint, state: str | None) -> int:
+    """Bytes of one state of every tensor (``None``: each tensor's weights), as export and diff read."""
+    if state is not None:
+        return _bytes_of(ckpt, [state])
+    return sum(t.state().nbytes for t in ckpt.tensors.values())
+
+
+# ------------------------------------------------------------------ argument parsing
+
+
+def _pairs(values: Sequence[str], flag: str) -> dict[str, Any]:
+    """``key=value`` strings -> dict (values stay strings: each format's typed options parse them)."""
+    out: dict[str, Any] = {}
+    for p in values:
+        key, sep, value = p.partition("=")
+        if not sep or not key:
+            raise OptionError(f"{flag} expects key=value, got {p!r}")
+        out[key.strip().replace("-", "_")] = value
+    return out
+
+
+def _rules(path: str | None) -> list[Any] | None:
+    if not path:
+        return None
+    try:
+        with open(path) as fh:
+            data = json.load(fh)
+    except FileNotFoundError:
+        raise OptionError(f"{path}: no such rules file") from None
+    except ValueError as err:
+        raise OptionError(f"{path}: not a JSON list of rules ({err})") from None
+    if isinstance(data, dict) and "rules" in data:
+        data = data["rules"]
+    if not isinstance(data, list):
+        raise OptionError(f"{path}: expected a JSON list of rule objects")
+
+    return [rule_from_json(r) for r in data]
+
+
+def _open(args: argparse.Namespace, path: str | None = None, *, fmt: str | None = None,
+          rules: str | None = None) -> Checkpoint:
+    return open_ckpt(path or args.src, fmt if fmt is not None else args.format,
+                     rules=_rules(rules if rules is not None else getattr(args, "rules", None)),
+                     **_pairs(getattr(args, "open_option", []) or [], "-O"))
+
+
+# ------------------------------------------------------------------ commands
+
+
 def _summary(ckpt: Checkpoint) -> dict[str, Any]:
     return {
         "format": ckpt.format,
+        "path": ckpt.path,
         "step": ckpt.step,
         "tensors": [
-            {"name": n, "shape": list(t.shape), "dtype": t.states[t.weight_state].dtype,
+            {"name": n, "shape": list(t.shape), "dtype": _model_dtype(t),
              "states": list(t.states),
              "state_dtypes": {s: st.dtype for s, st in t.states.items()},
              "fragments": sum(len(st.fragments) for st in t.states.values()),
@@ -64,169 +199,340 @@ def _summary(ckpt: Checkpoint) -> dict[str, Any]:
     }
 
 
-def cmd_inspect(args: argparse.Namespace) -> int:
-    from . import open as open_ckpt
+def _model_dtype(t: Any) -> str:
+    """The dtype of the weights as the model holds them (``param`` when present, else the master)."""
+    return str(t.states["param"].dtype if "param" in t.states else t.state().dtype)
 
-    ckpt = open_ckpt(args.path)
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    ckpt = _open(args, args.path)
     info = _summary(ckpt)
     if args.json:
         print(json.dumps(info, default=str))
         return 0
-    rows = [(t["name"], "x".join(map(str, t["shape"])) or "scalar", t["dtype"], ",".join(t["states"]),
-             t["fragments"]) for t in info["tensors"]]
-    _table(f"{ckpt.path}  format={ckpt.format}  step={ckpt.step}  tensors={len(rows)}",
-           ("name", "shape", "dtype", "states", "fragments"), rows)
-    if ckpt.rules:
-        print("rules:")
+    rows = [(t["name"], "x".join(map(str, t["shape"])) or "scalar", t["dtype"],
+             ",".join(f"{s}:{d}" for s, d in t["state_dtypes"].items()), t["fragments"])
+            for t in info["tensors"]]
+    if not args.fragments or _tty():  # piped, --fragments prints its own table alone (one clean TSV)
+        _table(f"{ckpt.path}  format={ckpt.format}  step={ckpt.step}  tensors={len(rows)}",
+               ("name", "shape", "dtype", "states", "fragments"), rows)
+    if args.fragments:
+        _table("fragments", ("name", "state", "box", "location"),
+               [(n, s, f"{list(f.box.offset)}+{list(f.box.shape)}", f.location.describe())
+                for n, t in ckpt.tensors.items() for s, st in t.states.items() for f in st.fragments])
+    if _tty() and ckpt.rules:
+        print("rules (the layout of this checkpoint, and any mapping applied):")
         for r in ckpt.rules:
             print("  " + json.dumps(r))
-    if args.fragments:
-        for n, t in ckpt.tensors.items():
-            for s, st in t.states.items():
-                for f in st.fragments:
-                    print(f"{n}\t{s}\t{list(f.box.offset)}+{list(f.box.shape)}\t{f.location.describe()}")
     return 0
 
 
-def _progress() -> Any:
-    if not sys.stderr.isatty():
-        return None, None
-    from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
-
-    bar = Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
-                   TransferSpeedColumn(), transient=True)
-    task = bar.add_task("converting", total=None)
-    return bar, lambda done, total: bar.update(task, completed=done, total=total)
-
-
 def cmd_convert(args: argparse.Namespace) -> int:
-    from . import convert
-
-    states = args.states.split(",") if args.states else None
-    bar, cb = _progress()
-    if bar:
-        with bar:
-            out = convert(args.src, args.dst, states=states, overwrite=args.overwrite, progress=cb)
-    else:
-        out = convert(args.src, args.dst, states=states, overwrite=args.overwrite)
+    ckpt = _open(args)
+    states = [s for s in args.states.split(",") if s] if args.states else None
+    with _progress("converting", _bytes_of(ckpt, states), lambda: ckpt.stats.bytes_read), _writing(args.dst):
+        out = convert(ckpt, args.dst, states=states, overwrite=args.overwrite)
     print(f"wrote {out}")
     return 0
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from . import export
-
-    out = export(args.src, args.out, state=args.state, dtype=args.dtype, overwrite=args.overwrite)
+    ckpt = _open(args)
+    with _progress("exporting", _view_bytes(ckpt, args.state),
+                   lambda: ckpt.stats.bytes_read), _writing(args.out):
+        out = export(ckpt, args.out, state=args.state, dtype=args.dtype, overwrite=args.overwrite)
     print(f"wrote {out}")
     return 0
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from ._universal import verify
-
-    problems = verify(args.path)
+    try:
+        ckpt = _open(args, args.path)
+    except (UnknownFormatError, OptionError, MissingExtraError):  # bad input, not a failed check
+        raise
+    except CheckpointError as err:  # found but incomplete, truncated, malformed: the check failed
+        print(f"FAIL {err}", file=sys.stderr)
+        return 1
+    with _progress("verifying", _bytes_of(ckpt), lambda: ckpt.stats.bytes_read):
+        problems = verify_checkpoint(ckpt)
     for p in problems:
         print(f"FAIL {p}", file=sys.stderr)
     if not problems:
-        print(f"ok {args.path}")
+        print(f"ok {ckpt.path} ({ckpt.format}, {len(ckpt)} tensors, every byte readable"
+              f"{', every checksum matches' if ckpt.format == 'universal' else ''})")
     return 1 if problems else 0
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
-    from . import diff
+    a = _open(args, args.a, fmt=args.format, rules=args.rules)
+    b = _open(args, args.b, fmt=args.format_b or "", rules=args.rules_b or "")
+    if args.state is not None and args.state not in set(a.states()) | set(b.states()):
+        raise OptionError(f"--state {args.state!r}: neither checkpoint has it (A: {list(a.states())}, "
+                          f"B: {list(b.states())})")
+    total = _view_bytes(a, args.state) + _view_bytes(b, args.state)
+    with _progress("comparing", total, lambda: a.stats.bytes_read + b.stats.bytes_read):
+        rows = diff(a, b, state=args.state, atol=args.atol, rtol=args.rtol)
+    status = 0 if all(r.equal for r in rows) else 1
+    try:
+        if args.json:
+            print(json.dumps([
+                {"name": r.name, "in_a": r.in_a, "in_b": r.in_b, "shape_a": r.shape_a, "shape_b": r.shape_b,
+                 "dtype_a": r.dtype_a, "dtype_b": r.dtype_b, "max_abs_diff": r.max_abs_diff, "equal": r.equal}
+                for r in rows
+            ]))
+        else:
+            _table(f"diff {a.path} {b.path}", ("name", "in A", "in B", "shape A", "shape B", "dtype A", "dtype B",
+                                                "max |A-B|", "equal"),
+                   [(r.name, r.in_a, r.in_b, r.shape_a, r.shape_b, r.dtype_a, r.dtype_b, r.max_abs_diff, r.equal)
+                    for r in rows])
+    except BrokenPipeError:  # `diff a b | head`: the verdict still stands
+        _silence_stdout()
+    return status
 
-    rows = diff(args.a, args.b, state=args.state)
+
+def cmd_reshard(args: argparse.Namespace) -> int:
+    fmt = get_format(args.to)
+    opts = _pairs(args.option, "-o")
+    for flag in _LAYOUT_FLAGS:
+        value = getattr(args, flag)
+        if value is not None:
+            if flag in opts:
+                raise OptionError(f"--{flag.replace('_', '-')} and -o {flag}=... both given")
+            opts[flag] = value
+    if args.overwrite:
+        opts["overwrite"] = True
+    ckpt = _open(args)
+    dst = destination(args.dst, fmt.name)
+    with _progress(f"writing {fmt.name}", _bytes_of(ckpt), lambda: ckpt.stats.bytes_read), _writing(dst):
+        out = reshard(ckpt, dst, fmt.name, **opts)
+    print(f"wrote {out} ({fmt.name})")
+    return 0
+
+
+def cmd_formats(args: argparse.Namespace) -> int:
+    fmts = formats()
     if args.json:
-        print(json.dumps([
-            {"name": r.name, "in_a": r.in_a, "in_b": r.in_b, "shape_a": r.shape_a, "shape_b": r.shape_b,
-             "dtype_a": r.dtype_a, "dtype_b": r.dtype_b, "max_abs_diff": r.max_abs_diff, "equal": r.equal}
-            for r in rows
-        ]))
-    else:
-        _table(f"diff {args.a} {args.b}", ("name", "in A", "in B", "shape A", "shape B", "dtype A", "dtype B",
-                                            "max |A-B|"),
-               [(r.name, r.in_a, r.in_b, r.shape_a, r.shape_b, r.dtype_a, r.dtype_b, r.max_abs_diff)
-                for r in rows])
-    return 0 if all(r.equal for r in rows) else 1
+        print(json.dumps([{"name": f.name, "read": f.readable, "write": f.writable, "description": f.description,
+                           "extra": f.extra,
+                           "open_options": [dict(zip(("name", "type", "default", "help"), o))
+                                            for o in describe_options(f.open_options)],
+                           "write_options": [dict(zip(("name", "type", "default", "help"), o))
+                                             for o in describe_options(f.write_options)] if f.writable else []}
+                          for f in fmts]))
+        return 0
+    _table("formats", ("name", "read", "write", "description"),
+           [(f.name, "yes" if f.readable else "-", "yes" if f.writable else "-", f.description) for f in fmts])
+    if _tty():
+        print("\noptions (open: -O key=value; write: reshard -o key=value):")
+        for f in fmts:
+            for kind, cls in (("open", f.open_options), ("write", f.write_options if f.writable else None)):
+                for name, tp, default, text in describe_options(cls) if cls is not None else ():
+                    print(f"  {f.name:20s} {kind:5s} {name}: {tp} = {default}  {text}")
+    return 0
 
 
-def _options(pairs: Sequence[str]) -> dict[str, Any]:
+def _recipe_config(pairs: dict[str, str]) -> dict[str, Any]:
+    """``-c key=value`` strings typed as :class:`ckptbridge.recipes.RecipeConfig` declares them."""
+    import dataclasses
+
+    from .recipes import RecipeConfig
+
+    kinds = {f.name: f.type for f in dataclasses.fields(RecipeConfig)}
     out: dict[str, Any] = {}
-    for p in pairs:
-        key, sep, value = p.partition("=")
-        if not sep:
-            raise SystemExit(f"-o expects key=value, got {p!r}")
-        try:
-            out[key] = json.loads(value)
-        except ValueError:
+    for key, value in pairs.items():
+        kind = str(kinds.get(key, "str"))
+        if kind == "bool":
+            if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
+                raise OptionError(f"-c {key}={value}: expected true or false")
+            out[key] = value.lower() in ("true", "1", "yes")
+        elif kind == "int":
+            try:
+                out[key] = int(value)
+            except ValueError:
+                raise OptionError(f"-c {key}={value}: expected an integer") from None
+        else:
             out[key] = value
     return out
 
 
-def cmd_reshard(args: argparse.Namespace) -> int:
-    from . import reshard
+def cmd_recipe(args: argparse.Namespace) -> int:
+    """List the recipes, or print one as the JSON rule list ``--rules`` takes."""
+    from . import recipes
+    from ._rules import rules_to_json
 
-    opts = {"tp": args.tp, "pp": args.pp, "dp": args.dp, "world_size": args.world_size,
-            "zero_stage": args.zero_stage, "state": args.state, "overwrite": args.overwrite or None,
-            **_options(args.option)}
-    reshard(args.src, args.dst, args.to, **opts)
-    print(f"wrote {args.dst} ({args.to})")
+    if not args.family:
+        _table("recipes (family, source scheme, destination scheme)", ["family", "src", "dst"], recipes.available())
+        return 0
+    if not (args.src and args.dst):
+        raise OptionError("recipe FAMILY SRC DST: give the source and the destination scheme (hf, megatron, maxtext)")
+    config = recipes.config_from_hf(args.hf_config) if args.hf_config else {}
+    config.update(_recipe_config(_pairs(args.config, "-c")))
+    text = json.dumps(rules_to_json(recipes.rules(args.family, src=args.src, dst=args.dst, **config)), indent=1)
+    if args.out:
+        with open(args.out, "w") as fh:
+            fh.write(text + "\n")
+    else:
+        print(text)
     return 0
 
 
+# ------------------------------------------------------------------ parser
+
+
+def _source_args(s: argparse.ArgumentParser, *, rules: bool = True) -> None:
+    s.add_argument("--format", default=None, metavar="NAME",
+                   help="read the source as this format instead of detecting it (see `ckptbridge formats`)")
+    s.add_argument("-O", "--open-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="an option of the source format's reader, e.g. -O split_fused=true (repeatable)")
+    if rules:
+        s.add_argument("--rules", default=None, metavar="FILE.json",
+                       help="view the source through mapping rules (a JSON list, as `inspect --json` prints)")
+
+
+def _writer_epilog() -> str:
+    try:
+        lines = ["write options per format (-o key=value; --tp/--pp/... are shorthands):"]
+        for f in writable_formats():
+            opts = ", ".join(f"{n} ({t}, default {d})" for n, t, d, _ in describe_options(f.write_options))
+            lines.append(f"  {f.name}: {opts}")
+        return "\n".join(lines)
+    except Exception:  # help text must never fail
+        return ""
+
+
+def _writable_names() -> list[str]:
+    try:
+        return [f.name for f in writable_formats()]
+    except Exception:
+        return []
+
+
+class _Parser(argparse.ArgumentParser):
+    """Usage errors are one line too (exit 2), pointing at ``--help`` instead of printing the usage."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {' '.join(message.split())} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ckptbridge", description="Portable distributed-training checkpoints.")
-    sub = p.add_subparsers(dest="cmd", required=True)
-    s = sub.add_parser("inspect", help="list tensors, shapes, dtypes, states")
-    s.add_argument("path")
-    s.add_argument("--json", action="store_true")
-    s.add_argument("--fragments", action="store_true", help="also list every fragment and where it lives")
+    p = _Parser(prog="ckptbridge", description="Portable distributed-training checkpoints: "
+                                "read DeepSpeed, Megatron, DCP, Orbax, torch and safetensors checkpoints, "
+                                "convert, reshard and compare them.")
+    p.add_argument("--version", action="version", version=f"ckptbridge {__version__}")
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+
+    s = sub.add_parser("inspect", help="list the tensors: names, shapes, dtypes, states, fragments",
+                       description="List the logical tensors of a checkpoint of any format.")
+    s.add_argument("path", help="checkpoint file or directory")
+    s.add_argument("--json", action="store_true", help="one JSON object (format, step, tensors, rules)")
+    s.add_argument("--fragments", action="store_true",
+                   help="also list every fragment and where its bytes are (piped: that table alone)")
+    _source_args(s)
     s.set_defaults(fn=cmd_inspect)
-    s = sub.add_parser("convert", help="write a universal directory")
-    s.add_argument("src")
-    s.add_argument("dst")
+
+    s = sub.add_parser("convert", help="write a universal directory (streaming, checksummed)",
+                       description="Write the universal layout from a checkpoint of any format.")
+    s.add_argument("src", help="source checkpoint")
+    s.add_argument("dst", help="new universal directory")
     s.add_argument("--states", default=None, metavar="S1,S2",
                    help="only these states (e.g. fp32,exp_avg,exp_avg_sq); default all")
-    s.add_argument("--overwrite", action="store_true")
+    s.add_argument("--overwrite", action="store_true", help="replace DST once the new one is complete")
+    _source_args(s)
     s.set_defaults(fn=cmd_convert)
-    s = sub.add_parser("export", help="one safetensors file of one state")
-    s.add_argument("src")
-    s.add_argument("out")
-    s.add_argument("--state", default=None)
-    s.add_argument("--dtype", default=None)
-    s.add_argument("--overwrite", action="store_true")
+
+    s = sub.add_parser("export", help="one safetensors file of one state",
+                       description="Write one state of every tensor into one safetensors file.")
+    s.add_argument("src", help="source checkpoint")
+    s.add_argument("out", help="the .safetensors file to write")
+    s.add_argument("--state", default=None, help="state to export (default: the weights, fp32 else param)")
+    s.add_argument("--dtype", default=None, help="cast to this dtype, e.g. bfloat16")
+    s.add_argument("--overwrite", action="store_true", help="replace OUT once the new one is complete")
+    _source_args(s)
     s.set_defaults(fn=cmd_export)
-    s = sub.add_parser("verify", help="check a universal directory's completeness and checksums")
-    s.add_argument("path")
+
+    s = sub.add_parser("verify", help="check that every byte is there (and every checksum, when recorded)",
+                       description="Read every fragment of a checkpoint of any format; universal checkpoints "
+                                   "also have their commit marker and checksums checked. Exit 1 on problems.")
+    s.add_argument("path", help="checkpoint file or directory")
+    _source_args(s, rules=False)
     s.set_defaults(fn=cmd_verify)
-    s = sub.add_parser("diff", help="compare two checkpoints of any formats")
-    s.add_argument("a")
-    s.add_argument("b")
-    s.add_argument("--json", action="store_true")
-    s.add_argument("--state", default=None)
+
+    s = sub.add_parser("diff", help="compare two checkpoints, any formats",
+                       description="Compare two checkpoints tensor by tensor (streaming). Exit 1 if they differ.")
+    s.add_argument("a", help="first checkpoint")
+    s.add_argument("b", help="second checkpoint")
+    s.add_argument("--json", action="store_true", help="one JSON list of rows")
+    s.add_argument("--state", default=None, help="compare this state (default: each tensor's weights)")
+    s.add_argument("--atol", type=float, default=0.0, help="absolute tolerance (default 0: bitwise)")
+    s.add_argument("--rtol", type=float, default=0.0, help="relative tolerance (default 0)")
+    s.add_argument("--format-b", default=None, metavar="NAME", help="format of B (--format is A's)")
+    s.add_argument("--rules-b", default=None, metavar="FILE.json", help="mapping rules for B (--rules is A's)")
+    _source_args(s)
     s.set_defaults(fn=cmd_diff)
-    s = sub.add_parser("reshard", help="write a checkpoint in a format and layout")
-    s.add_argument("src")
-    s.add_argument("dst")
-    s.add_argument("--to", required=True)
-    for flag in ("--tp", "--pp", "--dp", "--world-size", "--zero-stage"):
-        s.add_argument(flag, type=int, default=None)
-    s.add_argument("--state", default=None)
-    s.add_argument("--overwrite", action="store_true")
-    s.add_argument("-o", "--option", action="append", default=[], metavar="KEY=VALUE")
+
+    s = sub.add_parser("reshard", help="write a checkpoint in another format and layout",
+                       description="Write SRC as format --to at DST, for a new layout.",
+                       epilog=_writer_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    s.add_argument("src", help="source checkpoint")
+    s.add_argument("dst", help="destination (a file extension is added for single-file formats)")
+    s.add_argument("--to", required=True, metavar="FORMAT", choices=_writable_names() or None,
+                   help="format to write: " + ", ".join(_writable_names()))
+    s.add_argument("--tp", type=int, default=None, help="tensor-parallel size (megatron)")
+    s.add_argument("--pp", type=int, default=None, help="pipeline-parallel size (megatron)")
+    s.add_argument("--dp", type=int, default=None, help="data-parallel size (megatron)")
+    s.add_argument("--world-size", type=int, default=None, help="number of ranks / files (dcp)")
+    s.add_argument("--zero-stage", type=int, default=None, help="ZeRO stage (formats that have one)")
+    s.add_argument("--state", default=None, help="which weight state to write (dcp, orbax, safetensors)")
+    s.add_argument("--overwrite", action="store_true", help="replace DST once the new one is complete")
+    s.add_argument("-o", "--option", action="append", default=[], metavar="KEY=VALUE",
+                   help="a write option of the target format (repeatable; see below)")
+    _source_args(s)
     s.set_defaults(fn=cmd_reshard)
+
+    s = sub.add_parser("recipe", help="list the model-family recipes, or print one as a rules file",
+                       description="Print the rules that map a model family between naming schemes (hf, megatron, "
+                                   "maxtext) as JSON, for --rules: `ckptbridge recipe llama hf maxtext --hf-config "
+                                   "hf/config.json -c scan=true --out r.json`, then `ckptbridge reshard hf/ out "
+                                   "--to safetensors --rules r.json`. Without arguments: the recipes there are.")
+    s.add_argument("family", nargs="?", help="llama, qwen2, mixtral")
+    s.add_argument("src", nargs="?", help="source scheme: hf, megatron, maxtext")
+    s.add_argument("dst", nargs="?", help="destination scheme")
+    s.add_argument("--hf-config", default=None, metavar="config.json",
+                   help="read n_heads, n_kv_heads, head_dim, tie_embeddings, qkv_bias, rope from an HF config")
+    s.add_argument("-c", "--config", action="append", default=[], metavar="KEY=VALUE",
+                   help="a recipe config key (n_heads, n_kv_heads, head_dim, scan, rope, ...; repeatable)")
+    s.add_argument("--out", default=None, metavar="R.json", help="write the rules here instead of stdout")
+    s.set_defaults(fn=cmd_recipe)
+
+    s = sub.add_parser("formats", help="list the formats, what they read and write, and their options",
+                       description="List every registered format (plug-ins included) and its options.")
+    s.add_argument("--json", action="store_true", help="one JSON list of formats with their options")
+    s.set_defaults(fn=cmd_formats)
     return p
+
+
+def _silence_stdout() -> None:
+    with contextlib.suppress(OSError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.fn(args))
-    except (CheckpointError, FileExistsError) as err:
-        print(f"ckptbridge {args.cmd}: error: {err}", file=sys.stderr)
+    except (CheckpointError, OSError) as err:  # bad input or a failed write: one line, exit 2
+        if isinstance(err, BrokenPipeError):
+            _silence_stdout()
+            return 0
+        text = str(err) or type(err).__name__
+        if isinstance(err, OSError) and not isinstance(err, CheckpointError) and err.filename:
+            text = f"{err.filename}: {err.strerror or text}"
+        print(f"ckptbridge {args.cmd}: error: {' '.join(text.split())}", file=sys.stderr)
         return 2
-    except BrokenPipeError:
-        return 0
+    except KeyboardInterrupt:
+        print(f"ckptbridge {args.cmd}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -17,34 +17,37 @@ from typing import Any
 
 import numpy as np
 
-from . import __version__
 from ._checkpoint import Checkpoint, TensorView
+from ._commit import check_destination, staged_file
+from ._dtypes import to_numpy
 from ._errors import TensorNotFoundError
+from ._formats import Format, WriteOptions
+from ._jsonable import jsonable
 from ._model import Box
-from ._open import open as open_checkpoint
+from ._open import as_checkpoint
+from ._paths import local_path
 from ._rules import Rule, apply_rules, rules_to_json
 from ._safetensors import Entry, write_file
-from ._universal import Piece, save
-
-
-def as_checkpoint(src: Any) -> Checkpoint:
-    return src if isinstance(src, Checkpoint) else open_checkpoint(src)
+from ._universal import Piece, detect, index, write_universal
+from ._version import __version__
 
 
 class _Filler:
-    """Reads a tensor, or rows ``[lo, hi)`` of it, into a buffer the writer lends (``fills``)."""
+    """Reads a tensor, or rows ``[lo, hi)`` of it, into a buffer the writer lends (``fills``),
+    cast to ``dtype`` when given (so big tensors stream in row blocks, never whole)."""
 
     fills = True
 
-    def __init__(self, view: TensorView) -> None:
+    def __init__(self, view: TensorView, dtype: str | None = None) -> None:
         self.view = view
+        self.dtype = dtype
 
     def __call__(self, out: np.ndarray | None = None, rows: tuple[int, int] | None = None) -> np.ndarray:
         if rows is None:
-            return self.view.read(out=out)
+            return self.view.read(dtype=self.dtype, out=out)
         shape = self.view.shape
         box = Box((rows[0], *(0 for _ in shape[1:])), (rows[1] - rows[0], *shape[1:]))
-        return self.view.read(box, out=out)
+        return self.view.read(box, dtype=self.dtype, out=out)
 
 
 def _pieces(ckpt: Checkpoint, states: Sequence[str] | None) -> list[Piece]:
@@ -135,8 +138,8 @@ def convert(
         if progress:
             progress(done[0], total)
 
-    return save(
-        os.fspath(dst), pieces, step=ckpt.step, extra=_jsonable(ckpt.extra),
+    return write_universal(
+        local_path(dst, writing=True), pieces, step=ckpt.step, extra=jsonable(ckpt.extra),
         rules=[*ckpt.rules, *rules_to_json(rules)],
         provenance={"source_format": ckpt.format, "source_path": os.path.abspath(ckpt.path),
                     "ckptbridge_version": __version__, **_provenance(ckpt)},
@@ -146,25 +149,11 @@ def convert(
 
 
 def _np(dtype: str) -> Any:
-    from ._dtypes import to_numpy
-
     return to_numpy(dtype)
 
 
 def _provenance(ckpt: Checkpoint) -> dict[str, Any]:
     return {"source_provenance": dict(ckpt.provenance)} if ckpt.provenance else {}
-
-
-def _jsonable(obj: Any) -> Any:
-    if isinstance(obj, dict):
-        return {str(k): _jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_jsonable(v) for v in obj]
-    if obj is None or isinstance(obj, (bool, int, float, str)):
-        return obj
-    if isinstance(obj, np.generic):
-        return obj.item()
-    return repr(obj)
 
 
 def export(
@@ -178,40 +167,36 @@ def export(
     """One safetensors file of consolidated tensors of one state (keys = logical names).
 
     ``state=None`` exports each tensor's weights (``fp32`` if present, else
-    ``param``); tensors without the requested state are left out.
+    ``param``); tensors without the requested state are left out. Streams like
+    :func:`convert`: big tensors are read and written in row blocks, so memory
+    stays near the writer's buffers whatever the size of the tensors.
     """
     ckpt = as_checkpoint(src)
-    out = os.fspath(out)
-    if os.path.exists(out) and not overwrite:
-        raise FileExistsError(f"{out}: already exists; pass overwrite=True to replace it")
+    out = local_path(out, writing=True)
+    check_destination(out, overwrite)
     entries = []
     for name, t in ckpt.tensors.items():
         if state is not None and state not in t.states:
             continue
         view = TensorView(ckpt, t, state)
-        entries.append(Entry(name, dtype or view.dtype, view.shape,
-                             lambda v=view, d=dtype: v.read(dtype=d)))
+        entries.append(Entry(name, dtype or view.dtype, view.shape, _Filler(view, dtype)))
     if not entries:
         raise TensorNotFoundError(f"{ckpt.path}: no tensor has state {state!r}; states: {ckpt.states()}")
-    tmp = out + ".partial"
-    if os.path.exists(tmp):
-        os.remove(tmp)
     meta = {"format": "pt", "source_format": ckpt.format}
     if ckpt.step is not None:
         meta["step"] = str(ckpt.step)
-    try:
+    with staged_file(out, overwrite=overwrite) as tmp:
         write_file(tmp, entries, meta)
-        os.replace(tmp, out)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
     return out
 
 
 @dataclass(frozen=True)
 class DiffRow:
-    """How one tensor compares between two checkpoints."""
+    """How one tensor compares between two checkpoints.
+
+    ``close``: every element satisfies ``|a - b| <= atol + rtol * |b|`` (NaN where both are NaN)
+    at the tolerances :func:`diff` was given (``None`` when the values were not compared).
+    """
 
     name: str
     in_a: bool
@@ -221,43 +206,77 @@ class DiffRow:
     dtype_a: str | None
     dtype_b: str | None
     max_abs_diff: float | None
+    close: bool | None = None
 
     @property
     def equal(self) -> bool:
-        return self.in_a and self.in_b and self.shape_a == self.shape_b and self.max_abs_diff == 0.0
+        """Present in both, same shape, and equal (within the tolerances given to ``diff``)."""
+        return self.in_a and self.in_b and self.shape_a == self.shape_b and bool(self.close)
 
 
-def _max_abs_diff(a: TensorView, b: TensorView, chunk_bytes: int = 64 << 20) -> float:
+def _compare(a: TensorView, b: TensorView, atol: float, rtol: float,
+             chunk_bytes: int = 64 << 20) -> tuple[float, bool]:
+    """(max |a - b|, all close) streaming row blocks of both tensors as float64."""
     shape = a.shape
-    if not shape:
-        return float(abs(a.read(dtype="float64") - b.read(dtype="float64")))
-    rows = max(1, chunk_bytes // max(1, 8 * math.prod(shape[1:])))
-    worst = 0.0
-    for start in range(0, shape[0], rows):
-        box = Box((start,) + (0,) * (len(shape) - 1), (min(rows, shape[0] - start), *shape[1:]))
+    boxes = [None] if not shape else [
+        Box((start,) + (0,) * (len(shape) - 1), (min(rows, shape[0] - start), *shape[1:]))
+        for rows in [max(1, chunk_bytes // max(1, 8 * math.prod(shape[1:])))]
+        for start in range(0, shape[0], rows)]
+    worst, close = 0.0, True
+    for box in boxes:
         x = a.read(box, "float64")
         y = b.read(box, "float64")
-        d = np.abs(x - y)
         both_nan = np.isnan(x) & np.isnan(y)
+        d = np.abs(x - y)
         d[both_nan] = 0.0
         if d.size:
-            m = float(np.nanmax(np.where(np.isnan(d), np.inf, d)))
-            worst = max(worst, m)
-    return worst
+            worst = max(worst, float(np.nanmax(np.where(np.isnan(d), np.inf, d))))
+            close = close and bool(np.all(d <= atol + rtol * np.abs(y)))
+    return worst, close
 
 
-def diff(a: Any, b: Any, *, state: str | None = None) -> list[DiffRow]:
-    """Compare two checkpoints of any formats, tensor by tensor (streaming)."""
+def diff(a: Any, b: Any, *, state: str | None = None, atol: float = 0.0, rtol: float = 0.0) -> list[DiffRow]:
+    """Compare two checkpoints of any formats, tensor by tensor (streaming).
+
+    ``state`` compares that state (default: each tensor's weights); a state neither
+    checkpoint has is an error. ``atol``/``rtol`` (default 0: bitwise) decide ``equal``.
+    """
     ca, cb = as_checkpoint(a), as_checkpoint(b)
+    if state is not None and state not in set(ca.states()) | set(cb.states()):
+        raise TensorNotFoundError(f"{ca.path}, {cb.path}: no tensor has state {state!r} "
+                                  f"(A: {list(ca.states())}, B: {list(cb.states())})")
     rows = []
     for name in list(dict.fromkeys([*ca.tensors, *cb.tensors])):
         ta, tb = ca.tensors.get(name), cb.tensors.get(name)
         va = TensorView(ca, ta, state) if ta is not None and (state is None or state in ta.states) else None
         vb = TensorView(cb, tb, state) if tb is not None and (state is None or state in tb.states) else None
-        mad = None
+        mad, close = None, None
         if va is not None and vb is not None and va.shape == vb.shape:
-            mad = _max_abs_diff(va, vb)
+            mad, close = _compare(va, vb, atol, rtol)
         rows.append(DiffRow(name, va is not None, vb is not None,
                             va.shape if va else None, vb.shape if vb else None,
-                            va.dtype if va else None, vb.dtype if vb else None, mad))
+                            va.dtype if va else None, vb.dtype if vb else None, mad, close))
     return rows
+
+
+@dataclass(frozen=True)
+class UniversalWriteOptions(WriteOptions):
+    """Writing ckptbridge's universal layout.
+
+    ``states``: only these states (e.g. ``fp32,exp_avg,exp_avg_sq``); default all.
+    """
+
+    states: tuple[str, ...] | None = None
+
+
+def _write_universal(ckpt: Checkpoint, dst: str, options: UniversalWriteOptions) -> str:
+    return convert(ckpt, dst, states=options.states, overwrite=options.overwrite)
+
+
+def _open_universal(path: str, _options: object) -> Any:
+    return index(path)
+
+
+UNIVERSAL = Format("universal", detect=detect, index=_open_universal, write=_write_universal,
+                   write_options=UniversalWriteOptions, priority=0,
+                   description="ckptbridge's own pickle-free, checksummed layout")

@@ -53,3 +53,27 @@ class ShapeMismatchError(CheckpointError, ValueError):
 
 class IncompleteCheckpointError(CheckpointError, ValueError):
     """A universal directory without its commit marker: it was never finished."""
+
+
+class OptionError(CheckpointError, ValueError):
+    """An option a format does not have, or a value that does not fit the option."""
+
+
+class MissingExtraError(CheckpointError, ImportError):
+    """A format or feature needs an optional dependency that is not installed (names the extra)."""
+
+
+class WriteError(CheckpointError, OSError):
+    """Writing a checkpoint failed (read-only or full destination ...); names the path, keeps ``errno``.
+
+    ``WriteError(message, errno.ENOSPC)``; ``str(err)`` is the message alone.
+    """
+
+    def __init__(self, message: str, code: int | None = None) -> None:
+        if code is None:
+            super().__init__(message)
+        else:
+            super().__init__(code, message)
+
+    def __str__(self) -> str:
+        return str(self.strerror if self.strerror is not None else self.args[0] if self.args else "")

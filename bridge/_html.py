@@ -18,14 +18,44 @@ import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from . import _dtypes
-from ._model import Box, Fragment
+from ._model import Box, Fragment, LogicalTensor
 from ._plan import CopyOp, plan
 
-if TYPE_CHECKING:
-    from ._checkpoint import Checkpoint, TensorView
+
+class TensorView(Protocol):
+    """What the renderings need of a ``ckptbridge.TensorView``."""
+
+    tensor: LogicalTensor
+    state_name: str
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+    @property
+    def dtype(self) -> str: ...
+    @property
+    def fragments(self) -> tuple[Fragment, ...]: ...
+    @property
+    def nbytes(self) -> int: ...
+    def state(self, name: str) -> TensorView: ...
+
+
+class Checkpoint(Protocol):
+    """What the renderings need of a ``ckptbridge.Checkpoint``."""
+
+    @property
+    def format(self) -> str: ...
+    @property
+    def path(self) -> str: ...
+    @property
+    def step(self) -> int | None: ...
+    @property
+    def tensors(self) -> Mapping[str, LogicalTensor]: ...
+    def states(self) -> tuple[str, ...]: ...
 
 __all__ = ["ReshardPlan", "checkpoint_html", "fragment_svg", "tensor_html"]
 

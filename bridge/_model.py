@@ -32,10 +32,14 @@ from ._errors import FormatError, ShapeMismatchError, TensorNotFoundError
 if TYPE_CHECKING:
     import numpy as np
 
-    from ._read import FileCache
-
 # States with these names hold the weights themselves; the first present is the default.
 WEIGHT_STATES = ("fp32", "param")
+
+
+def weight_state_for(dtype: str) -> str:
+    """The state name weights of ``dtype`` take: ``param`` for 16-bit floats (the model's own
+    low-precision copy), ``fp32`` otherwise (the weights are their own master copy)."""
+    return "param" if dtype in ("bfloat16", "float16") else "fp32"
 
 
 @dataclass(frozen=True)
@@ -97,12 +101,19 @@ def c_strides(shape: Sequence[int]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
+class Reader(Protocol):
+    """What a location reads through (``ckptbridge._read.FileCache`` is the one implementation):
+    open files shared by the reads of one checkpoint, and byte accounting."""
+
+    def copy_region(self, region: FileRegion, box: Box, out: np.ndarray) -> int: ...
+
+
 class Location(Protocol):
     """Where a fragment's bytes are. Implementations are frozen dataclasses."""
 
     dtype: str
 
-    def read_into(self, box: Box, out: np.ndarray, files: FileCache) -> int:
+    def read_into(self, box: Box, out: np.ndarray, files: Reader) -> int:
         """Copy the part ``box`` (relative to the fragment) into ``out``; return bytes read."""
         ...
 
@@ -141,7 +152,7 @@ class FileRegion:
     dtype: str
     strides: tuple[int, ...]
 
-    def read_into(self, box: Box, out: np.ndarray, files: FileCache) -> int:
+    def read_into(self, box: Box, out: np.ndarray, files: Reader) -> int:
         return files.copy_region(self, box, out)
 
     def describe(self) -> str:

@@ -1,93 +1,87 @@
-"""Format detection: which adapter reads a path.
+"""Opening a checkpoint: which registered format reads a path, and the lazy view it gives.
 
-Each format registers ``(name, "module:detect", "module:index")``; modules
-are imported only when their turn comes, so opening a safetensors file never
-imports the DeepSpeed adapter (and no adapter imports torch or jax)::
+Formats are plug-ins (see ``ckptbridge._formats``): detection asks each one,
+most specific first; ``format=`` skips detection; ``options`` are the format's
+typed open options (an option the format does not have is an error naming it);
+``rules`` give the checkpoint as seen through mapping rules (names, shapes and
+states after the rules; nothing is read)::
 
     ckpt = ckptbridge.open("model.safetensors")
-    ckptbridge.open("run/", format="deepspeed")
+    ckptbridge.open("run/", format="megatron", split_fused=True)
+    ckptbridge.open("hf_llama/", rules=ckptbridge.recipes.rules("llama", src="hf", dst="maxtext", ...))
 """
 
 from __future__ import annotations
 
-import importlib
 import os
-from collections.abc import Callable
+from collections.abc import Sequence
 from typing import Any
 
 from ._checkpoint import Checkpoint, CheckpointIndex
 from ._errors import CheckpointError, MissingShardError, UnknownFormatError
+from ._formats import Format, broken_hint, formats, get_format, make_options
+from ._paths import local_path
 from ._read import FileCache
 
-# Order matters: the most specific detectors first.
-FORMATS: tuple[tuple[str, str, str], ...] = (
-    ("universal", "ckptbridge._universal:detect", "ckptbridge._universal:index"),
-    ("deepspeed", "ckptbridge.adapters.deepspeed:detect", "ckptbridge.adapters.deepspeed:index"),
-    ("megatron", "ckptbridge.adapters.megatron:detect", "ckptbridge.adapters.megatron:index"),
-    ("dcp", "ckptbridge.adapters.dcp:detect", "ckptbridge.adapters.dcp:index"),
-    ("orbax", "ckptbridge.adapters.orbax:detect", "ckptbridge.adapters.orbax:index"),
-    ("safetensors", "ckptbridge._safetensors:detect", "ckptbridge._safetensors:index"),
-    ("torch", "ckptbridge._torchfile:detect", "ckptbridge._torchfile:index"),
-)
 
-
-def _load(ref: str) -> Callable[..., Any] | None:
-    module, _, attr = ref.partition(":")
-    try:
-        mod = importlib.import_module(module)
-    except ModuleNotFoundError as err:
-        if err.name and module.startswith(err.name):  # the adapter itself is not written yet
-            return None
-        raise
-    return getattr(mod, attr)
-
-
-def detect_format(path: str) -> str:
+def detect_format(path: str | os.PathLike[str]) -> str:
     """Name of the format at ``path``; raises ``UnknownFormatError`` naming the path."""
+    path = local_path(path)
     if not os.path.exists(path):
         raise MissingShardError(f"{path}: no such file or directory")
-    broken = []
-    for name, detect_ref, _ in FORMATS:
-        try:
-            detect = _load(detect_ref)
-        except ImportError as err:  # one broken adapter must not stop the others
-            broken.append(f"{name} ({err})")
-            continue
-        if detect is not None and detect(path):
-            return name
-    hint = f"; adapters that failed to import: {', '.join(broken)}" if broken else ""
+    fmts = [f for f in formats() if f.detect is not None and f.readable]
+    for fmt in fmts:
+        if fmt.detect is not None and fmt.detect(path):
+            return fmt.name
+    hint = f"; adapters that failed to import: {broken_hint()}" if broken_hint() else ""
     raise UnknownFormatError(
-        f"{path}: not a checkpoint ckptbridge can read (looked for: "
-        f"{', '.join(n for n, _, _ in FORMATS)}){hint}"
-    )
+        f"{path}: not a checkpoint ckptbridge can read (looked for: {', '.join(f.name for f in fmts)}; "
+        f"name the format with format=... or --format if it is one of them){hint}")
 
 
 def open_index(path: str | os.PathLike[str], format: str | None = None, **options: Any) -> CheckpointIndex:
-    path = os.fspath(path)
-    name = format or detect_format(path)
-    for fmt, _, index_ref in FORMATS:
-        if fmt == name:
-            index = _load(index_ref)
-            if index is None:
-                break
-            try:
-                return index(path, **options)
-            except CheckpointError as err:  # every error names the checkpoint it is about
-                if path not in str(err):
-                    raise type(err)(f"{path}: {err}") from err
-                raise
-    raise UnknownFormatError(f"{path}: unknown format {name!r}")
+    """The metadata of the checkpoint at ``path`` (see :func:`open`)."""
+    path = local_path(path)
+    if format is None and not os.path.exists(path):
+        raise MissingShardError(f"{path}: no such file or directory")
+    fmt: Format = get_format(format or detect_format(path))
+    if fmt.index is None:
+        raise UnknownFormatError(f"{path}: format {fmt.name!r} can be written but not read")
+    opts = make_options(fmt.open_options, options, what=f"format {fmt.name!r} (open)")
+    try:
+        return fmt.index(path, opts)
+    except CheckpointError as err:  # every error names the checkpoint it is about
+        if path not in str(err):
+            raise type(err)(f"{path}: {err}") from err
+        raise
 
 
 def open(
-    path: str | os.PathLike[str], format: str | None = None, *, verify: bool = True, **options: Any
+    path: str | os.PathLike[str],
+    format: str | None = None,
+    *,
+    rules: Sequence[Any] | None = None,
+    verify: bool = True,
+    **options: Any,
 ) -> Checkpoint:
     """Open any supported checkpoint as a lazy :class:`Checkpoint` (reads metadata only).
 
-    ``format`` skips detection (``"universal"``, ``"deepspeed"``, ``"megatron"``,
-    ``"dcp"``, ``"orbax"``, ``"safetensors"``, ``"torch"``); ``options`` go to
-    the format's reader. ``verify`` checks recorded checksums whenever a whole
-    fragment is read (universal checkpoints record them), refusing corrupted
-    data with :class:`~ckptbridge.CorruptionError`.
+    ``path`` is a file or directory (or a ``file://`` URL). ``format`` skips
+    detection (``ckptbridge.formats()`` lists them); ``options``
+    go to the format's reader and are checked against its typed options.
+    ``rules`` (mapping rules or their JSON form, e.g. a recipe) give the
+    checkpoint as seen through them. ``verify`` checks recorded checksums
+    whenever a whole fragment is read (universal checkpoints record them),
+    refusing corrupted data with :class:`~ckptbridge.CorruptionError`.
     """
-    return Checkpoint(open_index(path, format, **options), FileCache(verify=verify))
+    ckpt = Checkpoint(open_index(path, format, **options), FileCache(verify=verify))
+    return ckpt.with_rules(rules) if rules else ckpt
+
+
+def as_checkpoint(src: Any, rules: Sequence[Any] | None = None) -> Checkpoint:
+    """``src`` if it is a :class:`Checkpoint` already, else :func:`open` it; then view it through ``rules``."""
+    ckpt = src if isinstance(src, Checkpoint) else open(src)
+    return ckpt.with_rules(rules) if rules else ckpt
+
+
+open_checkpoint = open

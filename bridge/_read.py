@@ -21,10 +21,12 @@ import weakref
 from collections import Counter
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import numpy as np
 
 from . import _dtypes
+from ._copy import copyto
 from ._crc import crc32
 from ._errors import CorruptionError, MissingShardError, TruncatedError
 from ._model import Box, FileRegion, Fragment, TensorState, c_strides
@@ -32,6 +34,7 @@ from ._plan import CopyOp, plan
 
 _RELEASE_BYTES = 4 << 20
 _CHUNK_BYTES = 4 << 20
+_MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22 if os.uname().sysname == "Linux" else None)
 _PREAD_BYTES = 1 << 16  # contiguous copies at least this big use preadv instead of the map
 
 
@@ -108,7 +111,9 @@ class FileCache:
         if nbytes >= _PREAD_BYTES and view.flags.c_contiguous and out.flags.c_contiguous and out.dtype == dtype:
             self._pread(region.file, out, start)  # no page faults, nothing mapped into this process
         else:
-            np.copyto(out, view, casting="unsafe")
+            if nbytes >= _RELEASE_BYTES:
+                self._populate(buf, start, end)
+            copyto(out, view)  # tiled when the view is transposed
             if nbytes >= _RELEASE_BYTES:
                 self._release(buf, start, end)
         self.stats.add(region.file, nbytes)
@@ -161,6 +166,17 @@ class FileCache:
                 raise TruncatedError(f"{path}: ended at byte {start} while reading (truncated while open?)")
             dst, start = dst[n:], start + n
 
+    @staticmethod
+    def _populate(buf: mmap.mmap | bytes, start: int, end: int) -> None:
+        """Map the pages of ``[start, end)`` in one call (``MADV_POPULATE_READ``, Linux 5.14+) instead
+        of one page fault per page while a strided copy walks them (on virtual machines each fault
+        costs microseconds; a transposed gigabyte faults a quarter million times)."""
+        if not isinstance(buf, mmap.mmap) or _MADV_POPULATE_READ is None:
+            return
+        lo = start - start % mmap.PAGESIZE
+        with contextlib.suppress(OSError, ValueError):  # an older kernel: the faults happen as before
+            buf.madvise(_MADV_POPULATE_READ, lo, end - lo)
+
     def _release(self, buf: mmap.mmap | bytes, start: int, end: int) -> None:
         if end - start >= _RELEASE_BYTES and isinstance(buf, mmap.mmap):
             # the pages stay in the page cache; dropping them from this process keeps RSS near
@@ -195,19 +211,74 @@ def _close_all(fds: dict[str, int]) -> None:
 
 def execute(ops: Sequence[CopyOp], out: np.ndarray, files: FileCache, label: str = "tensor") -> int:
     """Run copy ops into ``out`` (whose box is the request); return bytes read."""
+    return execute_many([(op, out) for op in ops], files, label)
 
-    def one(op: CopyOp) -> int:
-        frag, dst = op.fragment, out[(*op.dst.slices(), Ellipsis)]
+
+def execute_many(items: Sequence[tuple[CopyOp, np.ndarray]], files: FileCache, label: str = "tensor") -> int:
+    """Run ``(op, out)`` pairs (each op into its request's ``out``) together; return bytes read.
+
+    Locations whose class has a ``read_many(items, files)`` static method
+    (``items``: ``(location, box, dst)`` triples; TensorStore's batches its
+    reads and runs them concurrently itself, so a chunk that several
+    requests share is fetched and decoded once) get all their ops in one
+    call; the others are copied here, on a thread pool when there are several.
+    """
+    many: dict[type, list[tuple[Any, Box, np.ndarray]]] = {}
+    rest = []
+    for op, out in items:
+        dst = out[(*op.dst.slices(), Ellipsis)]
+        cls = type(op.fragment.location)
+        if hasattr(cls, "read_many"):
+            many.setdefault(cls, []).append((op.fragment.location, op.src, dst))
+        else:
+            rest.append((op, dst))
+    total = sum(cls.read_many(group, files) for cls, group in many.items())
+    return total + _execute_each(rest, files, label)
+
+
+def _execute_each(items: Sequence[tuple[CopyOp, np.ndarray]], files: FileCache, label: str) -> int:
+    def one(item: tuple[CopyOp, np.ndarray]) -> int:
+        op, dst = item
+        frag = op.fragment
         loc = frag.location
         if (files.verify and frag.checksum and op.src.shape == frag.box.shape and isinstance(loc, FileRegion)
                 and loc.strides == c_strides(frag.box.shape)):
             return files.copy_verified(frag, dst, label)
         return loc.read_into(op.src, dst, files)
 
-    if len(ops) <= 1 or sum(op.src.size for op in ops) < (1 << 16):
-        return sum(one(op) for op in ops)
-    with ThreadPoolExecutor(min(files.max_workers, len(ops))) as pool:
-        return sum(pool.map(one, ops))
+    if len(items) <= 1 or sum(op.src.size for op, _ in items) < (1 << 16):
+        return sum(one(item) for item in items)
+    with ThreadPoolExecutor(min(files.max_workers, len(items))) as pool:
+        return sum(pool.map(one, items))
+
+
+def read_boxes(
+    state: TensorState,
+    boxes: Sequence[Box],
+    files: FileCache,
+    dtype: str | None = None,
+    name: str = "tensor",
+    out: Sequence[np.ndarray] | None = None,
+) -> list[np.ndarray]:
+    """Read several boxes of one tensor state at once (e.g. every device's shard), cast to ``dtype``.
+
+    All copies are planned first and run together, so storage that batches
+    (TensorStore) reads a chunk shared by several boxes once. ``out`` gives
+    the destination arrays (one per box, of its shape) instead of new ones::
+
+        a, b = read_boxes(state, [Box((0, 0), (4, 8)), Box((4, 0), (4, 8))], files)
+    """
+    np_dtype = _dtypes.to_numpy(dtype or state.dtype)
+    if out is None:
+        outs = [np.empty(b.shape, dtype=np_dtype) for b in boxes]
+    else:
+        outs = list(out)
+        bad = [(o.shape, b.shape) for o, b in zip(outs, boxes) if o.shape != b.shape]
+        if len(outs) != len(boxes) or bad:
+            raise ValueError(f"{name}: {len(outs)} out arrays for {len(boxes)} boxes, shapes {bad[:3]}")
+    items = [(op, out) for b, out in zip(boxes, outs) for op in plan(state.fragments, b, name)]
+    execute_many(items, files, name)
+    return outs
 
 
 def read_state(

@@ -1,48 +1,42 @@
-"""``reshard``: write a checkpoint in a given format for a given layout.
+"""``reshard``: write a checkpoint in any registered format, for a given layout.
 
-Writers register here as ``format name -> "module:function"``; each is
-``write(ckpt, dst, **options)`` and is imported only when asked for::
+The format's typed write options are checked before anything is read or written:
+an option the format does not have, or a value that does not fit, is an
+:class:`~ckptbridge.OptionError` naming both::
 
     ckptbridge.reshard("run/global_step3", "out/mega", to="megatron", tp=2, pp=1)
+    ckptbridge.reshard("run/global_step3", "out/w", to="safetensors", state="fp32")   # -> out/w.safetensors
 """
 
 from __future__ import annotations
 
-import importlib
 import os
+from collections.abc import Sequence
 from typing import Any
 
-from ._convert import as_checkpoint
-from ._errors import FormatError
-
-WRITERS: dict[str, str] = {
-    "universal": "ckptbridge._reshard:write_universal",
-    "safetensors": "ckptbridge._reshard:write_safetensors",
-    "dcp": "ckptbridge.adapters.dcp:write",
-    "deepspeed-universal": "ckptbridge.adapters.deepspeed_universal:write",
-    "orbax": "ckptbridge.adapters.orbax:write",
-    "megatron": "ckptbridge.adapters.megatron:write",
-}
+from ._errors import UnknownFormatError
+from ._formats import get_format, make_options, writable_formats
+from ._open import as_checkpoint
+from ._paths import local_path
 
 
-def write_universal(ckpt: Any, dst: str, **options: Any) -> str:
-    from ._convert import convert
-
-    return convert(ckpt, dst, overwrite=bool(options.pop("overwrite", False)))
-
-
-def write_safetensors(ckpt: Any, dst: str, **options: Any) -> str:
-    from ._convert import export
-
-    return export(ckpt, dst, state=options.pop("state", None), dtype=options.pop("dtype", None),
-                  overwrite=bool(options.pop("overwrite", False)))
+def destination(dst: str | os.PathLike[str], to: str) -> str:
+    """Where ``reshard`` writes: ``dst``, with the format's file extension added when it has none."""
+    fmt = get_format(to)
+    dst = local_path(dst, writing=True)
+    if fmt.suffix and not os.path.splitext(os.path.basename(dst))[1]:
+        dst += fmt.suffix
+    return dst
 
 
-def reshard(src: Any, dst: str | os.PathLike[str], to: str, **options: Any) -> Any:
-    """Write ``src`` (path or Checkpoint) as format ``to`` at ``dst`` with layout ``options``."""
-    ref = WRITERS.get(to)
-    if ref is None:
-        raise FormatError(f"no writer for format {to!r}; available: {sorted(WRITERS)}")
-    module, _, fn = ref.partition(":")
-    writer = getattr(importlib.import_module(module), fn)
-    return writer(as_checkpoint(src), os.fspath(dst), **{k: v for k, v in options.items() if v is not None})
+def reshard(src: Any, dst: str | os.PathLike[str], to: str, *, rules: Sequence[Any] | None = None,
+            **options: Any) -> str:
+    """Write ``src`` (a path or :class:`~ckptbridge.Checkpoint`, seen through ``rules`` if given) as
+    format ``to`` at ``dst`` with the format's write ``options``; returns the path written."""
+    fmt = get_format(to)
+    if fmt.write is None:
+        raise UnknownFormatError(
+            f"format {to!r} can be read but not written; writable: {', '.join(f.name for f in writable_formats())}")
+    opts = make_options(fmt.write_options, {k: v for k, v in options.items() if v is not None},
+                        what=f"format {to!r} (write)")
+    return fmt.write(as_checkpoint(src, rules), destination(dst, to), opts)

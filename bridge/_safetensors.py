@@ -1,11 +1,14 @@
-"""safetensors files: read in place (also HF sharded ``*.safetensors.index.json``) and stream-write.
+"""safetensors files, the storage of the universal layout: validated headers and a streaming writer.
 
 Format: 8-byte little-endian header length N, N bytes of JSON
 (``{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}}``),
 then the data; offsets are relative to byte ``8 + N``::
 
     header, base = read_header("model.safetensors")
-    ckpt = ckptbridge.open("model.safetensors")   # via index()
+    write_files([FileSpec("out.safetensors", [Entry("w", "float32", (4, 6), arr)])])
+
+(Opening safetensors files and HF shard indexes as checkpoints is the
+``safetensors`` format plug-in, ``ckptbridge.adapters.safetensors``.)
 """
 
 from __future__ import annotations
@@ -27,10 +30,8 @@ from typing import Any
 import numpy as np
 
 from . import _dtypes
-from ._checkpoint import CheckpointIndex
 from ._crc import crc32, crc32_combine
-from ._errors import FormatError, MissingShardError, TruncatedError
-from ._model import LogicalTensor, TensorState, check_name, contiguous_fragment
+from ._errors import FormatError, MissingShardError, TruncatedError, WriteError
 
 _MAX_HEADER = 100 << 20
 
@@ -76,72 +77,6 @@ def read_header(path: str) -> tuple[dict[str, Any], int]:
         if base + end > size:
             raise TruncatedError(f"{path}: tensor {name!r} ends at byte {base + end} but the file has {size}")
     return header, base
-
-
-def _single_file_tensors(path: str) -> dict[str, LogicalTensor]:
-    header, base = read_header(path)
-    out = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        check_name(name, path)
-        dtype = _dtypes.from_safetensors(info["dtype"])
-        frag = contiguous_fragment(info["shape"], path, base + int(info["data_offsets"][0]), dtype)
-        out[name] = LogicalTensor(name, {"param": TensorState(dtype, frag.box.shape, (frag,))})
-    return out
-
-
-def shard_files(index_json: str) -> list[str]:
-    """The shard files an HF ``*.index.json`` (``{"weight_map": {name: file}}``) lists, in order,
-    refusing any that would lie outside its directory."""
-    try:
-        with open(index_json) as fh:
-            weight_map = json.load(fh)["weight_map"]
-        names = list(dict.fromkeys(str(f) for f in weight_map.values()))
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
-        raise FormatError(f"{index_json}: not a shard index ({err})") from None
-    root = os.path.normpath(os.path.dirname(index_json))
-    files = []
-    for f in names:
-        full = os.path.normpath(os.path.join(root, f))
-        if os.path.dirname(full) != root:
-            raise FormatError(f"{index_json}: shard name {f!r} points outside the checkpoint directory")
-        files.append(full)
-    return files
-
-
-def _index_files(path: str) -> list[str]:
-    if os.path.isdir(path):
-        idx = [f for f in sorted(os.listdir(path)) if f.endswith(".safetensors.index.json")]
-        if idx:
-            return shard_files(os.path.join(path, idx[0]))
-        return [os.path.join(path, f) for f in sorted(os.listdir(path)) if f.endswith(".safetensors")]
-    return shard_files(path) if path.endswith(".index.json") else [path]
-
-
-def detect(path: str) -> bool:
-    if os.path.isfile(path):
-        return path.endswith((".safetensors", ".safetensors.index.json"))
-    if os.path.isdir(path):
-        return any(f.endswith((".safetensors", ".safetensors.index.json")) for f in os.listdir(path))
-    return False
-
-
-def index(path: str) -> CheckpointIndex:
-    """Open a safetensors file, an HF ``*.safetensors.index.json`` or a folder of shards."""
-    tensors: dict[str, LogicalTensor] = {}
-    files = _index_files(path)
-    for f in files:
-        if not os.path.exists(f):
-            raise MissingShardError(f"{f}: shard listed by {path} is missing")
-        for name, t in _single_file_tensors(f).items():
-            if name in tensors:
-                raise FormatError(f"{f}: tensor {name!r} appears in two shards")
-            tensors[name] = t
-    meta = {}
-    if len(files) == 1:
-        meta = read_header(files[0])[0].get("__metadata__") or {}
-    return CheckpointIndex("safetensors", path, tensors, extra={"metadata": meta} if meta else {})
 
 
 # ------------------------------------------------------------------ writing
@@ -442,7 +377,7 @@ class _Writer:
 
     def check(self) -> None:
         if self.error is not None:
-            raise OSError(getattr(self.error, "errno", None), f"write failed: {self.error}") from self.error
+            raise WriteError(f"write failed: {self.error}", getattr(self.error, "errno", None)) from self.error
 
     def close(self, abort: bool = False) -> None:
         if abort and self.error is None:
@@ -473,7 +408,7 @@ def _pwrite_all(fd: int, buf: mmap.mmap, lo: int, hi: int, at: int, path: str = 
                 n = os.pwrite(fd, mv[lo:hi], at)
                 lo, at = lo + n, at + n
     except OSError as err:
-        raise OSError(err.errno, f"{path}: writing bytes {at}-{at + hi - lo}: {err.strerror}") from err
+        raise WriteError(f"{path}: writing bytes {at}-{at + hi - lo}: {err.strerror}", err.errno) from err
 
 
 class _NewFile:
@@ -499,7 +434,10 @@ class _NewFile:
                 self.fd = -1
         self.direct = self.fd >= 0
         if not self.direct:
-            self.fd = os.open(path, flags, 0o644)
+            try:
+                self.fd = os.open(path, flags, 0o644)
+            except OSError as err:
+                raise WriteError(f"{path}: cannot create the file ({err.strerror})", err.errno) from None
 
     def chunk(self, buf: mmap.mmap, start: int, n: int) -> Callable[[], None] | None:
         """The write job for ``buf[start:start + n]``, the file's next ``n`` bytes (call in file order).

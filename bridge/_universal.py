@@ -10,11 +10,11 @@ Layout (format version 1; the README has the full spec)::
 
 Writing is two steps so that many processes can write one checkpoint:
 every rank calls :func:`write_rank` with the pieces it owns (into
-``DIR.partial/``), then one rank calls :func:`commit`, which merges the
+``DIR.partial/``), then one rank calls :func:`commit_universal`, which merges the
 per-rank manifests, writes the marker and renames ``DIR.partial`` to
-``DIR``. :func:`save` does both for a single process::
+``DIR``. :func:`write_universal` does both for a single process::
 
-    save("out/ckpt", [Piece("w", "fp32", "float32", (4, 6), Box.full((4, 6)), arr)], step=3)
+    write_universal("out/ckpt", [Piece("w", "fp32", "float32", (4, 6), Box.full((4, 6)), arr)], step=3)
     ckpt = ckptbridge.open("out/ckpt")
 """
 
@@ -35,6 +35,7 @@ import numpy as np
 
 from . import _dtypes
 from ._checkpoint import CheckpointIndex
+from ._commit import check_destination, is_staging, publish, staging_path, write_marker
 from ._crc import crc32
 from ._errors import (
     FormatError,
@@ -50,7 +51,6 @@ VERSION = 1
 MANIFEST = "manifest.json"
 EXTRA = "extra.json"
 MARKER = "COMMITTED"
-PARTIAL = ".partial"
 DEFAULT_FILE_BYTES = 4 << 30
 
 
@@ -69,14 +69,6 @@ class Piece:
     box: Box
     data: np.ndarray | Callable[[], np.ndarray]
     sources: tuple[Mapping[str, Any], ...] = ()  # where the bytes came from (lineage, for audits)
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _write_json(path: str, obj: Any) -> None:
@@ -109,23 +101,11 @@ def _key(piece: Piece) -> str:
     return f"{piece.tensor}@{','.join(str(o) for o in piece.box.offset)}"
 
 
-def staging(path: str, token: str = "") -> str:
-    """The directory a checkpoint is built in before its commit: ``path.partial[.token]``.
-
-    ``token`` names one writing job (all its ranks share it), so two jobs writing
-    the same step into one root never mix their pieces."""
-    return os.fspath(path) + PARTIAL + (f".{token}" if token else "")
-
-
-def is_staging(path: str) -> bool:
-    return PARTIAL in os.path.basename(os.path.normpath(path))
-
-
 def plan_rank(
     path: str, pieces: Iterable[Piece], rank: int = 0, max_file_bytes: int = DEFAULT_FILE_BYTES, token: str = ""
 ) -> list[tuple[str, list[Piece], FileSpec]]:
     """Which data file each piece goes to (pure): ``(relative path, pieces, FileSpec)`` per file."""
-    stage = staging(path, token)
+    stage = staging_path(path, token)
     by_state: dict[str, list[Piece]] = {}
     for p in pieces:
         check_name(p.tensor, path)
@@ -167,7 +147,7 @@ def write_rank(
     (the Checkpointer snapshots into them); such files are written without a copy.
     ``background``: write at a lower CPU priority (see ``write_files``).
     """
-    stage = staging(path, token)
+    stage = staging_path(path, token)
     os.makedirs(os.path.join(stage, "data"), exist_ok=True)
     plan = plan_rank(path, pieces, rank, max_file_bytes, token)
     specs = [dataclasses.replace(spec, image=images[rel]) if images and rel in images else spec
@@ -190,7 +170,7 @@ def write_rank(
     return stage
 
 
-def commit(
+def commit_universal(
     path: str,
     world_size: int = 1,
     step: int | None = None,
@@ -208,9 +188,8 @@ def commit(
     ``path`` first, this raises ``FileExistsError`` and leaves theirs intact.
     """
     path = os.fspath(path)
-    stage = staging(path, token)
-    if os.path.exists(path) and not overwrite:
-        raise FileExistsError(f"{path}: already exists; pass overwrite=True to replace it")
+    stage = staging_path(path, token)
+    check_destination(path, overwrite)
     tensors: dict[str, dict[str, Any]] = {}
     for rank in range(world_size):
         part = os.path.join(stage, f"manifest.r{rank:05d}.json")
@@ -241,31 +220,14 @@ def commit(
     _write_json(os.path.join(stage, MANIFEST), manifest)
     for rank in range(world_size):
         os.remove(os.path.join(stage, f"manifest.r{rank:05d}.json"))
-    for name in os.listdir(stage):  # writers' liveness records (see ckptbridge._async)
+    for name in os.listdir(stage):  # writers' liveness records (see ckptbridge._checkpointer.steps)
         if name.startswith("owner.r"):
             os.remove(os.path.join(stage, name))
-    with open(os.path.join(stage, MARKER), "w") as fh:
-        json.dump({"format": FORMAT, "version": VERSION, "tensors": len(tensors)}, fh)
-        fh.flush()
-        os.fsync(fh.fileno())
-    _fsync_dir(stage)
-    if os.path.exists(path):
-        if not overwrite:
-            raise FileExistsError(f"{path}: another writer committed this checkpoint first")
-        old = f"{path}.old-{uuid.uuid4().hex[:8]}"
-        os.rename(path, old)
-        os.rename(stage, path)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        try:
-            os.rename(stage, path)  # atomic; fails if a concurrent writer's directory appeared
-        except OSError as err:
-            raise FileExistsError(f"{path}: another writer committed this checkpoint first ({err})") from None
-    _fsync_dir(os.path.dirname(os.path.abspath(path)))
-    return path
+    write_marker(stage, MARKER, json.dumps({"format": FORMAT, "version": VERSION, "tensors": len(tensors)}))
+    return publish(stage, path, overwrite=overwrite)
 
 
-def save(path: str, pieces: Iterable[Piece], *, step: int | None = None,
+def write_universal(path: str, pieces: Iterable[Piece], *, step: int | None = None,
          extra: Mapping[str, Any] | None = None, rules: Sequence[Mapping[str, Any]] = (),
          provenance: Mapping[str, Any] | None = None,
          scalars: Mapping[str, Mapping[str, float | int]] | None = None,
@@ -273,13 +235,12 @@ def save(path: str, pieces: Iterable[Piece], *, step: int | None = None,
          max_file_bytes: int = DEFAULT_FILE_BYTES) -> str:
     """Write a complete universal directory from one process."""
     path = os.fspath(path)
-    if os.path.exists(path) and not overwrite:
-        raise FileExistsError(f"{path}: already exists; pass overwrite=True to replace it")
+    check_destination(path, overwrite)
     token = uuid.uuid4().hex[:12]  # private staging: a concurrent writer of the same path cannot interfere
-    stage = staging(path, token)
+    stage = staging_path(path, token)
     try:
         write_rank(path, pieces, 0, scalars, max_file_bytes, on_piece, token)
-        return commit(path, 1, step, extra, rules, provenance, overwrite, token)
+        return commit_universal(path, 1, step, extra, rules, provenance, overwrite, token)
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
         raise
@@ -383,22 +344,35 @@ def index(path: str) -> CheckpointIndex:
     )
 
 
-def fragment_bytes(frag: Fragment) -> bytes:
-    """The stored bytes of a contiguous fragment (for checksums)."""
+def fragment_checksum(frag: Fragment, stats: Any = None, chunk: int = 64 << 20) -> str:
+    """``crc32:xxxxxxxx`` of a contiguous fragment's stored bytes, read in chunks (never whole);
+    ``stats`` (a ``ReadStats``) counts the bytes read."""
     loc = frag.location
+    left = loc.extent(frag.box.shape)
+    crc = 0
     with open(loc.file, "rb") as fh:
         fh.seek(loc.offset)
-        return fh.read(loc.extent(frag.box.shape))
+        while left > 0:
+            data = fh.read(min(chunk, left))
+            if not data:
+                raise TruncatedError(f"{loc.file}: ends {left} bytes before fragment at {frag.box.offset} does")
+            crc = crc32(data, crc)
+            left -= len(data)
+            if stats is not None:
+                stats.add(loc.file, len(data))
+    return f"crc32:{crc:08x}"
 
 
-def verify(path: str) -> list[str]:
+def verify(path: str, files: Any = None) -> list[str]:
     """Every problem found in a universal directory: missing marker or files, bad
-    headers, checksum mismatches (naming file, tensor and state). Empty = good."""
+    headers, checksum mismatches (naming file, tensor and state). Empty = good.
+    ``files`` (a ``FileCache``): count the bytes read in its stats (progress)."""
     problems: list[str] = []
     try:
         idx = index(path)
     except (FormatError, MissingShardError, IncompleteCheckpointError) as err:
         return [str(err)]
+    stats = getattr(files, "stats", None)
     headers: dict[str, dict[str, Any]] = {}
     for name, t in idx.tensors.items():
         for sname, st in t.states.items():
@@ -415,7 +389,11 @@ def verify(path: str) -> list[str]:
                 if frag.checksum is None:
                     problems.append(f"{loc.file}: tensor {name!r} state {sname!r} has no checksum")
                     continue
-                got = f"crc32:{crc32(fragment_bytes(frag)):08x}"
+                try:
+                    got = fragment_checksum(frag, stats)
+                except (OSError, TruncatedError) as err:
+                    problems.append(f"{loc.file}: tensor {name!r} state {sname!r}: {err}")
+                    continue
                 if got != frag.checksum:
                     problems.append(
                         f"{loc.file}: tensor {name!r} state {sname!r} at {frag.box.offset}: "

@@ -31,7 +31,7 @@ import ckptbridge  # noqa: E402
 
 def cli(*args: str) -> None:
     print(f"$ ckptbridge {' '.join(args)}", flush=True)
-    subprocess.run([sys.executable, "-m", "ckptbridge._cli", *args], check=True)
+    subprocess.run([sys.executable, "-m", "ckptbridge", *args], check=True)
 
 
 def make_deepspeed_run(out: str) -> None:

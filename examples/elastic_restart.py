@@ -44,7 +44,7 @@ def worker(rank: int, world: int, args: argparse.Namespace, port: int) -> None:
     from torch.distributed.tensor import DTensor
 
     import ckptbridge
-    from ckptbridge.adapters._async_torch import dtensor_box
+    from ckptbridge.adapters.torch._leaves import dtensor_box
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)

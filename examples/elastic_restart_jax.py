@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
     import ckptbridge
-    from ckptbridge.adapters._async_jax import index_box
+    from ckptbridge.adapters.jax._leaves import index_box
 
     mesh = Mesh(np.array(jax.devices()), ("data",))
     shard_rows = NamedSharding(mesh, PartitionSpec("data", None))  # 48 rows: 6/device on 8, 8/device on 6

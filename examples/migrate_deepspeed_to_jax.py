@@ -123,7 +123,7 @@ def load_from_deepspeed(ckpt: Any, params: Any, opt_state: Any, optimizer: str =
     import jax
 
     from ckptbridge.adapters import flax as cbflax
-    from ckptbridge.adapters import gpt_rules
+    from examples.models import gpt_rules
 
     rules = gpt_rules.torch_to_flax(60, scan=scan)
     if optimizer == "none":

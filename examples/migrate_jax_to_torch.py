@@ -84,8 +84,8 @@ def _continue(rank: int, world: int, ckpt_path: str, steps: int, optimizer: str)
     from torch.distributed.fsdp import fully_shard
 
     import ckptbridge
-    from ckptbridge.adapters import gpt_rules
     from ckptbridge.adapters import torch as cbt
+    from examples.models import gpt_rules
     from examples.models import torch_gpt as T
 
     mesh = init_device_mesh("cpu", (world,))

@@ -5,7 +5,8 @@ from __future__ import annotations
 import _dist
 import numpy as np
 
-from ckptbridge._async import Checkpointer, committed_steps
+from ckptbridge import Checkpointer
+from ckptbridge._checkpointer import committed_steps
 
 
 def test_jax_loop_with_donated_buffers(tmp_path):
@@ -31,7 +32,7 @@ def test_jax_loop_with_donated_buffers(tmp_path):
             params = guarded(params)  # donates the buffers just saved
         ck.wait()
         for step, ref in refs.items():
-            got = Checkpointer(tmp_path / "ck", keep_last=None, host_tier=False).restore(step)
+            got = Checkpointer(tmp_path / "ck", keep_last=None, host_tier=False).restore(step, flat=True)
             for k, v in ref.items():
                 assert got[f"params.{k}"].tobytes() == v.tobytes(), (step, k)
     # one logical tensor per leaf, made of the 8 device shards
@@ -93,5 +94,5 @@ def test_jax_donation_without_a_guard_is_safe(tmp_path):
             params = step_fn(params)  # donates the buffers that were just saved
         ck.wait()
     for step, ref in refs.items():
-        got = Checkpointer(tmp_path / "ck", keep_last=None, host_tier=False).restore(step)
+        got = Checkpointer(tmp_path / "ck", keep_last=None, host_tier=False).restore(step, flat=True)
         assert got["params.w"].tobytes() == ref.tobytes()

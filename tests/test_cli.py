@@ -16,7 +16,7 @@ from ckptbridge._cli import main
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ckptbridge._cli", *args], capture_output=True, text=True)
+    return subprocess.run([sys.executable, "-m", "ckptbridge", *args], capture_output=True, text=True)
 
 
 @pytest.fixture()

@@ -14,14 +14,14 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-import ckptbridge._open as cb_open
-from ckptbridge._errors import (
+import ckptbridge
+import ckptbridge as cb_open
+from ckptbridge import (
     FormatError,
     TruncatedError,
     UnsafePickleError,
+    reshard,
 )
-from ckptbridge._reshard import reshard
-from ckptbridge.adapters import dcp as cb_dcp
 from ckptbridge.adapters import torch as cbt
 
 
@@ -114,13 +114,13 @@ def test_writer_via_reshard_registry_loads_with_dcp_load(tmp_path):
     # the writer never touches an existing destination
     with pytest.raises(FileExistsError):
         reshard(str(src), str(dst), to="dcp")
-    with pytest.raises(FormatError, match="unsupported options"):
-        cb_dcp.write(cb_open.open(str(src)), str(tmp_path / "x"), colour="red")
+    with pytest.raises(ckptbridge.OptionError, match="format 'dcp' \\(write\\) has no option 'colour'"):
+        reshard(str(src), str(tmp_path / "x"), to="dcp", colour="red")
     assert not (tmp_path / "x").exists() and not (tmp_path / "x.partial").exists()
 
 
 def test_load_into_plain_tensors_with_rename_rule_and_cast(tmp_path):
-    from ckptbridge._rules import Rename
+    from ckptbridge.plugin import Rename
 
     sd = _state()
     _save(str(tmp_path / "c"), sd)

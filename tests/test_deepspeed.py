@@ -19,9 +19,8 @@ import pytest
 import torch
 
 import ckptbridge
-from ckptbridge._checkpoint import Checkpoint
-from ckptbridge._errors import FormatError, MissingShardError, TruncatedError
-from ckptbridge._open import open as cb_open
+from ckptbridge import Checkpoint, FormatError, MissingShardError, TruncatedError
+from ckptbridge import open as cb_open
 from ckptbridge.adapters import deepspeed as ds_adapter
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -365,7 +364,7 @@ def test_cli_convert_only_some_states(runs_dir: str, tmp_path: object) -> None:
 
     src = os.path.join(runs_dir, "s2_bf16_w2", "ckpt")
     out = os.path.join(str(tmp_path), "u")
-    cli = [sys.executable, "-m", "ckptbridge._cli", "convert", src]
+    cli = [sys.executable, "-m", "ckptbridge", "convert", src]
     r = subprocess.run([*cli, out, "--states", ",".join(STATES)], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     a, b = cb_open(src), cb_open(out)

@@ -22,8 +22,8 @@ import numpy as np
 import pytest
 from test_deepspeed import _load, _np, _same, runs_dir  # noqa: F401  (session fixture)
 
-from ckptbridge._open import open as cb_open
-from ckptbridge._reshard import reshard
+from ckptbridge import open as cb_open
+from ckptbridge import reshard
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tools"))

@@ -15,9 +15,9 @@ import torch
 from test_deepspeed import _load, _np, _same, runs_dir  # noqa: F401  (session fixture)
 
 import ckptbridge
+from ckptbridge import formats, reshard
+from ckptbridge import open as cb_open
 from ckptbridge._cli import main as cli_main
-from ckptbridge._open import open as cb_open
-from ckptbridge._reshard import WRITERS, reshard
 
 STATES = ("fp32", "exp_avg", "exp_avg_sq")
 
@@ -29,7 +29,8 @@ def _theirs(runs: str, name: str) -> str:
 
 
 def test_registered() -> None:
-    assert WRITERS["deepspeed-universal"] == "ckptbridge.adapters.deepspeed_universal:write"
+    fmt = next(f for f in formats() if f.name == "deepspeed-universal")
+    assert fmt.writable and not fmt.readable  # its output opens as format "deepspeed"
 
 
 @pytest.mark.parametrize("name", ["s2_bf16_w2", "s3_fp32_w4", "s1_bf16opt_w2", "tp2_s2_bf16_w4", "s2_fp16_w2",
@@ -38,7 +39,9 @@ def test_files_equal_ds_to_universal(runs_dir: str, tmp_path: object, name: str)
     dst = os.path.join(str(tmp_path), "out")
     src = cb_open(os.path.join(runs_dir, name, "ckpt"))
     tag = f"global_step{src.step}"
-    reshard(src, dst, to="deepspeed-universal", dp=4, zero_stage=3)
+    reshard(src, dst, to="deepspeed-universal")
+    with pytest.raises(ckptbridge.OptionError, match="has no option .dp"):  # the layout is the same for any DP
+        reshard(src, dst + "x", to="deepspeed-universal", dp=4)
     with open(os.path.join(dst, "latest_universal")) as fh:
         assert fh.read() == tag
     ours_zero = os.path.join(dst, tag, "zero")

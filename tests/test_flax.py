@@ -15,12 +15,20 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from test_deepspeed import runs_dir  # noqa: F401  (session fixture: the unpacked DeepSpeed runs)
 
-import ckptbridge._open as cbopen
-from ckptbridge._checkpoint import Checkpoint, CheckpointIndex
-from ckptbridge._model import Box
-from ckptbridge._rules import Rename, Stack, Transpose, apply_rules, rule_from_json, rules_to_json
-from ckptbridge._universal import Piece, save
+import ckptbridge as cbopen
+from ckptbridge import Checkpoint, CheckpointIndex
 from ckptbridge.adapters import flax as cbflax
+from ckptbridge.plugin import (
+    Box,
+    Piece,
+    Rename,
+    Stack,
+    Transpose,
+    apply_rules,
+    rule_from_json,
+    rules_to_json,
+)
+from ckptbridge.plugin import write_universal as save
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 D, V, L, OUT = 8, 10, 3, 4
@@ -276,3 +284,39 @@ def test_deepspeed_zero2_loads_onto_2x4_mesh_as_optax_state(runs_dir):  # noqa: 
                                   ckpt["blocks.2.fc.weight"].state("exp_avg").read().T)
     np.testing.assert_array_equal(np.asarray(adam.nu["lm_head"]["bias"]),
                                   ckpt["lm_head.bias"].state("exp_avg_sq").read())
+
+
+class _Boxed(nn.Module):
+    """A Linen model whose parameters are boxed with logical axis names (as MaxText's are)."""
+
+    @nn.compact
+    def __call__(self, x):
+        k = self.param("kernel", nn.with_logical_partitioning(nn.initializers.normal(), ("embed", "mlp")), (D, 16))
+        s = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, ("embed",)), (D,))
+        return (x * s) @ k
+
+
+def test_boxed_linen_params_load_with_their_logical_shardings(tmp_path):
+    """``model.init`` under ``nn.with_logical_partitioning`` returns ``nn.LogicallyPartitioned`` boxes:
+    they load by their plain names, stay boxed, and land on the mesh their logical names ask for."""
+    m = mesh((2, 4), ("data", "model"))
+    rules = (("embed", "data"), ("mlp", "model"))
+    model = _Boxed()
+    boxed = jax.eval_shape(model.init, jax.random.PRNGKey(0), jnp.ones((1, D)))
+    assert isinstance(boxed["params"]["kernel"], nn.LogicallyPartitioned)
+    src = model.init(jax.random.PRNGKey(1), jnp.ones((1, D)))
+    plain = jax.tree.map(np.asarray, nn.meta.unbox(src))
+    cbflax.save(str(tmp_path / "u"), plain)
+    with nn.logical_axis_rules(rules):
+        target = jax.tree.map(lambda b: b.replace_boxed(b.value) if isinstance(b, nn.LogicallyPartitioned) else b,
+                              boxed, is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned))
+        target = jax.tree.map(lambda b: nn.LogicallyPartitioned(b.value, b.names, mesh=m, rules=rules),
+                              target, is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned))
+        got = cbflax.load(str(tmp_path / "u"), target)
+    k = got["params"]["kernel"]
+    assert isinstance(k, nn.LogicallyPartitioned) and k.names == ("embed", "mlp")
+    np.testing.assert_array_equal(np.asarray(k.value), plain["params"]["kernel"])
+    assert k.value.sharding.is_equivalent_to(NamedSharding(m, P("data", "model")), 2)
+    assert got["params"]["scale"].value.sharding.is_equivalent_to(NamedSharding(m, P("data")), 1)
+    # the names of a boxed tree are the plain ones (no trailing '/value')
+    assert sorted(cbflax.flatten_state(boxed)) == ["params/kernel", "params/scale"]

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import ckptbridge
-from ckptbridge._model import Box
-from ckptbridge._universal import Piece, save
+from ckptbridge.plugin import Box, Piece
+from ckptbridge.plugin import write_universal as save
 
 HOSTILE = ["../../escaped", "/etc/passwd", "a/../../b", "..", "normal", "x" * 3000, "with\\backslash", "ü/ñ"]
 

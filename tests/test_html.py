@@ -7,8 +7,7 @@ import os
 import pytest
 
 import ckptbridge
-from ckptbridge import Box, ShapeMismatchError
-from ckptbridge._html import ReshardPlan
+from ckptbridge import Box, ReshardPlan, ShapeMismatchError
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DS_CKPT = os.path.join(HERE, "fixtures", "migration", "ds_zero2_w2", "ckpt")
@@ -48,8 +47,8 @@ def test_reshard_plan_says_which_file_each_target_reads():
 
 
 def test_stacked_tensor_is_drawn_per_layer():
-    from ckptbridge._rules import apply_rules
-    from ckptbridge.adapters import gpt_rules
+    from ckptbridge.plugin import apply_rules
+    from examples.models import gpt_rules
 
     with ckptbridge.open(DS_CKPT) as ckpt:
         tensors = apply_rules(ckpt.tensors, list(gpt_rules.torch_to_flax(60)))

@@ -10,8 +10,8 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-import ckptbridge._open as cbopen
-from ckptbridge._errors import ShapeMismatchError, TensorNotFoundError
+import ckptbridge as cbopen
+from ckptbridge import ShapeMismatchError, TensorNotFoundError
 from ckptbridge.adapters import jax as cbjax
 
 SHAPE = (48, 40)

@@ -17,13 +17,13 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-import ckptbridge._open as O
-from ckptbridge._errors import MissingShardError
-from ckptbridge._pickle import TensorRef
-from ckptbridge._read import FileCache, read_state
-from ckptbridge._torchzip import TorchArchive, iter_tensors
+import ckptbridge
+import ckptbridge as O
+from ckptbridge import MissingShardError
 from ckptbridge.adapters import megatron
-from ckptbridge.adapters._megatron_layout import MegatronConfig
+from ckptbridge.adapters.megatron._layout import MegatronConfig
+from ckptbridge.adapters.torchfile import TensorRef, TorchArchive, iter_tensors
+from ckptbridge.plugin import FileCache, read_state
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 FIX = os.path.join(HERE, "fixtures", "megatron")
@@ -99,7 +99,7 @@ def test_legacy_and_torch_dist_of_one_layout_are_bitwise_equal(family: str) -> N
         assert np.array_equal(a[k], b[k]), k
 
 
-def test_bf16_run_states(ref) -> None:
+def test_bf16_run_states() -> None:
     c = O.open(fx("Abf16/tp2pp1/torch"))
     assert c.states() == ("param", "fp32", "exp_avg", "exp_avg_sq")
     for n in c:
@@ -107,8 +107,8 @@ def test_bf16_run_states(ref) -> None:
         assert t.dtype == "float32" and t.state("param").dtype == "bfloat16"
         # Megatron copies the fp32 master into the bf16 model weights after every step.
         np.testing.assert_array_equal(t.state("param").read(), t.read().astype(ml_dtypes.bfloat16))
-        # Same data and steps as the fp32 run; bf16 compute moves weights by at most 4e-3 (measured 3.8e-3).
-        np.testing.assert_allclose(t.read(), ref[(n, "fp32")], atol=5e-3)
+    # The fp32 master and the Adam moments themselves are checked bitwise against megatron-core's
+    # own optimizer state: tests/test_megatron_core_writer_paths.py.
 
 
 def test_tied_embeddings_family_b() -> None:
@@ -127,7 +127,7 @@ def test_tied_embeddings_family_b() -> None:
     # the last stage's output_layer copy equals the embedding, state by state
     a = TorchArchive.open(fx("B/tp1pp2/torch/iter_0000005/mp_rank_00_001/model_optim_rng.pt"))
     with FileCache() as files:
-        from ckptbridge._model import TensorState
+        from ckptbridge.plugin import TensorState
 
         ref_ = a.obj["model"]["output_layer.weight"]
         copy = read_state(TensorState(ref_.dtype, ref_.shape, (a.fragment(ref_),)), None, files)
@@ -171,7 +171,7 @@ def test_consolidation_follows_megatron_tp_layout() -> None:
             a = TorchArchive.open(os.path.join(it, f"mp_rank_{tp:02d}_{pp:03d}", "model_optim_rng.pt"))
             ref = dict(iter_tensors(a.obj["model"]))[key]
             f = a.fragment(ref)
-            from ckptbridge._model import TensorState
+            from ckptbridge.plugin import TensorState
 
             return read_state(TensorState(ref.dtype, ref.shape, (f,)), None, files)
 
@@ -274,7 +274,7 @@ def _rank_tensors(run: str) -> dict[str, np.ndarray]:
                 rank = os.path.relpath(os.path.join(root, n), run)
                 for key, ref in iter_tensors({k: v for k, v in a.obj.items() if k not in ("rng_state", "args")}):
                     if isinstance(ref, TensorRef):
-                        from ckptbridge._model import TensorState
+                        from ckptbridge.plugin import TensorState
 
                         st = TensorState(ref.dtype, ref.shape, (a.fragment(ref),))
                         out[f"{rank}:{key}"] = read_state(st, None, files)
@@ -286,9 +286,9 @@ def _rank_tensors(run: str) -> dict[str, np.ndarray]:
 def test_round_trip_gives_back_the_original_shards_bitwise(src: str, mid: tuple[int, int], tmp_path) -> None:
     orig = O.open(fx(src))
     tp, pp = orig.provenance["tp"], orig.provenance["pp"]
-    megatron.write(orig, str(tmp_path / "mid"), tp=mid[0], pp=mid[1])
+    ckptbridge.reshard(orig, str(tmp_path / "mid"), to="megatron", tp=mid[0], pp=mid[1])
     back = tmp_path / "back"
-    megatron.write(O.open(str(tmp_path / "mid")), str(back), tp=tp, pp=pp)
+    ckptbridge.reshard(O.open(str(tmp_path / "mid")), str(back), to="megatron", tp=tp, pp=pp)
     a, b = _rank_tensors(fx(src)), _rank_tensors(str(back))
     assert set(a) == set(b), set(a) ^ set(b)
     for k in a:
@@ -307,7 +307,7 @@ def test_round_trip_gives_back_the_original_shards_bitwise(src: str, mid: tuple[
 def test_written_layout_reads_back_identically(src: str, tp: int, pp: int, tmp_path) -> None:
     c = O.open(fx(src))
     dst = str(tmp_path / "out")
-    megatron.write(c, dst, tp=tp, pp=pp)
+    ckptbridge.reshard(c, dst, to="megatron", tp=tp, pp=pp)
     d = O.open(dst)
     assert d.provenance["tp"] == tp and d.provenance["pp"] == pp and d.step == 5
     a, b = _all(c), _all(d)
@@ -323,18 +323,17 @@ def test_written_layout_reads_back_identically(src: str, tp: int, pp: int, tmp_p
 def test_write_from_split_view_refuses_existing_destination(tmp_path) -> None:
     c = O.open(fx("A/tp2pp2/torch"), split_fused=True)
     dst = str(tmp_path / "out")
-    megatron.write(c, dst, tp=1, pp=1)
+    ckptbridge.reshard(c, dst, to="megatron", tp=1, pp=1)
     np.testing.assert_array_equal(O.open(dst)["decoder.layers.1.mlp.linear_fc1.weight"].read(),
                                   O.open(fx("A/tp2pp2/torch"))["decoder.layers.1.mlp.linear_fc1.weight"].read())
     with pytest.raises(FileExistsError):
-        megatron.write(c, dst, tp=1, pp=1)
+        ckptbridge.reshard(c, dst, to="megatron", tp=1, pp=1)
 
 
 def test_reshard_cli_path_and_universal_round_trip(tmp_path) -> None:
     """``ckptbridge reshard --to megatron`` (the WRITERS registry) from a Megatron checkpoint and from
     the universal directory converted from it: same logical tensors, same step, same Megatron args."""
-    from ckptbridge._convert import convert
-    from ckptbridge._reshard import reshard
+    from ckptbridge import convert, reshard
 
     src = fx("Abf16/tp2pp1/torch")
     reshard(src, str(tmp_path / "direct"), to="megatron", tp=1, pp=2)

@@ -93,7 +93,7 @@ def _corrupt(src: str, dst: str, how: str) -> None:
         i, j = next(ix for shape, ix in by_shape.items() if len(shape) == 2 and len(ix) >= 2)[:2]
         state[i], state[j] = state[j], state[i]
     elif how == "vocab_not_padded":
-        import ckptbridge._open as cb_open
+        import ckptbridge as cb_open
 
         vocab = cb_open.open(src).extra["megatron"]["vocab_size"]  # the tokenizer's rows, padding stripped
         m["embedding.word_embeddings.weight"] = m["embedding.word_embeddings.weight"][:vocab].clone()

@@ -33,8 +33,8 @@ sys.path.insert(0, ROOT)
 
 import ckptbridge  # noqa: E402
 from ckptbridge import ShapeMismatchError, Transpose  # noqa: E402
-from ckptbridge._rules import apply_rules  # noqa: E402
-from ckptbridge.adapters import gpt_rules  # noqa: E402
+from ckptbridge.plugin import apply_rules  # noqa: E402
+from examples.models import gpt_rules  # noqa: E402
 
 DS_RUN = os.path.join(HERE, "fixtures", "migration", "ds_zero2_w2")
 DS_CKPT = os.path.join(DS_RUN, "ckpt")

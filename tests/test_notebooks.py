@@ -22,8 +22,9 @@ NOTEBOOKS = os.path.join(os.path.dirname(HERE), "notebooks")
 NAMES = sorted(n for n in os.listdir(NOTEBOOKS) if n.endswith(".ipynb"))
 
 
-def test_there_are_the_three_notebooks():
-    assert NAMES == ["01_explore_checkpoints.ipynb", "02_migrate_deepspeed_to_flax.ipynb", "03_reshard.ipynb"]
+def test_there_are_the_four_notebooks():
+    assert NAMES == ["01_explore_checkpoints.ipynb", "02_migrate_deepspeed_to_flax.ipynb", "03_reshard.ipynb",
+                     "04_migrate_hf_llama_to_maxtext.ipynb"]
 
 
 @pytest.mark.heavy

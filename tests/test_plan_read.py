@@ -11,19 +11,20 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ckptbridge import _dtypes
-from ckptbridge._errors import ShapeMismatchError, TruncatedError
-from ckptbridge._model import (
+from ckptbridge import ShapeMismatchError, TruncatedError
+from ckptbridge._plan import normalize_index, plan
+from ckptbridge.plugin import (
     Box,
+    FileCache,
     FileRegion,
     Fragment,
     TensorState,
     c_strides,
     flat_range_boxes,
     flat_range_fragments,
+    read_state,
 )
-from ckptbridge._plan import normalize_index, plan
-from ckptbridge._read import FileCache, read_state
+from ckptbridge.plugin import dtypes as _dtypes
 
 DTYPES = ["float32", "float16", "bfloat16", "int32", "int64", "uint8"]
 

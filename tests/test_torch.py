@@ -19,7 +19,7 @@ from _dist import run
 from torch.distributed.tensor import Replicate, Shard
 
 import ckptbridge
-import ckptbridge._open as cb_open
+import ckptbridge as cb_open
 from ckptbridge.adapters import torch as cbt
 
 SHAPES = {"w": ((9, 6), torch.float32), "b": ((5,), torch.float32), "e": ((7, 4), torch.bfloat16),
@@ -183,7 +183,7 @@ def _fit(placements, ndim):
 
 
 def _strides(shape):
-    from ckptbridge._model import c_strides
+    from ckptbridge.plugin import c_strides
 
     return c_strides(shape)
 
@@ -198,10 +198,9 @@ def _offset(t):
 def jobs(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("torch"))
     saved = run(_save_job, 2, out)
-    from ckptbridge.adapters import dcp as cb_dcp
 
-    cb_dcp.write(cb_open.open(os.path.join(out, "uni")), os.path.join(out, "dcp_from_uni"), world_size=3)
-    cb_dcp.write(cb_open.open(os.path.join(out, "fsdp_uni")), os.path.join(out, "fsdp_dcp_from_uni"))
+    ckptbridge.reshard(os.path.join(out, "uni"), os.path.join(out, "dcp_from_uni"), to="dcp", world_size=3)
+    ckptbridge.reshard(os.path.join(out, "fsdp_uni"), os.path.join(out, "fsdp_dcp_from_uni"), to="dcp")
     loaded = run(_load_job, 4, out)
     return out, saved[0], loaded
 

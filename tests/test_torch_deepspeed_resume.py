@@ -22,7 +22,7 @@ import torch
 from _dist import run
 from test_deepspeed import runs_dir  # noqa: F401  (session fixture: the unpacked DeepSpeed runs)
 
-import ckptbridge._open as cb_open
+import ckptbridge as cb_open
 from ckptbridge.adapters import torch as cbt
 
 # from the DeepSpeed fixture runs (tests/fixtures/deepspeed, unpacked once per session)

@@ -12,8 +12,7 @@ import pytest
 import torch
 
 import ckptbridge
-from ckptbridge._pickle import Opaque, safe_loads
-from ckptbridge._torchzip import TorchArchive
+from ckptbridge.adapters.torchfile import Opaque, TorchArchive, safe_loads
 
 
 def test_module_and_optimizer_state_read_in_place(tmp_path):
@@ -118,20 +117,3 @@ def test_archive_offsets_point_at_storage_bytes(tmp_path):
     with zipfile.ZipFile(tmp_path / "a.pt") as zf:
         name = next(n for n in zf.namelist() if n.endswith(f"data/{key}"))
         assert zf.read(name) == (tmp_path / "a.pt").read_bytes()[off : off + length]
-
-
-def test_hf_sharded_torch_bins(tmp_path):
-    import json
-
-    a, b = {"embed.weight": torch.randn(5, 3)}, {"head.weight": torch.randn(2, 3)}
-    torch.save(a, tmp_path / "pytorch_model-00001-of-00002.bin")
-    torch.save(b, tmp_path / "pytorch_model-00002-of-00002.bin")
-    wm = {"embed.weight": "pytorch_model-00001-of-00002.bin", "head.weight": "pytorch_model-00002-of-00002.bin"}
-    (tmp_path / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": wm}))
-    c = ckptbridge.open(tmp_path)
-    assert c.format == "torch" and set(c) == set(wm)
-    np.testing.assert_array_equal(c["head.weight"].read(), b["head.weight"].numpy())
-    wm["head.weight"] = "../outside.bin"
-    (tmp_path / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": wm}))
-    with pytest.raises(ckptbridge.FormatError, match="outside"):
-        ckptbridge.open(tmp_path)

@@ -12,6 +12,9 @@ Run one process per rank under torchrun::
 
     # resume from a universal checkpoint (load_universal=true) at another world size / stage:
     ... --nproc_per_node=1 tools/ds_train.py --stage 1 --steps 2 --resume_universal /tmp/univ --out /tmp/r
+    # or straight from the native checkpoint (ckptbridge.adapters.deepspeed.load_engine, no conversion),
+    # and (--compare_universal) a second engine resumed by DeepSpeed's load_universal for reference:
+    ... --nproc_per_node=4 tools/ds_train.py --stage 3 --steps 2 --resume_native /tmp/run/ckpt --out /tmp/r
 
 Writes ``<out>/ckpt/<tag>/`` (DeepSpeed's checkpoint, unless ``--no_save``) and
 ``<out>/meta.json`` (losses, world size, stage, ...). ``--n_layer/--d_model/--vocab`` scale the model
@@ -116,35 +119,11 @@ def dump_state(engine, path: str, rank: int) -> None:
                    path)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--stage", type=int, required=True)
-    ap.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
-    ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--resume_universal", default=None)
-    ap.add_argument("--bf16_optimizer", action="store_true")
-    ap.add_argument("--zero_extra", default="{}")
-    ap.add_argument("--vocab", type=int, default=101)
-    ap.add_argument("--d_model", type=int, default=60)
-    ap.add_argument("--n_layer", type=int, default=3)
-    ap.add_argument("--no_save", action="store_true")
-    ap.add_argument("--freeze", default=None, help="regex: parameters whose names match get requires_grad=False")
-    ap.add_argument("--dump_final", default=None, help="like --dump_loaded, after training")
-    ap.add_argument("--tie", action="store_true", help="tie lm_head.weight to wte.weight (shared parameter)")
-    ap.add_argument("--dump_loaded", default=None,
-                    help="after resuming, save {name: {fp32, exp_avg, exp_avg_sq}} gathered from the live engine")
-    ap.add_argument("--local_rank", type=int, default=-1)
-    args = ap.parse_args()
-
+def build_engine(args, ws: int, load_universal: bool = False):
+    """A fresh TinyGPT (seed 1234) in a DeepSpeed engine configured from ``args``."""
     import deepspeed
-    from deepspeed import comm as dist
-    from make_deepspeed_ckpt import init_gloo
 
-    init_gloo()
-    rank, ws = dist.get_rank(), dist.get_world_size()
     micro = GLOBAL_BATCH // ws
-
     torch.manual_seed(1234)
     model = TinyGPT(args.vocab, args.d_model, args.n_layer)
     if args.tie:
@@ -181,19 +160,41 @@ def main() -> None:
         cfg["fp16"] = {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 100}
     if args.bf16_optimizer:
         cfg["data_types"] = {"grad_accum_dtype": "fp32"}
-    if args.resume_universal:
+    if load_universal:
         cfg["checkpoint"] = {"load_universal": True}
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups(model), config=cfg)
+    return engine
 
-    start = 0
-    if args.resume_universal:
-        path, _ = engine.load_checkpoint(args.resume_universal, load_optimizer_states=True,
-                                         load_lr_scheduler_states=True)
-        if path is None:
-            raise SystemExit(f"load_checkpoint({args.resume_universal}) found nothing")
-        start = engine.global_steps
-        if args.dump_loaded:
-            dump_state(engine, args.dump_loaded, rank)
+
+def unalias_steps(engine) -> int:
+    """Work around a DeepSpeed 0.19.8 ZeRO-3 universal-load bug; return how many aliases it undid.
+
+    ``stage3.load_hp_checkpoint_state_from_checkpoint_dir_stage3`` stores one and the same step
+    tensor as ``state['step']`` of every sub-group, so each optimizer step increments it once per
+    sub-group (3 -> 5 after one step with two sub-groups) and every sub-group after the first uses a
+    wrong Adam bias correction. Giving each sub-group its own copy restores what DeepSpeed means.
+    """
+    opt = engine.optimizer
+    flats = getattr(opt, "fp32_partitioned_groups_flat", None)
+    if not flats:
+        return 0
+    seen, undone = set(), 0
+    for fp32 in flats:
+        st = opt.optimizer.state.get(fp32, {})
+        step = st.get("step")
+        if isinstance(step, torch.Tensor):
+            if id(step) in seen:
+                st["step"] = step.clone()
+                undone += 1
+            seen.add(id(step))
+    return undone
+
+
+def train(engine, args, start: int, rank: int, ws: int, timing: dict | None = None) -> list[float]:
+    """``args.steps`` steps from ``start``; the mean loss of each over the ranks."""
+    from deepspeed import comm as dist
+
+    micro = GLOBAL_BATCH // ws
     losses = []
     for step in range(start, start + args.steps):
         x, y = make_batch(step, args.vocab)
@@ -204,6 +205,77 @@ def main() -> None:
         v = loss.detach().float().clone()
         dist.all_reduce(v)
         losses.append(v.item() / ws)
+        if timing is not None:
+            timing.setdefault("first_step_done_at", time.time())
+    return losses
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--stage", type=int, required=True)
+    ap.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--resume_universal", default=None)
+    ap.add_argument("--resume_native", default=None,
+                    help="fill the engine with ckptbridge.adapters.deepspeed.load_engine from this checkpoint")
+    ap.add_argument("--native_weights_only", action="store_true",
+                    help="with --resume_native: load_optimizer_states=False (a negative control)")
+    ap.add_argument("--compare_universal", default=None,
+                    help="after a --resume_native run, resume a second engine from this universal checkpoint "
+                         "with DeepSpeed's load_universal and train the same steps (meta: reference_losses; "
+                         "its ZeRO-3 step aliasing is undone, see unalias_steps)")
+    ap.add_argument("--bf16_optimizer", action="store_true")
+    ap.add_argument("--zero_extra", default="{}")
+    ap.add_argument("--vocab", type=int, default=101)
+    ap.add_argument("--d_model", type=int, default=60)
+    ap.add_argument("--n_layer", type=int, default=3)
+    ap.add_argument("--no_save", action="store_true")
+    ap.add_argument("--freeze", default=None, help="regex: parameters whose names match get requires_grad=False")
+    ap.add_argument("--dump_final", default=None, help="like --dump_loaded, after training")
+    ap.add_argument("--tie", action="store_true", help="tie lm_head.weight to wte.weight (shared parameter)")
+    ap.add_argument("--dump_loaded", default=None,
+                    help="after resuming, save {name: {fp32, exp_avg, exp_avg_sq}} gathered from the live engine")
+    ap.add_argument("--local_rank", type=int, default=-1)
+    args = ap.parse_args()
+
+    from deepspeed import comm as dist
+    from make_deepspeed_ckpt import init_gloo
+
+    timing: dict = {"started_at": time.time()}
+    init_gloo()
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    engine = build_engine(args, ws, load_universal=bool(args.resume_universal))
+
+    start = 0
+    t_load = time.time()
+    if args.resume_universal:
+        path, _ = engine.load_checkpoint(args.resume_universal, load_optimizer_states=True,
+                                         load_lr_scheduler_states=True)
+        if path is None:
+            raise SystemExit(f"load_checkpoint({args.resume_universal}) found nothing")
+    elif args.resume_native:
+        from ckptbridge.adapters.deepspeed import load_engine
+
+        loaded = load_engine(engine, args.resume_native, load_optimizer_states=not args.native_weights_only)
+        got = [None] * ws
+        dist.all_gather_object(got, loaded.bytes_read)
+        timing["bytes_read"] = got
+    timing["load_s"] = time.time() - t_load
+    if args.resume_universal or args.resume_native:
+        start = engine.global_steps
+        if args.dump_loaded:
+            dump_state(engine, args.dump_loaded, rank)
+    losses = train(engine, args, start, rank, ws, timing)
+    reference = None
+    if args.compare_universal:
+        other = build_engine(args, ws, load_universal=True)
+        path, _ = other.load_checkpoint(args.compare_universal, load_optimizer_states=True,
+                                        load_lr_scheduler_states=True)
+        if path is None:
+            raise SystemExit(f"load_checkpoint({args.compare_universal}) found nothing")
+        timing["reference_step_aliases"] = unalias_steps(other)
+        reference = train(other, args, other.global_steps, rank, ws)
     if args.dump_final:
         dump_state(engine, args.dump_final, rank)
     save_s = None
@@ -216,6 +288,9 @@ def main() -> None:
         meta = {"stage": args.stage, "world_size": ws, "dtype": args.dtype, "losses": losses,
                 "global_steps": engine.global_steps, "resumed_from": args.resume_universal,
                 "optimizer_wrapper": type(engine.optimizer).__name__, "save_checkpoint_s": save_s,
+                "offload": {k: (str(getattr(c.device, "value", c.device)) if c is not None else None) for k, c in
+                            (("optimizer", engine.zero_offload_optimizer()), ("param", engine.zero_offload_param()))},
+                "resumed_native": args.resume_native, "timing": timing, "reference_losses": reference,
                 "n_params": sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel()
                                 for p in engine.module.parameters())}
         with open(os.path.join(args.out, "meta.json"), "w") as fh:

@@ -37,9 +37,11 @@ def init_gloo() -> None:
     ``DS_SKIP_SHM_OP=1`` (set by :func:`env`) DeepSpeed's JIT g++ build of its CPU shared-memory
     all-reduce op is skipped (inference only; training is unaffected)."""
     if os.environ.get("DS_SKIP_SHM_OP") == "1":
-        import deepspeed.comm.torch as dct
+        import deepspeed.comm.torch
 
-        dct.build_shm_op = lambda: None
+        # not `import deepspeed.comm.torch as dct`: deepspeed.comm's own `torch` attribute (the torch
+        # package) shadows the submodule there, so the patch would land on torch and the build run
+        sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
     import deepspeed
 
     deepspeed.init_distributed(dist_backend="gloo")

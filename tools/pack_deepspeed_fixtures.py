@@ -43,6 +43,7 @@ def _describe(run: str) -> dict:
     ck = os.path.join(run, "ckpt")
     with open(os.path.join(ck, "latest")) as fh:
         tag = fh.read().strip()
+    extra = {"offload": meta["offload"]} if any((meta.get("offload") or {}).values()) else {}  # ZeRO-Offload runs
     return {
         "name": os.path.basename(os.path.normpath(run)),
         "tag": tag,
@@ -51,6 +52,7 @@ def _describe(run: str) -> dict:
         "global_steps": meta["global_steps"],
         "ds_universal": os.path.isdir(os.path.join(ck, tag + "_universal")),
         "zero_to_fp32": os.path.exists(os.path.join(run, "fp32", "pytorch_model.bin")),
+        **extra,
     }
 
 

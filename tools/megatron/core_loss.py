@@ -21,19 +21,34 @@ For every checkpoint given, each of ``--world`` spawned ranks (gloo, CPU, tools/
    (``get_forward_backward_func()``, ``forward_only=True``; pipelined for PP > 1) and reports the
    token-mean lm loss (``GPTModel``'s vocab-parallel cross entropy, as pretrain_gpt.py's loss_func),
    plus a SHA-256 of every local parameter (to compare two loads of one layout bitwise);
-5. with ``--train-step`` (legacy checkpoints with torch-Adam state): Megatron-LM's resume and one
-   ``train_step`` from megatron-core's pieces -- its DDP wrapper, ``get_megatron_optimizer`` and
-   ``OptimizerParamScheduler`` loaded from the checkpoint's ``optimizer`` / ``opt_param_scheduler``,
-   forward+backward on the same tokens, ``finalize_model_grads``, ``optimizer.step()`` -- and
-   reports the grad norm, the lr used and the loss after the step.
+5. with ``--train-step`` (legacy checkpoints, and ``dist:...,optim=1`` ones): Megatron-LM's resume
+   and one ``train_step`` from megatron-core's pieces -- its DDP wrapper, ``get_megatron_optimizer``
+   (``Float16OptimizerWithFloat16Params`` for bf16/fp16 runs, whose model is wrapped in
+   ``Float16Module`` as Megatron-LM's ``get_model`` does; the ``DistributedOptimizer`` when the run
+   used one) and ``OptimizerParamScheduler`` loaded from the checkpoint's ``optimizer`` /
+   ``opt_param_scheduler`` (+ ``distrib_optim.pt`` through ``load_parameter_state``; for
+   ``torch_dist``, megatron-core's ``optimizer.sharded_state_dict`` through
+   ``dist_checkpointing.load``), forward+backward on the same tokens, ``finalize_model_grads``,
+   ``optimizer.step()`` -- and reports the grad norm, the lr used and the loss after the step;
+6. with ``--dump DIR``: megatron-core's optimizer state right after the load (fp32 master,
+   exp_avg, exp_avg_sq per parameter; the DP-owned pieces for the distributed optimizer) saved
+   to ``DIR/<item index>/tpT_ppP_dpD.pt``;
+7. ``save:PATH=OUT`` items: a legacy checkpoint loaded at its own layout (model, optimizer,
+   scheduler), then saved by megatron-core as the ``torch_dist`` checkpoint OUT
+   (``sharded_state_dict`` + ``dist_checkpointing.save``), which ``dist:OUT:...,optim=1`` items
+   load back at another layout: Megatron's own reshard, optimizer state included.
 
 Prints one line per checkpoint, ``CORE_LOSS {"ckpt", "dist", "tp", "pp", "loss", "tokens",
 "token_losses", "digests"[, "step": {"updated", "grad_norm", "lr", "after_loss",
-"after_token_losses"}]}`` (``digests``: "tpTppP:<local name>" -> SHA-256 prefix), or
-``{"ckpt", ..., "error"}`` when the load failed (the loss is then not computed)::
+"after_token_losses"}][, "dump"]}`` (``digests``: "tpTppP:<local name>" -> SHA-256 prefix), or
+``{"ckpt", ..., "error"}`` when the load failed (the loss is then not computed). ``--dump DIR``
+also writes ``DIR/<n>.npz`` for the n-th checkpoint: the tokens and labels evaluated, the per-token
+losses and (PP 1) GPTModel's logits over the padded vocabulary, to compare with another framework::
 
     python tools/megatron/core_loss.py --world 2 --train-step tests/fixtures/megatron/A/tp1pp1/torch \\
         /tmp/written_tp1pp2 dist:tests/fixtures/megatron/A/tp2pp2/torch_dist:tp=2,pp=1
+    python tools/megatron/core_loss.py --world 2 --train-step --dump /tmp/dump \\
+        save:tests/fixtures/megatron/Abf16/tp2pp1/torch=/tmp/bf16_dist dist:/tmp/bf16_dist:tp=1,pp=2,optim=1
 
 Megatron-LM's own training loop is tools/megatron/verify_loss.py (needs setup.sh's git clone).
 """
@@ -68,21 +83,30 @@ EVAL_OVERRIDES = {
 
 @dataclasses.dataclass(frozen=True)
 class Item:
-    """One checkpoint to evaluate: ``path`` (legacy layout) or ``dist:path:tp=N,pp=M``."""
+    """One checkpoint to evaluate: ``path`` (legacy layout), ``dist:path[:tp=N,pp=M[,optim=1]]``
+    (``optim=1``: with ``--train-step``, also load the optimizer through megatron-core's
+    ``sharded_state_dict``), or ``save:path=OUT`` (a legacy checkpoint at its own layout, model +
+    optimizer + scheduler loaded, then saved by megatron-core as the ``torch_dist`` checkpoint OUT)."""
 
     path: str
     dist: bool = False
     tp: int | None = None
     pp: int | None = None
+    optim: bool = False
+    save_to: str | None = None
 
     @staticmethod
     def parse(text: str) -> Item:
+        if text.startswith("save:"):
+            path, _, out = text[len("save:"):].rpartition("=")
+            return Item(path, save_to=out)
         if not text.startswith("dist:"):
             return Item(text)
         body = text[len("dist:"):]
         path, _, opts = body.rpartition(":") if "=" in body.rsplit(":", 1)[-1] else (body, "", "")
         kw = dict(o.split("=", 1) for o in opts.split(",") if o)
-        return Item(path, True, int(kw.get("tp", 0)) or None, int(kw.get("pp", 0)) or None)
+        return Item(path, True, int(kw.get("tp", 0)) or None, int(kw.get("pp", 0)) or None,
+                    kw.get("optim", "0") == "1")
 
 
 def saved_args(path: str) -> tuple[dict[str, Any], int | None]:
@@ -90,15 +114,15 @@ def saved_args(path: str) -> tuple[dict[str, Any], int | None]:
     pickle-free reader from the checkpoint's first rank file (``common.pt`` for torch_dist).
 
     Only the args are read here, not the tensors: megatron-core alone judges the weights."""
-    from ckptbridge._torchzip import TorchArchive
-    from ckptbridge.adapters._megatron_common import (
+    from ckptbridge.adapters.megatron._common import (
         args_dict,
         is_dist_dir,
         plain,
         rank_dirs,
         resolve_iter_dir,
     )
-    from ckptbridge.adapters._megatron_layout import MegatronConfig
+    from ckptbridge.adapters.megatron._layout import MegatronConfig
+    from ckptbridge.adapters.torchfile import TorchArchive
 
     it_dir, _ = resolve_iter_dir(path)
     if is_dist_dir(it_dir):
@@ -174,6 +198,10 @@ def build_model(args: Any, tp: int, pp: int) -> Any:
         parallel_output=True, share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
         position_embedding_type=args.position_embedding_type, rotary_percent=args.rotary_percent,
         rotary_base=args.rotary_base)
+    if config.bf16 or config.fp16:  # Megatron-LM's get_model: the whole module in 16 bits (norms too)
+        from megatron.core.transformer.module import Float16Module
+
+        model = Float16Module(config, model)
     model.eval()
     return model
 
@@ -183,7 +211,7 @@ def load_legacy(model: Any, path: str, args: Any, tp: int, pp: int) -> dict[str,
     import torch
     from megatron.core import parallel_state as ps
 
-    from ckptbridge.adapters._megatron_common import rank_dir_name, resolve_iter_dir
+    from ckptbridge.adapters.megatron._common import rank_dir_name, resolve_iter_dir
 
     it_dir, _ = resolve_iter_dir(path)
     f = os.path.join(it_dir, rank_dir_name(ps.get_tensor_model_parallel_rank(),
@@ -201,6 +229,7 @@ def load_legacy(model: Any, path: str, args: Any, tp: int, pp: int) -> dict[str,
     if "model" not in sd:
         raise ValueError(f"{f}: no 'model' state dict (virtual pipeline checkpoints are not evaluated here)")
     model.load_state_dict(sd["model"], strict=True)
+    sd["__file__"] = f  # where distrib_optim.pt is (this rank's directory)
     return sd
 
 
@@ -208,12 +237,13 @@ def load_dist(model: Any, path: str) -> None:
     """megatron-core's own ``dist_checkpointing.load`` (it reshards onto this model's layout)."""
     from megatron.core import dist_checkpointing
 
-    from ckptbridge.adapters._megatron_common import resolve_iter_dir
+    from ckptbridge.adapters.megatron._common import resolve_iter_dir
 
     it_dir, _ = resolve_iter_dir(path)
     sharded = model.sharded_state_dict()
     loaded = dist_checkpointing.load(sharded, it_dir)  # + the common state (args, iteration, ...)
-    missing, unexpected = model.load_state_dict({k: loaded[k] for k in sharded}, strict=False)
+    inner = getattr(model, "module", model)  # Float16Module.load_state_dict returns no key lists
+    missing, unexpected = inner.load_state_dict({k: loaded[k] for k in sharded}, strict=False)
     missing = [k for k in missing if not k.endswith("_extra_state")]
     if missing or unexpected:
         raise ValueError(f"{it_dir}: dist_checkpointing.load missing {missing} unexpected {unexpected}")
@@ -275,14 +305,11 @@ def _from_args(cls: Any, args: Any, **over: Any) -> Any:
     return cls(**kw)
 
 
-def train_step(model: Any, args: Any, sd: dict[str, Any], batches: list[dict[str, Any]]) -> dict[str, Any]:
-    """Megatron-LM's resume + one ``train_step``, with megatron-core's pieces only: wrap in its DDP,
-    build its optimizer (``get_megatron_optimizer``) and ``OptimizerParamScheduler``, load the
-    checkpoint's ``optimizer`` and ``opt_param_scheduler`` into them, run forward+backward over
-    ``batches`` (``finalize_model_grads``: DP and tied-embedding grad reduction), ``optimizer.step()``
-    and ``scheduler.step()``. Returns the grad norm, the learning rate used and the model after."""
+def make_optimizer(model: Any, args: Any) -> tuple[Any, Any, Any]:
+    """Megatron-LM's training setup from megatron-core's pieces: its DDP wrapper (the distributed
+    optimizer's grad buffer when the run used one), ``get_megatron_optimizer`` and
+    ``OptimizerParamScheduler``, configured from the run's args. Returns (ddp, optimizer, scheduler)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
     from megatron.core.optimizer import (
         AdamOptimizerConfig,
         get_megatron_optimizer,
@@ -290,17 +317,16 @@ def train_step(model: Any, args: Any, sd: dict[str, Any], batches: list[dict[str
     )
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    if getattr(args, "optimizer", "adam") != "adam" or args.use_distributed_optimizer:
-        raise NotImplementedError("train step: torch Adam (non-distributed optimizer) checkpoints only")
-    if "optimizer" not in sd or "opt_param_scheduler" not in sd:
-        raise ValueError("train step: the checkpoint has no optimizer / opt_param_scheduler state")
+    if getattr(args, "optimizer", "adam") != "adam":
+        raise NotImplementedError("train step: Adam checkpoints only")
     config = model.config
+    # overlap_grad_reduce off: one bucket per grad buffer, as Megatron-LM's get_model sets it
     ddp = DistributedDataParallel(config, DistributedDataParallelConfig(
         grad_reduce_in_fp32=bool(args.accumulate_allreduce_grads_in_fp32), overlap_grad_reduce=False,
-        use_distributed_optimizer=False, check_for_nan_in_grad=False, bucket_size=None), model)
+        use_distributed_optimizer=bool(args.use_distributed_optimizer), check_for_nan_in_grad=False,
+        bucket_size=None), model)
     opt_config = _from_args(AdamOptimizerConfig, args)
     optimizer = get_megatron_optimizer(opt_config, [ddp], get_standard_config_overrides(opt_config))
-    optimizer.load_state_dict(sd["optimizer"])
     gbs = int(args.global_batch_size)
     decay = int(args.lr_decay_iters or args.train_iters) * gbs
     warmup = (args.lr_warmup_fraction * decay if args.lr_warmup_fraction is not None
@@ -311,7 +337,49 @@ def train_step(model: Any, args: Any, sd: dict[str, Any], batches: list[dict[str
         end_wd=args.end_weight_decay, wd_incr_steps=int(args.train_iters) * gbs,
         wd_incr_style=args.weight_decay_incr_style, use_checkpoint_opt_param_scheduler=True,
         override_opt_param_scheduler=False)
+    return ddp, optimizer, sched
+
+
+def load_optimizer_legacy(optimizer: Any, sched: Any, sd: dict[str, Any], args: Any) -> None:
+    """Megatron-LM's ``load_checkpoint`` for the optimizer of a ``--ckpt-format torch`` checkpoint:
+    ``optimizer.load_state_dict(sd['optimizer'])``, then (distributed optimizer) the rank
+    directory's ``distrib_optim.pt`` through ``load_parameter_state``, and the scheduler."""
+    if "optimizer" not in sd or "opt_param_scheduler" not in sd:
+        raise ValueError("train step: the checkpoint has no optimizer / opt_param_scheduler state")
+    optimizer.load_state_dict(sd["optimizer"])
+    if args.use_distributed_optimizer:
+        optimizer.load_parameter_state(os.path.join(os.path.dirname(sd["__file__"]), "distrib_optim.pt"))
     sched.load_state_dict(sd["opt_param_scheduler"])
+
+
+def load_optimizer_dist(model: Any, optimizer: Any, sched: Any, path: str) -> None:
+    """Megatron-LM's ``load_checkpoint`` for the optimizer of a ``torch_dist`` checkpoint:
+    megatron-core's ``optimizer.sharded_state_dict`` (with the content metadata the checkpoint
+    was saved with, e.g. the distributed optimizer's sharding type) loaded by
+    ``dist_checkpointing.load``, resharded by megatron-core onto this layout."""
+    from megatron.core import dist_checkpointing
+
+    from ckptbridge.adapters.megatron._common import resolve_iter_dir
+
+    it_dir, _ = resolve_iter_dir(path)
+    meta = dist_checkpointing.load_content_metadata(it_dir)
+    sharded = {"optimizer": optimizer.sharded_state_dict(model.sharded_state_dict(), is_loading=True,
+                                                         **({"metadata": meta} if meta else {}))}
+    loaded = dist_checkpointing.load(sharded, it_dir)
+    optimizer.load_state_dict(loaded["optimizer"])
+    sched.load_state_dict(loaded["opt_param_scheduler"])
+
+
+def train_step(model: Any, ddp: Any, optimizer: Any, sched: Any, args: Any,
+               batches: list[dict[str, Any]]) -> dict[str, Any]:
+    """Megatron-LM's ``train_step``, once, from the loaded optimizer and scheduler: forward+backward
+    over ``batches`` (``finalize_model_grads``: DP and tied-embedding grad reduction),
+    ``optimizer.step()``, ``scheduler.step()``. Returns the grad norm, the learning rate used and
+    the model after."""
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+
+    config = model.config
+    gbs = int(args.global_batch_size)
     config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = optimizer.scale_loss
     config.no_sync_func = ddp.no_sync
@@ -327,6 +395,79 @@ def train_step(model: Any, args: Any, sd: dict[str, Any], batches: list[dict[str
             "model": ddp}
 
 
+def _global_name(model: Any, name: str) -> str:
+    """A local parameter name with this pipeline stage's layer number made global."""
+    import re
+
+    m = re.match(r"decoder\.layers\.(\d+)\.(.*)", name)
+    if not m:
+        return name
+    return f"decoder.layers.{model.decoder.layers[int(m.group(1))].layer_number - 1}.{m.group(2)}"
+
+
+def optimizer_state(model: Any, optimizer: Any) -> dict[str, Any]:
+    """megatron-core's own optimizer state, per parameter of this rank: ``{"<global name>|<state>":
+    tensor}`` with states ``fp32`` (the fp32 master; the weights themselves in fp32 runs),
+    ``exp_avg``, ``exp_avg_sq``, each shaped like the local parameter; for the distributed
+    optimizer, the flat piece this DP rank owns, keyed ``"<name>|<state>|<start>"`` (its first
+    element in the flattened local parameter)."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    inner_model = getattr(model, "module", model)  # Float16Module wraps 16-bit models
+    names = {id(p): _global_name(inner_model, n) for n, p in inner_model.named_parameters()}
+    out: dict[str, Any] = {}
+    chained = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    for opt in chained:
+        if isinstance(opt, DistributedOptimizer):
+            for gbuf in opt.gbuf_ranges:
+                for per_bucket in gbuf.values():
+                    for bucket in per_bucket:
+                        for p, r in bucket["param_map"].items():
+                            t = opt._get_main_param_and_optimizer_states(p)
+                            start = r["param"].start
+                            for key, state in (("param", "fp32"), ("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq")):
+                                out[f"{names[id(p)]}|{state}|{start}"] = t[key].detach().clone()
+            continue
+        inner = opt.optimizer
+        if hasattr(opt, "float16_groups"):  # Float16OptimizerWithFloat16Params: fp32 masters
+            pairs = [(m, f) for mg, fg in zip(opt.float16_groups, opt.fp32_from_float16_groups)
+                     for m, f in zip(mg, fg)]
+            pairs += [(p, p) for g in getattr(opt, "fp32_from_fp32_groups", []) for p in g]
+        else:  # FP32Optimizer: the model's params are the optimizer's
+            pairs = [(p, p) for g in inner.param_groups for p in g["params"]]
+        for model_p, main_p in pairs:
+            st = inner.state.get(main_p, {})
+            name = names[id(model_p)]
+            out[f"{name}|fp32"] = main_p.detach().clone()
+            for k in ("exp_avg", "exp_avg_sq"):
+                if k in st:
+                    out[f"{name}|{k}"] = st[k].detach().clone()
+    return out
+
+
+def save_dist(model: Any, optimizer: Any, sched: Any, sd: dict[str, Any], out: str) -> None:
+    """Save the loaded model and optimizer as a ``torch_dist`` checkpoint with megatron-core's own
+    ``sharded_state_dict`` and ``dist_checkpointing.save`` (what Megatron-LM's
+    ``--ckpt-convert-format torch_dist`` does), so that megatron-core itself can reshard it."""
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+
+    it = int(sd.get("iteration", 0))
+    it_dir = os.path.join(out, f"iter_{it:07d}")
+    if dist.get_rank() == 0:
+        os.makedirs(it_dir)
+    dist.barrier()
+    model_sd = model.sharded_state_dict()
+    state = {"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd),
+             "opt_param_scheduler": sched.state_dict(), "args": sd["args"], "checkpoint_version": 3.0,
+             "iteration": it, "num_floating_point_operations_so_far": sd.get("num_floating_point_operations_so_far", 0)}
+    dist_checkpointing.save(state, it_dir)
+    if dist.get_rank() == 0:
+        with open(os.path.join(out, "latest_checkpointed_iteration.txt"), "w") as fh:
+            fh.write(str(it))
+    dist.barrier()
+
+
 def digests(model: Any) -> dict[str, str]:
     import torch
 
@@ -334,10 +475,46 @@ def digests(model: Any) -> dict[str, str]:
             for k, v in model.state_dict().items() if torch.is_tensor(v)}
 
 
-def evaluate(item: Item, opts: argparse.Namespace) -> dict[str, Any] | None:
+def _all_agree_on_error(err: str) -> str:
+    """Every rank's error (or ""), joined: all ranks take the same branch afterwards."""
+    import torch.distributed as dist
+
+    errs: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(errs, err)
+    return "; ".join(e for e in errs if e)
+
+
+def logits(model: Any, batches: list[dict[str, Any]]) -> Any:
+    """GPTModel's logits ``[micro-batches x micro_batch_size, seq, padded vocab]`` for ``batches``
+    (no pipeline: PP 1; the vocab-parallel shards gathered over TP), fp32 numpy."""
+    import torch
+    from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
+
+    out = []
+    with torch.no_grad():
+        for b in batches:
+            local = model(b["tokens"], b["position_ids"], b["attention_mask"])  # [b, s, vocab / tp]
+            out.append(gather_from_tensor_model_parallel_region(local.contiguous()).float())
+    return torch.cat(out).numpy()
+
+
+def dump(path: str, batches: list[dict[str, Any]], rec: dict[str, Any], lg: Any) -> None:
+    """The tokens, labels and per-token losses of an evaluation (and its logits) as one ``.npz``."""
+    import numpy as np
+
+    arrays = {"tokens": np.concatenate([b["tokens"].numpy() for b in batches]),
+              "labels": np.concatenate([b["labels"].numpy() for b in batches]),
+              "token_losses": np.asarray(rec.get("token_losses", []), dtype=np.float64)}
+    if lg is not None:
+        arrays["logits"] = lg
+    np.savez(path, **arrays)
+
+
+def evaluate(item: Item, opts: argparse.Namespace, index: int = 0) -> dict[str, Any] | None:
     """Every rank runs this; rank 0 returns the JSON record."""
     import argparse as ap
 
+    import torch
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
@@ -361,40 +538,69 @@ def evaluate(item: Item, opts: argparse.Namespace) -> dict[str, Any] | None:
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     model_parallel_cuda_manual_seed(opts.seed)
     err = ""
-    model = None
+    model = sd = None
     try:
         model = build_model(args, tp, pp)
         if item.dist:
             load_dist(model, item.path)
-            sd = None
         else:
             sd = load_legacy(model, item.path, args, tp, pp)
     except Exception as e:  # reported (all ranks agree below), not raised: the next item still runs
         err = f"rank {dist.get_rank()}: {type(e).__name__}: {e}"
         if opts.verbose:
             traceback.print_exc()
-    errs: list[Any] = [None] * world
-    dist.all_gather_object(errs, err)
     rec: dict[str, Any] = {"ckpt": item.path, "dist": item.dist, "tp": tp, "pp": pp}
-    if any(errs):
-        rec["error"] = "; ".join(e for e in errs if e)
+    err = _all_agree_on_error(err)
+    if err:
+        rec["error"] = err
     else:
         batches = mock_batches(opts.seed, opts.microbatches, opts.micro_batch_size or int(args.micro_batch_size),
                                int(args.seq_length), int(vocab or args.padded_vocab_size))
         res = forward_loss(model, args, batches)
+        lg = logits(model, batches) if opts.dump and pp == 1 else None
         first_dp = ps.get_data_parallel_rank() == 0
         mine = (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(), res,
                 digests(model) if first_dp else None)
         allr: list[Any] = [None] * world
         dist.all_gather_object(allr, mine)
         rec.update(_agree(allr))
+        if opts.dump and dist.get_rank() == 0:
+            os.makedirs(opts.dump, exist_ok=True)
+            rec["dump"] = os.path.join(opts.dump, f"{index}.npz")
+            dump(rec["dump"], batches, rec, lg)
         rec["digests"] = {f"tp{t}pp{p}:{k}": h for t, p, _, d in allr if d for k, h in d.items()}
-        if opts.train_step and sd is not None and "error" not in rec:
-            step = train_step(model, args, sd, batches)  # the next iteration, on the same tokens
-            after = forward_loss(step.pop("model"), args, batches)
-            dist.all_gather_object(allr, (ps.get_tensor_model_parallel_rank(),
-                                          ps.get_pipeline_model_parallel_rank(), after, None))
-            rec["step"] = {**step, **{f"after_{k}": v for k, v in _agree(allr).items()}}
+        want_optimizer = item.save_to or (opts.train_step and (item.optim or not item.dist))
+        if want_optimizer and "error" not in rec:
+            try:
+                ddp, optimizer, sched = make_optimizer(model, args)
+                if item.dist:
+                    load_optimizer_dist(model, optimizer, sched, item.path)
+                else:
+                    load_optimizer_legacy(optimizer, sched, sd, args)
+                err = ""
+            except Exception as e:  # e.g. an optimizer state that does not fit: reported
+                err = f"rank {dist.get_rank()}: optimizer: {type(e).__name__}: {e}"
+                if opts.verbose:
+                    traceback.print_exc()
+            err = _all_agree_on_error(err)
+            if err:
+                rec["error"] = err
+            else:
+                if item.save_to:
+                    save_dist(model, optimizer, sched, sd, item.save_to)
+                    rec["saved"] = item.save_to
+                if opts.dump and (ps.get_data_parallel_rank() == 0 or args.use_distributed_optimizer):
+                    d = os.path.join(opts.dump, str(index))
+                    os.makedirs(d, exist_ok=True)
+                    torch.save(optimizer_state(model, optimizer), os.path.join(
+                        d, f"tp{ps.get_tensor_model_parallel_rank()}_pp{ps.get_pipeline_model_parallel_rank()}"
+                           f"_dp{ps.get_data_parallel_rank()}.pt"))
+                if opts.train_step:
+                    step = train_step(model, ddp, optimizer, sched, args, batches)  # the next iteration
+                    after = forward_loss(step.pop("model"), args, batches)
+                    dist.all_gather_object(allr, (ps.get_tensor_model_parallel_rank(),
+                                                  ps.get_pipeline_model_parallel_rank(), after, None))
+                    rec["step"] = {**step, **{f"after_{k}": v for k, v in _agree(allr).items()}}
     ps.destroy_model_parallel()
     return rec if dist.get_rank() == 0 else None
 
@@ -418,14 +624,18 @@ def worker(rank: int, world: int, port: int, opts: argparse.Namespace) -> None:
     import cpu_shim  # patches torch.cuda for CPU before megatron is imported
 
     cpu_shim.patch_megatron_rng()
+    # megatron-core 0.16.1's DistributedOptimizer on the torch-Adam (no Apex/TE) path cannot load
+    # a checkpoint without these (cpu_shim.py says why; the fixtures' Megatron-LM runs had them too)
+    cpu_shim.patch_distopt_state_dict()
+    cpu_shim.patch_distopt_load()
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=opts.timeout))
     try:
-        for text in opts.ckpt:
-            rec = evaluate(Item.parse(text), opts)
+        for i, text in enumerate(opts.ckpt):
+            rec = evaluate(Item.parse(text), opts, i)
             if rec is not None:
                 print("CORE_LOSS " + json.dumps(rec), flush=True)
     finally:
@@ -434,14 +644,20 @@ def worker(rank: int, world: int, port: int, opts: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("ckpt", nargs="+", help="checkpoint dirs (legacy layout), or dist:PATH[:tp=N,pp=M]")
+    ap.add_argument("ckpt", nargs="+", help="checkpoint dirs (legacy layout), dist:PATH[:tp=N,pp=M[,optim=1]] "
+                                            "or save:PATH=OUT")
     ap.add_argument("--world", type=int, default=2, help="ranks to spawn (gloo); TP x PP must divide it")
     ap.add_argument("--microbatches", type=int, default=2)
     ap.add_argument("--micro-batch-size", type=int, default=0, help="default: the run's micro_batch_size")
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--train-step", action="store_true",
-                    help="legacy checkpoints: also load the optimizer and scheduler state into megatron-core's "
-                         "optimizer, train one step on the same tokens and report the loss after it")
+                    help="legacy checkpoints (and dist: ones with optim=1): also load the optimizer and scheduler "
+                         "state into megatron-core's optimizer, train one step on the same tokens and report the "
+                         "loss after it")
+    ap.add_argument("--dump", default="", metavar="DIR",
+                    help="per checkpoint (n: its position): DIR/<n>.npz with tokens, labels, token_losses and the "
+                         "logits over the padded vocabulary (PP 1 only); with the optimizer loaded, its state as "
+                         "megatron-core holds it in DIR/<n>/tpT_ppP_dpD.pt (see optimizer_state)")
     ap.add_argument("--timeout", type=int, default=300, help="gloo collective timeout (s)")
     ap.add_argument("-v", "--verbose", action="store_true")
     opts = ap.parse_args(argv)

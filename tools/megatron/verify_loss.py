@@ -63,7 +63,7 @@ LOSS_RE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.Ee+-]+)")
 
 
 def reshard(src: str, dst: str, tp: int, pp: int, extra: list[str]) -> None:
-    code = ("import sys; import ckptbridge._open as O; from ckptbridge.adapters import megatron; "
+    code = ("import sys; import ckptbridge as O; from ckptbridge.adapters import megatron; "
             "kw = dict(a.split('=', 1) for a in sys.argv[5:]); "
             "megatron.write(O.open(sys.argv[1]), sys.argv[2], tp=int(sys.argv[3]), pp=int(sys.argv[4]), **kw)")
     subprocess.run([sys.executable, "-c", code, src, dst, str(tp), str(pp), *extra], check=True)

@@ -1,0 +1,56 @@
+"""Hugging Face shard indexes (``*.safetensors.index.json``, ``pytorch_model.bin.index.json``)."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+
+from ckptbridge.plugin import FormatError, MissingShardError
+
+
+def shard_files(index_json: str) -> list[str]:
+    """The shard files an HF ``*.index.json`` (``{"weight_map": {name: file}}``) lists, in order,
+    refusing any that would lie outside its directory."""
+    try:
+        with open(index_json) as fh:
+            weight_map = json.load(fh)["weight_map"]
+        names = list(dict.fromkeys(str(f) for f in weight_map.values()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+        raise FormatError(f"{index_json}: not a shard index ({err})") from None
+    root = os.path.normpath(os.path.dirname(index_json))
+    files = []
+    for f in names:
+        full = os.path.normpath(os.path.join(root, f))
+        if os.path.dirname(full) != root:
+            raise FormatError(f"{index_json}: shard name {f!r} points outside the checkpoint directory")
+        files.append(full)
+    return files
+
+
+def index_json_of(path: str, suffix: str) -> str | None:
+    """The HF ``*<suffix>`` index file ``path`` is or holds (the first by name), else None."""
+    if os.path.isdir(path):
+        idx = [f for f in sorted(os.listdir(path)) if f.endswith(suffix)]
+        return os.path.join(path, idx[0]) if idx else None
+    return path if path.endswith(".index.json") else None
+
+
+def check_weight_map(index_json: str | None, found: Mapping[str, str]) -> None:
+    """The tensors an HF index's ``weight_map`` names are exactly those ``found`` (name -> file),
+    each in the shard the index names: shards mixed from two saves or an index out of date fail."""
+    if index_json is None:
+        return
+    with open(index_json) as fh:
+        weight_map = json.load(fh)["weight_map"]  # shard_files() checked it
+    root = os.path.dirname(index_json)
+    for name, f in weight_map.items():
+        got = found.get(name)
+        if got is None:
+            raise MissingShardError(f"{index_json}: tensor {name!r} is listed in {f} but no shard holds it")
+        if os.path.normpath(os.path.join(root, str(f))) != os.path.normpath(got):
+            raise FormatError(f"{index_json}: tensor {name!r} is listed in {f} but {got} holds it")
+    unlisted = sorted(set(found) - set(weight_map))
+    if unlisted:
+        raise FormatError(f"{found[unlisted[0]]}: tensor {unlisted[0]!r} is not in {index_json}'s weight_map "
+                          f"({len(unlisted)} such)")

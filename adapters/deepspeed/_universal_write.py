@@ -1,0 +1,268 @@
+"""Write DeepSpeed's universal checkpoint layout, which any DP degree / ZeRO stage resumes from.
+
+``ckptbridge reshard SRC DST --to deepspeed-universal`` (or
+:func:`write`) turns any checkpoint with ``fp32`` (or ``param``) weights
+and, ideally, ``exp_avg``/``exp_avg_sq`` Adam moments into the folder that
+DeepSpeed loads with ``{"checkpoint": {"load_universal": true}}``::
+
+    <dst>/latest_universal                              the tag name
+    <dst>/<tag>/zero/<param>/fp32.pt                    {'param': fp32 tensor, 'cat_dim': 0}
+    <dst>/<tag>/zero/<param>/exp_avg.pt, exp_avg_sq.pt  the same for the Adam moments
+    <dst>/<tag>/zero/<param>/step.pt                    0-d tensor (the Adam step)
+    <dst>/<tag>/zero/optimizer_state.pt                 global optimizer state + param_groups
+    <dst>/<tag>/mp_rank_00_model_states.pt              what ZeRO-0/1/2 engines look for
+    <dst>/<tag>/zero_pp_rank_0_mp_rank_00_model_states.pt   the same file for ZeRO-3 engines
+
+then, in the training script::
+
+    engine.load_checkpoint("<dst>")   # config: "checkpoint": {"load_universal": true}
+
+What DeepSpeed 0.19.8 reads (``base_optimizer.load_hp_checkpoint_state_from_checkpoint_dir``,
+``checkpoint/universal_checkpoint.py:load_hp_checkpoint_state``,
+``stage3.load_hp_checkpoint_state_from_checkpoint_dir_stage3``, ``engine._load_checkpoint``):
+the per-parameter files (full, unpartitioned; ZeRO-1/2 and ZeRO-3 both accept the
+``{'param': ...}`` dict), ``optimizer_state.pt`` (ZeRO-1/2: ``ds_version``,
+``param_groups`` hyper-parameters, optional ``clip_grad``; ZeRO-3:
+``optimizer_state_dict.state[0].step`` and ``optimizer_state_dict.param_groups``),
+and one model-states file whose name depends on the *target* stage; writing both
+names (one hard link) is what lets a ZeRO-1/2 checkpoint resume under ZeRO-3 and
+back, which DeepSpeed's own ``ds_to_universal`` output cannot.
+
+The ``.pt`` files are written without torch (``ckptbridge.adapters.torchfile.save_torch`` emits the
+``torch.save`` zip format directly, streaming each tensor from the source's fragments), so
+this writer needs neither torch nor DeepSpeed. The destination is built in a staging
+directory and published atomically (``ckptbridge.plugin.staged_dir``); an existing ``dst``
+is never touched.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ckptbridge.adapters.torchfile import Size, Tensor, save_torch
+from ckptbridge.plugin import (
+    Checkpoint,
+    FormatError,
+    OptionError,
+    TensorView,
+    WriteOptions,
+    staged_dir,
+)
+
+FORMAT = "deepspeed-universal"
+OPTIM_STATES = ("exp_avg", "exp_avg_sq")
+
+
+def _weights(ckpt: Checkpoint, name: str) -> TensorView | None:
+    t = ckpt.tensors[name]
+    for s in ("fp32", "param"):
+        if s in t.states:
+            return TensorView(ckpt, t, s)
+    return None
+
+
+def _fp32(view: TensorView) -> Tensor:
+    return Tensor(view.read(dtype="float32"), "float32")
+
+
+def _native(view: TensorView) -> Tensor:
+    """The state in its own dtype (bfloat16 bytes travel as int16), read when written."""
+
+    def read() -> np.ndarray:
+        arr = view.read()
+        return arr.view(np.int16) if view.dtype == "bfloat16" else arr
+
+    return Tensor(read, view.dtype, tuple(view.shape))
+
+
+def _step_value(ckpt: Checkpoint) -> float | None:
+    steps = {t.scalars.get("step") for t in ckpt.tensors.values() if "step" in t.scalars}
+    steps.discard(None)
+    return float(max(steps)) if steps else None
+
+
+@dataclass(frozen=True)
+class DeepSpeedUniversalWriteOptions(WriteOptions):
+    """Writing DeepSpeed's universal layout (the same for every target DP degree and ZeRO stage:
+    DeepSpeed partitions it when it loads, so it takes no layout options).
+
+    ``tag``: the tag folder (default ``global_step<step>``).
+    ``workers``: threads writing parameter folders (default min(4, cores)).
+    """
+
+    tag: str | None = None
+    workers: int | None = None
+
+    def validate(self) -> None:
+        if self.tag is not None and (os.sep in self.tag or self.tag in ("", ".", "..")):
+            raise OptionError(f"format 'deepspeed-universal' (write): invalid tag {self.tag!r}")
+        if self.workers is not None and self.workers < 1:
+            raise OptionError(f"format 'deepspeed-universal' (write): workers must be >= 1, got {self.workers}")
+
+
+def write(ckpt: Checkpoint, dst: str, options: DeepSpeedUniversalWriteOptions | None = None) -> str:
+    """Write ``ckpt`` as a DeepSpeed universal checkpoint root at ``dst``; return ``dst``."""
+    o = options or DeepSpeedUniversalWriteOptions()
+    step = ckpt.step
+    tag = o.tag or f"global_step{step if step is not None else 0}"
+    with staged_dir(os.fspath(dst), overwrite=o.overwrite) as stage:
+        _write(ckpt, stage, tag, o.workers)
+    return os.fspath(dst)
+
+
+def _write(ckpt: Checkpoint, tmp: str, tag: str, workers: int | None) -> None:
+    zero = os.path.join(tmp, tag, "zero")
+    os.makedirs(zero)
+
+    names = [n for n in ckpt.tensors if _weights(ckpt, n) is not None]
+    if not names:
+        raise FormatError(f"{ckpt.path}: no tensor has fp32 or param weights to write")
+    adam_step = _step_value(ckpt)
+
+    layout = _tp_layout(ckpt)
+
+    def one(name: str) -> int:
+        t = ckpt.tensors[name]
+        if "/" in name or name.startswith("."):
+            raise FormatError(f"{ckpt.path}: tensor name {name!r} cannot be a DeepSpeed universal folder")
+        pdir = os.path.join(zero, name)
+        os.makedirs(pdir, exist_ok=True)
+        w = _weights(ckpt, name)
+        if w is None:  # names holds only tensors with weights
+            return 0
+        nbytes = 0
+        meta = layout(name)
+        save_torch({"param": _fp32(w), **meta}, os.path.join(pdir, "fp32.pt"))
+        nbytes += math.prod(w.shape) * 4
+        for s in OPTIM_STATES:
+            if s in t.states:
+                save_torch({"param": _fp32(TensorView(ckpt, t, s)), **meta}, os.path.join(pdir, f"{s}.pt"))
+                nbytes += math.prod(w.shape) * 4
+        if "step" in t.scalars and any(s in t.states for s in OPTIM_STATES):
+            step_t = Tensor(np.array(float(t.scalars["step"]), dtype=np.float32), "float32")
+            save_torch(step_t, os.path.join(pdir, "step.pt"))
+        return nbytes
+
+    with ThreadPoolExecutor(workers or min(4, os.cpu_count() or 1)) as pool:
+        list(pool.map(one, names))
+    _write_optimizer_state(ckpt, zero, adam_step)
+    _write_model_states(ckpt, os.path.join(tmp, tag), names)
+    with open(os.path.join(tmp, "latest_universal"), "w", encoding="utf-8") as fh:
+        fh.write(tag)
+
+
+def _tp_layout(ckpt: Checkpoint) -> Any:
+    """Per tensor, the keys DeepSpeed's loader uses to re-split for tensor parallelism.
+
+    From the source's layout rules: ``cat_dim`` (1 for row-parallel ``Shard(dim=1)``),
+    ``vocab_tensor`` for vocabulary padding (``Pad``), so a Megatron-DeepSpeed target with
+    TP > 1 cuts and re-pads each tensor as ``ds_to_universal`` output would tell it to.
+    """
+    import re
+
+    rules = [r for r in ckpt.rules if isinstance(r, Mapping)]
+
+    def layout(name: str) -> dict[str, Any]:
+        out: dict[str, Any] = {"cat_dim": 0}
+        for r in rules:
+            tp_rule = r.get("axis") == "tp" and r.get("rule") in ("Shard", "Replicate")
+            if tp_rule and re.search(str(r.get("pattern")), name):
+                out["cat_dim"] = int(r.get("dim", 0)) if r["rule"] == "Shard" else 0
+                break
+        for r in rules:
+            if r.get("rule") == "Pad" and re.search(str(r.get("pattern")), name):
+                out["vocab_tensor"] = True
+        return out
+
+    return layout
+
+
+def _param_groups(ckpt: Checkpoint) -> list[dict[str, Any]]:
+    groups = ckpt.extra.get("param_groups") if isinstance(ckpt.extra, Mapping) else None
+    out = []
+    for g in groups or []:
+        if isinstance(g, Mapping):
+            h = {k: v for k, v in g.items() if k != "params"}
+            if isinstance(h.get("betas"), list):
+                h["betas"] = tuple(h["betas"])
+            out.append(h)
+    return out
+
+
+def _ds_version(ckpt: Checkpoint) -> str:
+    v = ckpt.extra.get("ds_version") if isinstance(ckpt.extra, Mapping) else None
+    if isinstance(v, str) and v:
+        return v
+    try:
+        import deepspeed
+
+        return str(deepspeed.__version__)
+    except Exception:  # DeepSpeed is not needed to write; any version >= 0.3.17 loads
+        return "0.19.8"
+
+
+def _write_optimizer_state(ckpt: Checkpoint, zero: str, step: float | None) -> None:
+    groups = _param_groups(ckpt)
+    opt = (ckpt.extra.get("optimizer") if isinstance(ckpt.extra, Mapping) else None) or {}
+    sd: dict[str, Any] = {"ds_version": _ds_version(ckpt), "param_groups": groups}
+    for k in ("clip_grad", "overflow"):
+        if isinstance(opt, Mapping) and isinstance(opt.get(k), (int, float, bool)):
+            sd[k] = opt[k]
+    # ZeRO-3 engines read the step and hyper-parameters from a torch-style optimizer state dict,
+    # and copy param_groups[0] into *every* group (stage3.py, DeepSpeed 0.19.8). Giving them only
+    # the hyper-parameters all groups share keeps per-group ones (weight_decay 0 for the no-decay
+    # group) as the resuming script configured them instead of overwriting them with group 0's.
+    common = {k: v for k, v in (groups[0] if groups else {}).items()
+              if all(k in g and g[k] == v for g in groups[1:])}
+    inner_state = {} if step is None else {0: {"step": Tensor(np.array(step, dtype=np.float32), "float32")}}
+    sd["optimizer_state_dict"] = {"state": inner_state, "param_groups": [common]}
+    save_torch(sd, os.path.join(zero, "optimizer_state.pt"))
+
+
+def _write_model_states(ckpt: Checkpoint, tag_dir: str, names: list[str]) -> None:
+    extra = ckpt.extra if isinstance(ckpt.extra, Mapping) else {}
+    module = {}
+    for n in names:
+        t = ckpt.tensors[n]
+        w = _weights(ckpt, n)
+        view = TensorView(ckpt, t, "param" if "param" in t.states else w.state_name)
+        module[n] = _native(view)
+    steps = ckpt.step if ckpt.step is not None else 0
+    sd: dict[str, Any] = {
+        "module": module,
+        "buffer_names": list(extra.get("buffer_names") or []),
+        "optimizer": None,
+        "param_shapes": [{n: Size(ckpt.tensors[n].shape) for n in names}],
+        "frozen_param_shapes": {},
+        "frozen_param_fragments": {},
+        "shared_params": dict(extra.get("shared_params") or {}),
+        "lr_scheduler": extra.get("lr_scheduler"),
+        "data_sampler": None,
+        "random_ltd": None,
+        "skipped_steps": int(extra.get("skipped_steps") or 0),
+        "global_steps": int(steps),
+        "global_samples": int(extra.get("global_samples") or 0),
+        "dp_world_size": int(extra.get("dp_world_size") or 1),
+        "mp_world_size": 1,
+        "checkpoint_parallel_dimensions": {"pp_degree": 1, "tp_degree": 1},
+        "ds_config": extra.get("ds_config"),
+        "ds_version": _ds_version(ckpt),
+        "ckptbridge_source": {"path": str(ckpt.path), "format": str(ckpt.format)},
+    }
+    for k, v in (extra.get("client_state") or {}).items():
+        sd.setdefault(k, v)
+    first = os.path.join(tag_dir, "mp_rank_00_model_states.pt")
+    save_torch(sd, first)
+    second = os.path.join(tag_dir, "zero_pp_rank_0_mp_rank_00_model_states.pt")
+    try:
+        os.link(first, second)
+    except OSError:
+        shutil.copyfile(first, second)

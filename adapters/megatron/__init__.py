@@ -1,0 +1,80 @@
+"""Megatron-LM / Megatron-Core checkpoints: read in place, write for a new TP/PP layout.
+
+Reads a run directory (with ``latest_checkpointed_iteration.txt``), an
+``iter_XXXXXXX`` directory, or a dist-checkpoint directory, in either
+format Megatron-LM saves:
+
+* legacy ``--ckpt-format torch``: ``mp_rank_TT[_PPP]/model_optim_rng.pt`` per
+  (TP, PP) rank, plus ``distrib_optim.pt`` with the distributed optimizer;
+* Megatron-Core ``torch_dist``: ``.metadata`` + ``__R_K.distcp`` + ``common.pt``.
+
+Either way the logical tensors carry Megatron's legacy parameter names with
+global layer numbers (``decoder.layers.3.mlp.linear_fc1.weight``),
+consolidated across TP and PP, vocabulary padding stripped; the states are
+``fp32`` (fp32 master weights: the weights themselves in fp32 runs),
+``param`` (bf16/fp16 model weights in mixed-precision runs), ``exp_avg``,
+``exp_avg_sq``, and the Adam ``step`` scalar. Nothing is copied: every
+fragment points into the native files. The layout is written as rules
+(``Shard``, ``Replicate``, ``Fuse``, ``Pad``, ``Renumber``) in ``ckpt.rules``::
+
+    ckpt = ckptbridge.open("checkpoints/gpt")                 # latest iteration
+    ckpt["decoder.layers.3.self_attention.linear_qkv.weight"].state("exp_avg")[:8]
+    ckpt = ckptbridge.open("checkpoints/gpt", split_fused=True)  # q/k/v and gate/up apart
+    write(ckpt, "out/gpt_tp1", tp=1, pp=2)                    # legacy layout, new TP/PP
+
+Options of :func:`index`: ``split_fused`` (expose ``...linear_qkv.{q,k,v}.weight``
+and ``...linear_fc1.{gate,up}.weight``), ``strip_padding`` (default True),
+``vocab_size`` (the tokenizer's size when the args do not record it: Megatron-LM
+stores only ``padded_vocab_size``; for ``NullTokenizer`` it is ``vocab_size + 1``;
+without it the padding is kept), ``check_replicas`` (read replicated tensors on
+every TP rank and require them equal).
+
+Supported: GPT models of megatron-core (verified on the local spec; the
+Transformer-Engine spec's fused-norm names ``linear_qkv.layer_norm_weight`` map
+the same way but no real TE checkpoint was tested, and TE's ``_extra_state``
+objects may need safe-loader support),
+GQA/MHA, SwiGLU or plain MLP, tied or untied embeddings, biases, uniform or
+uneven pipeline stages, virtual pipeline (reading), fp32 / bf16 / fp16 runs,
+torch Adam, the distributed optimizer (``distrib_optim.pt``, torch_dist
+``dp_reshardable`` and ``fully_reshardable``). Refused with a clear error:
+mixture-of-experts / expert parallelism, multi-latent attention,
+``--pipeline-model-parallel-layout``, several grad buffers per rank in the
+distributed optimizer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ckptbridge.plugin import CheckpointIndex, Format, OpenOptions
+
+from ._reader import detect, index, split_rules
+from ._writer import MegatronWriteOptions, write
+
+
+@dataclass(frozen=True)
+class MegatronOpenOptions(OpenOptions):
+    """Opening a Megatron checkpoint.
+
+    ``split_fused``: expose ``...linear_qkv.{q,k,v}.weight`` and ``...linear_fc1.{gate,up}.weight``.
+    ``strip_padding``: strip the vocabulary padding rows.
+    ``vocab_size``: the tokenizer's size when the args do not record it (Megatron-LM stores only ``padded_vocab_size``).
+    ``check_replicas``: read replicated tensors on every TP rank and require them equal.
+    """
+
+    split_fused: bool = False
+    strip_padding: bool = True
+    vocab_size: int | None = None
+    check_replicas: bool = False
+
+
+def _open(path: str, o: MegatronOpenOptions) -> CheckpointIndex:
+    return index(path, split_fused=o.split_fused, strip_padding=o.strip_padding, vocab_size=o.vocab_size,
+                 check_replicas=o.check_replicas)
+
+
+FORMAT = Format("megatron", detect=detect, index=_open, write=write, open_options=MegatronOpenOptions,
+                write_options=MegatronWriteOptions, priority=30, extra="torch",
+                description="Megatron-LM legacy per-rank checkpoints and Megatron-Core torch_dist")
+
+__all__ = ["FORMAT", "MegatronOpenOptions", "MegatronWriteOptions", "detect", "index", "split_rules", "write"]

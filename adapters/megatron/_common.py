@@ -1,0 +1,102 @@
+"""Small helpers shared by the Megatron readers and writer: paths, args, scalars."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from ckptbridge.adapters.torchfile import Opaque, TensorRef, TorchDtype
+from ckptbridge.plugin import FormatError, MissingShardError
+
+TRACKER = "latest_checkpointed_iteration.txt"
+ITER_RE = re.compile(r"^iter_(\d{7,})$")
+RANK_RE = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
+
+
+def resolve_iter_dir(path: str) -> tuple[str, int | None]:
+    """A run dir (with the tracker file), an ``iter_*``/``release`` dir -> (iteration dir, iteration)."""
+    path = os.path.abspath(os.fspath(path))
+    if os.path.isfile(os.path.join(path, TRACKER)):
+        with open(os.path.join(path, TRACKER), encoding="utf-8", errors="replace") as fh:
+            text = fh.read(4096).strip()
+        if text == "release":
+            return os.path.join(path, "release"), None
+        if not re.fullmatch(r"[0-9]{1,12}", text):
+            raise FormatError(f"{path}/{TRACKER}: expected an iteration number or 'release', got {text!r}")
+        it_dir = os.path.join(path, f"iter_{int(text):07d}")
+        if not os.path.isdir(it_dir):
+            raise MissingShardError(
+                f"{it_dir}: {TRACKER} names iteration {int(text)} but its directory is missing"
+            )
+        return it_dir, int(text)
+    m = ITER_RE.match(os.path.basename(path))
+    return path, (int(m.group(1)) if m else None)
+
+
+def is_dist_dir(path: str) -> bool:
+    meta = os.path.join(path, "metadata.json")
+    if not os.path.isfile(meta):
+        return False
+    try:
+        with open(meta) as fh:
+            return json.load(fh).get("sharded_backend") in ("torch_dist", "zarr", "fsdp_dtensor")
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def rank_dirs(it_dir: str) -> dict[tuple[int, int], str]:
+    """``mp_rank_TT[_PPP]`` directories of a legacy iteration dir: (tp, pp) -> path."""
+    out = {}
+    try:
+        names = os.listdir(it_dir)
+    except OSError:
+        return {}
+    for n in names:
+        m = RANK_RE.match(n)
+        if m and os.path.isdir(os.path.join(it_dir, n)):
+            if m.group(3) is not None:
+                raise FormatError(f"{it_dir}/{n}: expert-parallel checkpoints are not supported yet")
+            out[(int(m.group(1)), int(m.group(2) or 0))] = os.path.join(it_dir, n)
+    return out
+
+
+def rank_dir_name(tp: int, pp: int, pp_size: int) -> str:
+    return f"mp_rank_{tp:02d}" if pp_size == 1 else f"mp_rank_{tp:02d}_{pp:03d}"
+
+
+def plain(obj: Any) -> Any:
+    """A JSON-able copy of an unpickled tree (Opaque records -> dicts, dtypes -> names)."""
+    if isinstance(obj, TorchDtype):
+        return f"torch.{obj.name}"
+    if isinstance(obj, Opaque):
+        fields = obj.fields
+        if fields:
+            return {k: plain(v) for k, v in fields.items()}
+        args = obj.__dict__["args_"]
+        return {"__class__": f"{obj._module}.{obj._qualname}", "value": plain(args[0]) if args else None}
+    if isinstance(obj, TensorRef):
+        return {"tensor": list(obj.shape), "dtype": obj.dtype}
+    if isinstance(obj, Mapping):
+        return {str(k): plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [plain(v) for v in obj]
+    if isinstance(obj, (np.generic,)):
+        return obj.item()
+    if isinstance(obj, np.ndarray):
+        return obj.tolist() if obj.size <= 16 else {"ndarray": list(obj.shape), "dtype": str(obj.dtype)}
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    return repr(obj)
+
+
+def args_dict(args: Any, where: str) -> dict[str, Any]:
+    if isinstance(args, Opaque) and args.fields:
+        return dict(args.fields)
+    if isinstance(args, Mapping):
+        return dict(args)
+    raise FormatError(f"{where}: no Megatron 'args' namespace in the checkpoint (saved without args?)")

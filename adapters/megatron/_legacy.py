@@ -1,0 +1,230 @@
+"""Read Megatron-LM's legacy ``--ckpt-format torch`` iteration directory in place.
+
+``iter_XXXXXXX/mp_rank_TT[_PPP]/model_optim_rng.pt`` per (TP, PP) rank (+
+``distrib_optim.pt`` with ``--use-distributed-optimizer``). Returns, per
+global parameter name, each state's per-TP-rank pieces (zero copy
+fragments), which ``megatron.index`` consolidates with the layout rules::
+
+    raw = read_legacy("run/iter_0000005")
+    raw.pieces["decoder.layers.3.mlp.linear_fc1.weight"]["exp_avg"]  # {tp_rank: TensorState}
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ckptbridge.adapters.torchfile import TensorRef, TorchArchive, read_scalar
+from ckptbridge.plugin import FormatError, MissingShardError, TensorState, contiguous_fragment
+
+from ._common import args_dict, rank_dir_name, rank_dirs
+from ._layout import LAYER_RE, MegatronConfig
+from ._optim import buffer_layout, ddp_bucket_size, group_order
+
+
+@dataclass
+class RawCheckpoint:
+    """Per-rank pieces before TP consolidation (or, for torch_dist, already global)."""
+
+    args: dict[str, Any]
+    iteration: int | None
+    pieces: dict[str, dict[str, dict[int, TensorState]]] = field(default_factory=dict)
+    scalars: dict[str, dict[str, float | int]] = field(default_factory=dict)
+    offsets: dict[tuple[int, int], int] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
+    files: list[str] = field(default_factory=list)
+
+
+def _state_of(archive: TorchArchive, ref: TensorRef, name: str) -> TensorState:
+    return TensorState(ref.dtype, ref.shape, (archive.fragment(ref, name),))
+
+
+def _model_chunks(obj: Mapping[str, Any], where: str) -> list[Mapping[str, Any]]:
+    if "model" in obj:
+        return [obj["model"]]
+    chunks = []
+    while f"model{len(chunks)}" in obj:
+        chunks.append(obj[f"model{len(chunks)}"])
+    if not chunks:
+        raise FormatError(f"{where}: no 'model' entry (saved with --no-save-model?)")
+    return chunks
+
+
+def _params(model_sd: Mapping[str, Any]) -> list[tuple[str, TensorRef]]:
+    return [(k, v) for k, v in model_sd.items() if isinstance(v, TensorRef) and not k.endswith("_extra_state")]
+
+
+def read_legacy(it_dir: str, iteration: int | None) -> RawCheckpoint:
+    ranks = rank_dirs(it_dir)
+    if not ranks:
+        raise FormatError(f"{it_dir}: no mp_rank_* directories")
+    first = ranks.get((0, 0))
+    if first is None:
+        raise MissingShardError(f"{it_dir}/mp_rank_00[_000]: rank 0 directory missing")
+    arch0 = TorchArchive.open(os.path.join(first, "model_optim_rng.pt"))
+    args = args_dict(arch0.obj.get("args"), arch0.path)
+    cfg = MegatronConfig.from_args(args, where=arch0.path)
+    missing = [rank_dir_name(t, p, cfg.pp) for t in range(cfg.tp) for p in range(cfg.pp) if (t, p) not in ranks]
+    if missing:
+        raise MissingShardError(
+            f"{it_dir}: the args say TP={cfg.tp} PP={cfg.pp} but rank directories {missing} are missing "
+            "(incomplete copy?)"
+        )
+    archives: dict[tuple[int, int], TorchArchive] = {(0, 0): arch0}
+    for (t, p), d in sorted(ranks.items()):
+        if (t, p) != (0, 0):
+            if t >= cfg.tp or p >= cfg.pp:
+                raise FormatError(f"{d}: rank outside TP={cfg.tp} PP={cfg.pp} from the args")
+            f = os.path.join(d, "model_optim_rng.pt")
+            if not os.path.isfile(f):
+                raise MissingShardError(f"{f}: rank file missing")
+            archives[(t, p)] = TorchArchive.open(f)
+    raw = RawCheckpoint(args, iteration if iteration is not None else arch0.obj.get("iteration"))
+    raw.files = [a.path for a in archives.values()]
+
+    # Pipeline: layer offsets from the cumulative layer counts of chunks in (vp, pp) order.
+    counts: dict[tuple[int, int], int] = {}
+    for p in range(cfg.pp):
+        for v, chunk in enumerate(_model_chunks(archives[(0, p)].obj, archives[(0, p)].path)):
+            layers = {int(m.group(1)) for k in chunk if (m := LAYER_RE.match(k))}
+            counts[(v, p)] = max(layers) + 1 if layers else 0
+    total, offsets = 0, {}
+    for key in sorted(counts):
+        offsets[key] = total
+        total += counts[key]
+    if total != cfg.num_layers:
+        raise FormatError(f"{it_dir}: stages hold {total} decoder layers, the args say {cfg.num_layers}")
+    raw.offsets = offsets
+
+    dist_opt = cfg.distributed_optimizer or os.path.isfile(os.path.join(first, "distrib_optim.pt"))
+    opt_kind = None
+    for (t, p), arch in sorted(archives.items()):
+        chunks = _model_chunks(arch.obj, arch.path)
+        named: list[tuple[str, str, TensorRef]] = []  # (local name, global name, ref)
+        for v, chunk in enumerate(chunks):
+            for local, ref in _params(chunk):
+                m = LAYER_RE.match(local)
+                glob = f"decoder.layers.{int(m.group(1)) + offsets[(v, p)]}.{m.group(2)}" if m else local
+                named.append((local, glob, ref))
+                raw.pieces.setdefault(glob, {}).setdefault("model", {})[t] = _state_of(arch, ref, glob)
+        opt = arch.obj.get("optimizer")
+        if opt is None:
+            continue
+        if dist_opt:
+            opt_kind = "distributed"
+            _read_distrib_optim(raw, cfg, args, t, p, named, arch, it_dir)
+        elif isinstance(opt, Mapping) and "fp32_from_fp16_params" in opt:
+            opt_kind = "float16"
+            _read_torch_adam(raw, args, t, named, arch, opt["optimizer"], opt["fp32_from_fp16_params"])
+        elif isinstance(opt, Mapping) and "state" in opt:
+            opt_kind = "fp32"
+            _read_torch_adam(raw, args, t, named, arch, opt, None)
+        elif isinstance(opt, Mapping) and isinstance(opt.get("optimizer"), Mapping) and "state" in opt["optimizer"]:
+            opt_kind = "fp32"
+            _read_torch_adam(raw, args, t, named, arch, opt["optimizer"], None)
+        else:
+            raise FormatError(f"{arch.path}: unrecognised optimizer entry (chained / MoE optimizers are not supported yet)")
+    raw.extra["optimizer_kind"] = opt_kind
+    raw.extra["layers_per_chunk"] = {f"{v},{p}": n for (v, p), n in sorted(counts.items())}
+    o = arch0.obj.get("optimizer")
+    if isinstance(o, Mapping):
+        inner = o.get("optimizer", o) if "state" not in o else o
+        raw.extra["param_groups"] = [
+            {k: v for k, v in g.items() if k != "params"} for g in (inner.get("param_groups") or [])
+        ]
+    for key in ("opt_param_scheduler", "num_floating_point_operations_so_far", "checkpoint_version"):
+        if key in arch0.obj:
+            raw.extra[key] = arch0.obj[key]
+    return raw
+
+
+def _read_torch_adam(raw: RawCheckpoint, args: Mapping[str, Any], tp: int, named: list[tuple[str, str, TensorRef]],
+                     arch: TorchArchive, inner: Mapping[str, Any], fp32_from_16: Any) -> None:
+    groups = inner.get("param_groups") or []
+    state = inner.get("state") or {}
+    by_glob = {glob: ref for _, glob, ref in named}
+    # model chunks (virtual pipeline) reuse local names; the global names are unique
+    order = group_order([(glob, ref.shape) for _, glob, ref in named], groups, args, arch.path)
+    for gi, (g, names) in enumerate(zip(groups, order)):
+        for j, (idx, glob) in enumerate(zip(g["params"], names)):
+            ref = by_glob[glob]
+            st = state.get(idx)
+            slots = raw.pieces[glob]
+            if st:
+                for key in ("exp_avg", "exp_avg_sq"):
+                    r = st.get(key)
+                    if isinstance(r, TensorRef):
+                        if r.shape != ref.shape:
+                            raise FormatError(
+                                f"{arch.path}: optimizer slot {idx} ({key}) has shape {r.shape} but "
+                                f"{glob!r} is {ref.shape}: param-group order differs from Megatron's"
+                            )
+                        slots.setdefault(key, {})[tp] = _state_of(arch, r, glob)
+                if "step" in st:
+                    raw.scalars.setdefault(glob, {})["step"] = read_scalar(arch, st["step"])
+            if fp32_from_16 is not None:
+                r = fp32_from_16[gi][j]
+                if not isinstance(r, TensorRef) or r.shape != ref.shape:
+                    raise FormatError(f"{arch.path}: fp32 master copy of {glob!r} missing or mis-shaped")
+                slots.setdefault("fp32_master", {})[tp] = _state_of(arch, r, glob)
+
+
+def _read_distrib_optim(raw: RawCheckpoint, cfg: MegatronConfig, args: Mapping[str, Any], tp: int, pp: int,
+                        named: list[tuple[str, str, TensorRef]], arch: TorchArchive, it_dir: str) -> None:
+    path = os.path.join(it_dir, rank_dir_name(tp, pp, cfg.pp), "distrib_optim.pt")
+    if not os.path.isfile(path):
+        raise MissingShardError(
+            f"{path}: distributed-optimizer state missing (the run used --use-distributed-optimizer)"
+        )
+    dopt = TorchArchive.open(path)
+    raw.files.append(path)
+    groups = (arch.obj["optimizer"].get("optimizer") or {}).get("param_groups") or []
+    step = next((g["step"] for g in groups if "step" in g), None)
+    gbufs = [k for k in dopt.obj if isinstance(k, int)]
+    if not dopt.obj.get("buckets_coalesced", False):
+        raise FormatError(f"{path}: pre-coalesced distributed-optimizer format is not supported")
+    if len(gbufs) != 1:
+        raise FormatError(f"{path}: {len(gbufs)} grad buffers (several model chunks or dtypes) are not supported yet")
+    per_dtype = dopt.obj[gbufs[0]]
+    if len(per_dtype) != 1:
+        raise FormatError(f"{path}: several dtypes in one grad buffer are not supported yet")
+    (dtypes, flat), = per_dtype.items()
+    params = [(glob, ref.shape) for _, glob, ref in named]
+    shared = ()
+    if cfg.tied and cfg.pp > 1:
+        shared = tuple(g for g, _ in params if g in ("embedding.word_embeddings.weight", "output_layer.weight"))
+    num = sum(math.prod(ref.shape) for _, _, ref in named)
+    bucket = ddp_bucket_size(args, pp, 0, num)
+    want = int(flat["numel_unpadded"])
+    slots = None
+    for align in (64, 1):  # params start 64-aligned since mcore 0.8; unaligned before
+        cand, sizes = buffer_layout(params, bucket, shared, align)
+        if sum(sizes) == want:
+            slots = cand
+            break
+    if slots is None:
+        raise FormatError(
+            f"{path}: buffer of {want} elements does not match Megatron's layout of this rank's "
+            f"{len(params)} params (bucket size {bucket}); unknown megatron-core version?"
+        )
+    for key, state in (("param", "fp32_master"), ("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq")):
+        ref = flat.get(key)
+        if not isinstance(ref, TensorRef) or ref.shape != (want,):
+            raise FormatError(f"{path}: buffer {key!r} missing or not {want} long")
+        start, _ = dopt.storage_offsets[ref.storage.key]
+        if ref.dtype != "float32":
+            raise FormatError(f"{path}: buffer {key!r} is {ref.dtype}, expected float32")
+        size = 4
+        for s in slots:
+            frag = contiguous_fragment(s.shape, dopt.path, start + (ref.offset + s.start) * size, ref.dtype)
+            raw.pieces[s.name].setdefault(state, {})[tp] = TensorState(ref.dtype, s.shape, (frag,))
+    if step is not None:
+        for s in slots:
+            raw.scalars.setdefault(s.name, {})["step"] = int(step) if float(step).is_integer() else step
+    raw.extra["distributed_optimizer_dtype"] = [d.name if hasattr(d, "name") else str(d) for d in dtypes]
+
+
+__all__ = ["RawCheckpoint", "read_legacy"]

@@ -1,0 +1,405 @@
+"""Write a checkpoint as Megatron-LM's legacy ``--ckpt-format torch`` layout for a new TP/PP.
+
+``dst/latest_checkpointed_iteration.txt`` + ``dst/iter_XXXXXXX/mp_rank_TT[_PPP]/model_optim_rng.pt``
+(+ ``distrib_optim.pt`` for the distributed optimizer). Each rank file holds
+what Megatron-LM's ``save_checkpoint`` writes: ``args`` (the source's, with
+the new TP/PP and padded vocabulary), ``checkpoint_version`` 3.0,
+``iteration``, ``model`` (this rank's TP slices and pipeline-local layer
+numbers; fused QKV and SwiGLU re-split per rank, vocabulary re-padded to
+``make_vocab_size_divisible_by x TP``), ``optimizer`` (torch Adam state
+numbered as mcore's ``_get_param_groups`` numbers it; bf16/fp16 runs add
+``fp32_from_fp16_params``; the distributed optimizer writes its coalesced
+buffers to ``distrib_optim.pt``), ``opt_param_scheduler`` and
+``num_floating_point_operations_so_far``. RNG states are not written
+(they are per-rank and do not carry over to another layout): resume
+with ``--no-load-rng``.
+
+Options: ``tp``, ``pp`` (default: the source's), ``dp`` (recorded in the args),
+``distributed_optimizer`` (default: as the source; ``True`` writes
+``distrib_optim.pt``), ``iteration``, ``optimizer`` (``false``: the model weights only, as
+Megatron-LM's ``tools/checkpoint/convert.py`` writes them). The target has no virtual pipeline and
+uniform stages. The fp16 loss-scaler state is not carried (Megatron restarts it).
+Vocabulary rows beyond the tokenizer's size are taken from the source's padding
+rows where it is a Megatron checkpoint (they are trained rows; Megatron's softmax
+covers them), else zero. Without optimizer state in the source, no ``optimizer``
+entry is written (resume with ``--no-load-optim``).
+
+Reads only the boxes each rank needs; builds the checkpoint in a staging directory and
+publishes it atomically (``ckptbridge.plugin.staged_dir``); refuses an existing ``dst``
+unless ``overwrite``::
+
+    write(ckptbridge.open("run_tp2"), "run_tp1pp2", MegatronWriteOptions(tp=1, pp=2))
+    # ckptbridge reshard run_tp2 run_tp1pp2 --to megatron --tp 1 --pp 2
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ckptbridge.plugin import (
+    Box,
+    Checkpoint,
+    FormatError,
+    LogicalTensor,
+    OptionError,
+    TensorNotFoundError,
+    TensorView,
+    WriteOptions,
+    fuse,
+    require,
+    staged_dir,
+)
+from ckptbridge.plugin import dtypes as _dtypes
+
+from ._common import TRACKER, rank_dir_name
+from ._layout import LAYER_RE, MegatronConfig, local_params, stage_layers, true_vocab_size
+from ._optim import buffer_layout, ddp_bucket_size, group_order
+from ._reader import index
+
+_VOCAB = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+
+def _source_info(ckpt: Any, args_file: str | None = None) -> dict[str, Any]:
+    """The source's Megatron run info (args, vocabulary, optimizer kind ...); ``args_file`` (JSON of
+    Megatron args, e.g. ``ckptbridge.recipes.megatron_args`` of an HF config) supplies or overrides
+    the args, for sources that are not Megatron checkpoints."""
+    meg = dict((ckpt.extra or {}).get("megatron") or {})
+    if args_file is not None:
+        try:
+            with open(args_file) as fh:
+                given = json.load(fh)
+        except (OSError, ValueError) as err:
+            raise FormatError(f"{args_file}: cannot read Megatron args ({err})") from None
+        if not isinstance(given, Mapping):
+            raise FormatError(f"{args_file}: Megatron args must be a JSON object")
+        meg["args"] = {**dict(meg.get("args") or {}), **given}
+        if given.get("vocab_size") is not None:  # NullTokenizer's vocab_size leaves out its EOD token
+            meg["vocab_size"] = true_vocab_size(meg["args"]) or int(given["vocab_size"])
+    if not isinstance(meg.get("args"), Mapping):
+        raise FormatError(
+            f"{ckpt.path}: writing Megatron needs the run's Megatron args (model shape, vocab, "
+            "optimizer settings); this checkpoint has none in extra['megatron']['args']: pass "
+            "-o args=ARGS.json (for an HF model: ckptbridge.recipes.megatron_args(config.json))"
+        )
+    return meg
+
+
+def _target_args(src: Mapping[str, Any], tp: int, pp: int, dp: int | None, dist_opt: bool,
+                 padded: int) -> dict[str, Any]:
+    args = dict(src)
+    changed_pp = int(src.get("pipeline_model_parallel_size") or 1) != pp
+    args.update(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                transformer_pipeline_model_parallel_size=pp, padded_vocab_size=padded,
+                use_distributed_optimizer=dist_opt, virtual_pipeline_model_parallel_size=None,
+                num_layers_per_virtual_pipeline_stage=None, num_virtual_stages_per_pipeline_rank=None,
+                expert_tensor_parallel_size=tp)
+    if changed_pp:
+        args.update(decoder_first_pipeline_num_layers=None, decoder_last_pipeline_num_layers=None)
+    if dp is not None:
+        args["data_parallel_size"] = dp
+    dpv = int(args.get("data_parallel_size") or 1)
+    args["world_size"] = tp * pp * dpv
+    return args
+
+
+def _to_namespace(args: Mapping[str, Any]) -> Any:
+    """An ``argparse.Namespace`` Megatron can unpickle: torch dtypes restored, library enums dropped."""
+    import argparse
+    import signal
+
+    import torch
+
+    out = {}
+    for k, v in args.items():
+        if isinstance(v, str) and v.startswith("torch.") and isinstance(getattr(torch, v[6:], None), torch.dtype):
+            out[k] = getattr(torch, v[6:])
+        elif isinstance(v, Mapping) and "__class__" in v:
+            if v["__class__"] == "signal.Signals":
+                out[k] = signal.Signals(int(v["value"]))
+            # megatron enums (AttnBackend, ModelType) are not needed by the loader: left out
+        else:
+            out[k] = v
+    return argparse.Namespace(**out)
+
+
+def _default_groups(args: Mapping[str, Any]) -> list[dict[str, Any]]:
+    base = {"is_expert_parallel": False, "default_config": True, "lr_mult": 1.0, "is_decoupled_lr": False,
+            "max_lr": args.get("lr"), "min_lr": args.get("min_lr"), "lr": args.get("lr"),
+            "betas": (args.get("adam_beta1", 0.9), args.get("adam_beta2", 0.999)),
+            "eps": args.get("adam_eps", 1e-8), "amsgrad": False, "maximize": False, "foreach": None,
+            "capturable": False, "differentiable": False, "fused": None, "decoupled_weight_decay": True}
+    return [{**base, "wd_mult": 1.0, "weight_decay": args.get("weight_decay", 0.01)},
+            {**base, "wd_mult": 0.0, "weight_decay": 0.0}]
+
+
+class _Source:
+    """Reads boxes of the source's logical tensors, re-fusing split views and re-padding vocab rows."""
+
+    def __init__(self, ckpt: Any, info: Mapping[str, Any], cfg: MegatronConfig) -> None:
+        self.ckpt, self.cfg = ckpt, cfg
+        self.padded_src: Any = None
+        if info.get("padding_stripped") and ckpt.format == "megatron" and os.path.exists(ckpt.path):
+
+            # the padding rows are real (trained) rows: carry them over where they fit
+            self.padded_src = Checkpoint(index(ckpt.path, strip_padding=False, vocab_size=cfg.vocab),
+                                         ckpt.files)
+        self._fused: dict[str, Any] = {}
+
+    def tensor(self, name: str) -> Any:
+        if name == "output_layer.weight" and self.cfg.tied:
+            name = "embedding.word_embeddings.weight"  # the last stage's copy of the tied embedding
+        if name in self.ckpt.tensors:
+            return self.ckpt.tensors[name]
+        if name in self._fused:
+            return self._fused[name]
+        m = name.rsplit(".", 1)
+        parts = {"linear_qkv": ("q", "k", "v"), "linear_fc1": ("gate", "up")}.get(m[0].rsplit(".", 1)[-1])
+        if parts and all(f"{m[0]}.{p}.{m[1]}" in self.ckpt.tensors for p in parts):
+            ts = [self.ckpt.tensors[f"{m[0]}.{p}.{m[1]}"] for p in parts]
+            groups = self.cfg.groups if parts[0] == "q" else 1
+            states = {s: fuse([t.states[s] for t in ts], 0, groups) for s in ts[0].states
+                      if all(s in t.states for t in ts)}
+            self._fused[name] = LogicalTensor(name, states, dict(ts[0].scalars))
+            return self._fused[name]
+        raise TensorNotFoundError(f"{self.ckpt.path}: no tensor {name!r} to write")
+
+    def has_state(self, name: str, state: str) -> bool:
+        return state in self.tensor(name).states
+
+    def read(self, name: str, state: str, box: Box, dtype: str) -> np.ndarray:
+        src_name = "embedding.word_embeddings.weight" if name == "output_layer.weight" and self.cfg.tied else name
+        t = self.tensor(src_name)
+        view = TensorView(self.ckpt, t, state)
+        if src_name in _VOCAB:
+            if self.padded_src is not None and src_name in self.padded_src.tensors and \
+                    state in self.padded_src.tensors[src_name].states:
+                view = self.padded_src[src_name].state(state)
+            rows = view.shape[0]
+            out = np.zeros(box.shape, dtype=_np(dtype))
+            lo, hi = box.offset[0], min(box.offset[0] + box.shape[0], rows)
+            if hi > lo:
+                sub = Box((lo, *box.offset[1:]), (hi - lo, *box.shape[1:]))
+                out[: hi - lo] = view.read(sub, dtype)
+            return out
+        return view.read(box, dtype)
+
+
+def _np(dtype: str) -> np.dtype:
+    return _dtypes.to_numpy(dtype)
+
+
+def _torch(arr: np.ndarray, dtype: str) -> Any:
+    import torch
+
+    if dtype == "bfloat16":
+        return torch.from_numpy(np.ascontiguousarray(arr).view(np.uint16).copy()).view(torch.bfloat16)
+    return torch.from_numpy(np.ascontiguousarray(arr).copy())
+
+
+@dataclass(frozen=True)
+class MegatronWriteOptions(WriteOptions):
+    """Writing a legacy Megatron-LM checkpoint for a new layout (uniform stages, no virtual pipeline).
+
+    ``tp``: tensor-parallel size (default: the source's).
+    ``pp``: pipeline-parallel size (default: the source's).
+    ``dp``: data-parallel size recorded in the args (default: the source's).
+    ``distributed_optimizer``: write ``distrib_optim.pt`` (default: as the source).
+    ``iteration``: the iteration number (default: the source's step).
+    ``args``: a JSON file of Megatron args for a source that has none (an HF model), or overrides.
+    ``optimizer``: ``False`` writes the model weights only (no ``optimizer`` entry, no
+    ``distrib_optim.pt``), as Megatron-LM's ``tools/checkpoint/convert.py`` writes them.
+    """
+
+    tp: int | None = None
+    pp: int | None = None
+    dp: int | None = None
+    distributed_optimizer: bool | None = None
+    iteration: int | None = None
+    args: str | None = None
+    optimizer: bool = True
+
+    def validate(self) -> None:
+        for name in ("tp", "pp", "dp"):
+            v = getattr(self, name)
+            if v is not None and v < 1:
+                raise OptionError(f"format 'megatron' (write): {name} must be >= 1, got {v}")
+
+
+def write(ckpt: Any, dst: str, options: MegatronWriteOptions | None = None) -> str:
+    """Write ``ckpt`` (any format with Megatron args in ``extra``) as a legacy Megatron checkpoint."""
+    require("torch", "torch", "writing Megatron checkpoints")
+    o = options or MegatronWriteOptions()
+    dst = os.path.abspath(os.fspath(dst))
+    with staged_dir(dst, overwrite=o.overwrite) as stage:
+        _write(ckpt, stage, o.tp, o.pp, o.dp, o.distributed_optimizer, o.iteration, o.args, o.optimizer)
+    return dst
+
+
+def _write(ckpt: Any, tmp: str, tp: int | None, pp: int | None, dp: int | None,
+           distributed_optimizer: bool | None, iteration: int | None, args_file: str | None,
+           optimizer: bool = True) -> None:
+    import torch
+
+    info = _source_info(ckpt, args_file)
+    src_args = dict(info["args"])
+    tp = int(tp or src_args.get("tensor_model_parallel_size") or 1)
+    pp = int(pp or src_args.get("pipeline_model_parallel_size") or 1)
+    src_cfg = MegatronConfig.from_args(src_args, info.get("vocab_size"), where=ckpt.path)
+    vocab = src_cfg.vocab
+    if vocab is None:
+        vocab = ckpt["embedding.word_embeddings.weight"].shape[0]
+    multiple = src_cfg.divisible_by * tp
+    padded = int(math.ceil(vocab / multiple) * multiple)
+    kind = info.get("optimizer_kind")
+    dist_opt = distributed_optimizer if distributed_optimizer is not None else kind == "distributed"
+    args = _target_args(src_args, tp, pp, int(dp) if dp else None, dist_opt, padded)
+    cfg = MegatronConfig.from_args(args, vocab, where=tmp)
+    if cfg.heads % tp or cfg.groups % tp or cfg.ffn % tp:
+        raise FormatError(f"TP={tp} must divide the heads ({cfg.heads}), query groups ({cfg.groups}) and "
+                          f"FFN size ({cfg.ffn})")
+    it = int(iteration if iteration is not None else (ckpt.step if ckpt.step is not None else info.get("iteration") or 0))
+    src = _Source(ckpt, info, cfg)
+
+    # Full shapes of every parameter at the target layout (vocab re-padded), in a stable order.
+    names = [n for n in _fused_names(ckpt.tensors) if n != "output_layer.weight" or not cfg.tied]
+    shapes = {}
+    for n in names:
+        shape = tuple(src.tensor(n).shape)
+        shapes[n] = (padded, *shape[1:]) if n in _VOCAB else shape
+    weight_dtype = "bfloat16" if cfg.bf16 else "float16" if cfg.fp16 else "float32"
+    mixed = cfg.bf16 or cfg.fp16
+    have_opt = optimizer and all(src.has_state(n, "exp_avg") and src.has_state(n, "exp_avg_sq") for n in names)
+    groups_src = [dict(g) for g in (info.get("param_groups") or [])] or _default_groups(args)
+    for g in groups_src:
+        g.pop("step", None)
+        if isinstance(g.get("betas"), list):
+            g["betas"] = tuple(g["betas"])
+    step = next((src.tensor(n).scalars.get("step") for n in names if "step" in src.tensor(n).scalars), it)
+
+    it_dir = os.path.join(tmp, f"iter_{it:07d}")
+    layers = stage_layers(cfg, args)
+    ns = _to_namespace(args)
+    for p in range(pp):
+        offset = layers[p].start
+        for t in range(tp):
+            params = local_params(cfg, args, names, shapes, t, p)
+            model: OrderedDict[str, Any] = OrderedDict()
+            values: dict[str, dict[str, Any]] = {}
+            for name, local, boxes in params:
+                m = LAYER_RE.match(name)
+                local_name = f"decoder.layers.{int(m.group(1)) - offset}.{m.group(2)}" if m else name
+                per_state = {}
+                for key, state, dtype in _states(src, name, mixed, have_opt):
+                    parts = [src.read(name, state, b, dtype) for b in boxes]
+                    per_state[key] = _torch(np.concatenate(parts, 0) if len(parts) > 1 else parts[0], dtype)
+                    if tuple(per_state[key].shape) != local:
+                        raise FormatError(f"{name}: local shard {tuple(per_state[key].shape)} != {local}")
+                values[local_name] = per_state
+                model[local_name] = per_state["weights"]
+                if local_name.endswith(".weight") and _has_extra_state(local_name):
+                    model[local_name[: -len("weight")] + "_extra_state"] = None
+            state_dict: dict[str, Any] = {
+                "args": ns, "checkpoint_version": 3.0, "iteration": it, "model": model,
+                "num_floating_point_operations_so_far": info.get("num_floating_point_operations_so_far", 0),
+            }
+            if info.get("opt_param_scheduler") is not None:
+                state_dict["opt_param_scheduler"] = dict(info["opt_param_scheduler"])
+            local_list = [(ln, tuple(v["weights"].shape)) for ln, v in values.items()]
+            rank_dir = os.path.join(it_dir, rank_dir_name(t, p, pp))
+            os.makedirs(rank_dir)
+            if have_opt:
+                order = group_order(local_list, groups_src, args, rank_dir)
+                if dist_opt:
+                    state_dict["optimizer"] = {"optimizer": {"param_groups": [
+                        {**g, "step": float(step)} for g in groups_src]}}
+                    _write_distrib_optim(rank_dir, cfg, args, p, local_list, values, weight_dtype)
+                else:
+                    state_dict["optimizer"] = _adam_state(groups_src, order, values, step, mixed)
+            torch.save(state_dict, os.path.join(rank_dir, "model_optim_rng.pt"))
+    with open(os.path.join(tmp, TRACKER), "w") as fh:
+        fh.write(str(it))
+
+
+def _fused_names(tensors: Mapping[str, Any]) -> list[str]:
+    out: dict[str, None] = {}
+    for n in tensors:
+        m = n.rsplit(".", 2)
+        if len(m) == 3 and m[1] in ("q", "k", "v", "gate", "up") and m[0].endswith(("linear_qkv", "linear_fc1")):
+            out[f"{m[0]}.{m[2]}"] = None
+        else:
+            out[n] = None
+    return list(out)
+
+
+def _has_extra_state(local_name: str) -> bool:
+    mod = local_name.rsplit(".", 2)[-2] if local_name.count(".") else ""
+    return mod in ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "output_layer")
+
+
+def _states(src: _Source, name: str, mixed: bool, have_opt: bool) -> list[tuple[str, str, str]]:
+    """(key in the rank's values, source state, dtype) to read; ``weights`` is the model tensor."""
+    t = src.tensor(name)
+    if mixed:
+        half = "bfloat16" if src.cfg.bf16 else "float16"
+        out = [("weights", "param" if "param" in t.states else t.weight_state, half)]
+        if have_opt:
+            out.append(("fp32_master", "fp32" if "fp32" in t.states else t.weight_state, "float32"))
+    else:
+        out = [("weights", t.weight_state, "float32")]
+    if have_opt:
+        out += [("exp_avg", "exp_avg", "float32"), ("exp_avg_sq", "exp_avg_sq", "float32")]
+    return out
+
+
+def _adam_state(groups: list[dict[str, Any]], order: list[list[str]], values: Mapping[str, Mapping[str, Any]],
+                step: Any, mixed: bool) -> dict[str, Any]:
+    import torch
+
+    state: dict[int, Any] = {}
+    param_groups = []
+    idx = 0
+    masters = []
+    for g, names in zip(groups, order):
+        ids = []
+        gm = []
+        for n in names:
+            v = values[n]
+            state[idx] = {"step": torch.tensor(float(step)), "exp_avg": v["exp_avg"], "exp_avg_sq": v["exp_avg_sq"]}
+            ids.append(idx)
+            idx += 1
+            if mixed:
+                gm.append(v["fp32_master"])
+        param_groups.append({**g, "params": ids})
+        masters.append(gm)
+    adam = {"state": state, "param_groups": param_groups}
+    return {"optimizer": adam, "fp32_from_fp16_params": masters} if mixed else adam
+
+
+def _write_distrib_optim(rank_dir: str, cfg: MegatronConfig, args: Mapping[str, Any], pp: int,
+                         local_list: list[tuple[str, tuple[int, ...]]], values: Mapping[str, Mapping[str, Any]],
+                         weight_dtype: str) -> None:
+    import torch
+
+    shared = ("embedding.word_embeddings.weight", "output_layer.weight") if cfg.tied and cfg.pp > 1 else ()
+    num = sum(math.prod(s) for _, s in local_list)
+    slots, sizes = buffer_layout(local_list, ddp_bucket_size(args, pp, 0, num), shared)
+    total = sum(sizes)
+    bufs = {k: torch.zeros(total, dtype=torch.float32) for k in ("param", "exp_avg", "exp_avg_sq")}
+    for s in slots:
+        v = values[s.name]
+        n = math.prod(s.shape)
+        master = v.get("fp32_master", v["weights"])
+        for key, src in (("param", master), ("exp_avg", v["exp_avg"]), ("exp_avg_sq", v["exp_avg_sq"])):
+            bufs[key][s.start:s.start + n] = src.reshape(-1).to(torch.float32)
+    pdt = getattr(torch, weight_dtype)
+    gdt = torch.float32 if (weight_dtype == "float32" or args.get("accumulate_allreduce_grads_in_fp32")) else pdt
+    torch.save({"buckets_coalesced": True, 0: {(pdt, gdt): {**bufs, "numel_unpadded": total}}},
+               os.path.join(rank_dir, "distrib_optim.pt"))

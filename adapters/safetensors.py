@@ -1,0 +1,105 @@
+"""The ``safetensors`` format: single files, folders of shards and HF ``*.safetensors.index.json``.
+
+Opened in place (each tensor is one fragment pointing into its file); written
+as one consolidated file of one state (``reshard --to safetensors`` is
+``ckptbridge.export``)::
+
+    ckpt = ckptbridge.open("model.safetensors")
+    ckpt = ckptbridge.open("hf_model/")                      # model.safetensors.index.json + shards
+    ckptbridge.reshard("run/ckpt", "out/weights.safetensors", to="safetensors", state="fp32")
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import ckptbridge
+from ckptbridge.plugin import (
+    CheckpointIndex,
+    Format,
+    FormatError,
+    LogicalTensor,
+    MissingShardError,
+    OpenOptions,
+    TensorState,
+    WriteOptions,
+    check_name,
+    contiguous_fragment,
+    read_header,
+)
+from ckptbridge.plugin import dtypes as _dtypes
+
+from ._hf import check_weight_map, index_json_of, shard_files
+
+__all__ = ["FORMAT", "SafetensorsWriteOptions", "detect", "index", "write"]
+
+
+def _single_file_tensors(path: str) -> dict[str, LogicalTensor]:
+    header, base = read_header(path)
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        check_name(name, path)
+        dtype = _dtypes.from_safetensors(info["dtype"])
+        frag = contiguous_fragment(info["shape"], path, base + int(info["data_offsets"][0]), dtype)
+        out[name] = LogicalTensor(name, {"param": TensorState(dtype, frag.box.shape, (frag,))})
+    return out
+
+
+def _index_files(path: str) -> list[str]:
+    if os.path.isdir(path):
+        idx = [f for f in sorted(os.listdir(path)) if f.endswith(".safetensors.index.json")]
+        if idx:
+            return shard_files(os.path.join(path, idx[0]))
+        return [os.path.join(path, f) for f in sorted(os.listdir(path)) if f.endswith(".safetensors")]
+    return shard_files(path) if path.endswith(".index.json") else [path]
+
+
+def detect(path: str) -> bool:
+    if os.path.isfile(path):
+        return path.endswith((".safetensors", ".safetensors.index.json"))
+    if os.path.isdir(path):
+        return any(f.endswith((".safetensors", ".safetensors.index.json")) for f in os.listdir(path))
+    return False
+
+
+def index(path: str, options: OpenOptions | None = None) -> CheckpointIndex:
+    """Open a safetensors file, an HF ``*.safetensors.index.json`` or a folder of shards."""
+    tensors: dict[str, LogicalTensor] = {}
+    files = _index_files(path)
+    found: dict[str, str] = {}
+    for f in files:
+        if not os.path.exists(f):
+            raise MissingShardError(f"{f}: shard listed by {path} is missing")
+        for name, t in _single_file_tensors(f).items():
+            if name in tensors:
+                raise FormatError(f"{f}: tensor {name!r} appears in two shards")
+            tensors[name], found[name] = t, f
+    check_weight_map(index_json_of(path, ".safetensors.index.json"), found)
+    meta = {}
+    if len(files) == 1:
+        meta = read_header(files[0])[0].get("__metadata__") or {}
+    return CheckpointIndex("safetensors", path, tensors, extra={"metadata": meta} if meta else {})
+
+
+@dataclass(frozen=True)
+class SafetensorsWriteOptions(WriteOptions):
+    """Writing one safetensors file.
+
+    ``state``: which state to write (default: each tensor's weights, ``fp32`` else ``param``).
+    ``dtype``: cast every tensor to this dtype (e.g. ``bfloat16``).
+    """
+
+    state: str | None = None
+    dtype: str | None = None
+
+
+def write(ckpt: ckptbridge.Checkpoint, dst: str, options: SafetensorsWriteOptions) -> str:
+    return ckptbridge.export(ckpt, dst, state=options.state, dtype=options.dtype, overwrite=options.overwrite)
+
+
+FORMAT = Format("safetensors", detect=detect, index=index, write=write,
+                write_options=SafetensorsWriteOptions, priority=80, suffix=".safetensors",
+                description="safetensors files and HF shard indexes (one state per file)")

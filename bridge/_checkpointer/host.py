@@ -1,0 +1,95 @@
+"""The host level: buffers reused from save to save, laid out as images of the data files.
+
+Fresh memory is expensive on virtual machines (the host backs each page on first touch:
+~1.5 s per GiB here, several memcpys' worth), so a set is touched once and reused; the
+spare sets are pre-faulted in the background (:meth:`BufferSet.prefault`) as soon as the
+layout is known, instead of by the snapshot of the save that first uses them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from .. import _dtypes
+from .._safetensors import FileSpec, file_layout
+from .._universal import Piece
+from .leaves import Leaf, buffer_key
+
+
+class BufferSet:
+    """Host buffers reused from save to save (allocated on first use per shape/dtype)."""
+
+    def __init__(self) -> None:
+        self.arrays: dict[str, np.ndarray] = {}
+        self.images: dict[str, mmap.mmap] = {}  # data files' bytes, by relative path: flushed without a copy
+        self.layout: tuple[Any, ...] | None = None
+        self.unpin: list[Callable[[], None]] = []  # undo page-locking of the images, if pinned
+        self.busy = threading.Event()
+        self.ready = threading.Event()  # cleared while a background pre-fault lays it out
+        self.ready.set()
+        self.step: int | None = None  # the snapshot these buffers hold, for the host tier
+        self.leaves: list[Leaf] = []
+        self.extra: dict[str, Any] = {}
+        self.tree: Any = None  # the skeleton of the state held (see .tree)
+
+    def lay_out(self, plan: list[tuple[str, list[Piece], FileSpec]],
+                pin: Callable[[mmap.mmap], Callable[[], None]] | None = None) -> bool:
+        """Place the written leaves' buffers inside page-aligned images of their data files
+        (kept while the layout holds), so the flush writes them with no copy. ``pin``
+        page-locks each image (device-to-host copies of CUDA tensors then run at DMA speed).
+        Returns True when the layout is new (fresh, untouched images)."""
+        layout = tuple((rel, tuple((p.tensor, p.box, p.dtype) for p in group)) for rel, group, _ in plan)
+        fresh = layout != self.layout
+        if fresh:
+            self.release()
+            self.images, self.arrays = {}, {}  # drop the old layout's buffers
+            for rel, group, spec in plan:
+                _, offsets, size = file_layout(spec.entries, spec.metadata)
+                image = self.images[rel] = mmap.mmap(-1, max(size, 1))
+                for p, at in zip(group, offsets):
+                    arr = np.frombuffer(image, _dtypes.to_numpy(p.dtype), count=p.box.size, offset=at)
+                    self.arrays[buffer_key(p.tensor, p.box)] = arr.reshape(p.box.shape)
+            self.layout = layout
+        if pin is not None and not self.unpin:
+            self.unpin = [pin(image) for image in self.images.values()]
+        return fresh
+
+    def prefault(self) -> None:
+        """Back every page of the images now (``MADV_POPULATE_WRITE``, else one write per page)."""
+        for image in self.images.values():
+            try:
+                image.madvise(_MADV_POPULATE_WRITE)
+            except (OSError, ValueError, AttributeError):  # kernels before 5.14, other systems
+                with contextlib.suppress(ValueError):
+                    np.frombuffer(image, np.uint8)[:: mmap.PAGESIZE] = 0
+
+    def release(self) -> None:
+        """Unpin the images (before they are dropped or the checkpointer closes)."""
+        for undo in self.unpin:
+            undo()
+        self.unpin = []
+
+    def get(self, leaf: Leaf) -> np.ndarray:
+        arr = self.arrays.get(leaf.buffer_key)
+        want = _dtypes.to_numpy(leaf.dtype)
+        if arr is None or arr.shape != leaf.box.shape or arr.dtype != want:
+            arr = np.empty(leaf.box.shape, dtype=want)
+            self.arrays[leaf.buffer_key] = arr
+        return arr
+
+    def held(self) -> dict[str, Any]:
+        """The snapshot these buffers hold, as whole arrays (single process), plus its plain values."""
+        out: dict[str, Any] = {}
+        for leaf in self.leaves:
+            full = out.setdefault(leaf.name, np.empty(leaf.global_shape, _dtypes.to_numpy(leaf.dtype)))
+            full[leaf.box.slices()] = self.arrays[leaf.buffer_key]
+        return out | dict(self.extra)
+
+
+_MADV_POPULATE_WRITE = 23  # Linux >= 5.14 (not among Python's mmap constants before 3.13)

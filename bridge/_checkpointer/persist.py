@@ -1,0 +1,53 @@
+"""The persistent level: a committed step copied to a directory or an fsspec URL, marker last."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+from .._commit import fsync_tree, publish, staging_path
+from .._formats import require
+from .._universal import MARKER
+from .steps import remove_checkpoint
+
+
+def check_target(dest_root: str) -> None:
+    """Fail now, not in a background thread, when a URL target needs fsspec and it is missing."""
+    if "://" in dest_root:
+        require("fsspec", "remote", f"a persistent checkpoint level at a URL ({dest_root})")
+
+
+def persist(src: str, dest_root: str) -> None:
+    """Copy the committed step directory ``src`` under ``dest_root`` (same name), marker last.
+
+    A local destination is built in a staging directory and renamed into place; a URL
+    (``s3://``, ``gs://`` ... through fsspec) gets every object first and the marker last,
+    so readers never take a half-copied step for a complete one.
+    """
+    name = os.path.basename(src)
+    files = []
+    for dirpath, _, names in os.walk(src):
+        for n in names:
+            rel = os.path.relpath(os.path.join(dirpath, n), src)
+            if rel != MARKER:
+                files.append(rel)
+    if "://" in dest_root:
+        fsspec = require("fsspec", "remote", "a persistent checkpoint level at a URL")
+        fs, base = fsspec.core.url_to_fs(dest_root)
+        target = f"{base.rstrip('/')}/{name}"
+        for rel in files:
+            fs.makedirs(os.path.dirname(f"{target}/{rel}"), exist_ok=True)
+            fs.put_file(os.path.join(src, rel), f"{target}/{rel}")
+        fs.put_file(os.path.join(src, MARKER), f"{target}/{MARKER}")
+        return
+    target = os.path.join(dest_root, name)
+    stage = staging_path(target)
+    shutil.rmtree(stage, ignore_errors=True)
+    for rel in files:
+        os.makedirs(os.path.dirname(os.path.join(stage, rel)), exist_ok=True)
+        shutil.copyfile(os.path.join(src, rel), os.path.join(stage, rel))
+    shutil.copyfile(os.path.join(src, MARKER), os.path.join(stage, MARKER))
+    fsync_tree(stage)
+    if os.path.exists(target):
+        remove_checkpoint(target)
+    publish(stage, target, overwrite=False)

@@ -1,0 +1,114 @@
+"""The checkpointer's directory of steps: naming, discovery, retention and clean-up.
+
+``root/step_<N>`` is a universal directory; it counts only once its commit
+marker exists. Staging directories (``step_<N>.partial.<job>``) of crashed
+writers are removed; those of live writers (another job sharing the root) stay.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import socket
+import time
+from collections.abc import Sequence
+
+from .._commit import PARTIAL
+from .._universal import MARKER
+
+STEP_DIR = re.compile(r"^step_(\d{8,})$")
+
+
+def step_dir(root: str, step: int) -> str:
+    return os.path.join(root, f"step_{step:08d}")
+
+
+def committed_steps(root: str) -> list[int]:
+    """Steps under ``root`` whose checkpoint is complete (marker present), ascending."""
+    if not os.path.isdir(root):
+        return []
+    out = []
+    for name in os.listdir(root):
+        m = STEP_DIR.match(name)
+        if m and os.path.exists(os.path.join(root, name, MARKER)):
+            out.append(int(m.group(1)))
+    return sorted(out)
+
+
+def steps_to_drop(steps: Sequence[int], keep_last: int | None, keep_every: int | None) -> list[int]:
+    """Which committed steps retention removes (pure): all but the newest ``keep_last`` and the
+    multiples of ``keep_every``; nothing when ``keep_last`` is None."""
+    if keep_last is None:
+        return []
+    keep = set(steps[-keep_last:]) if keep_last > 0 else set()
+    if keep_every:
+        keep |= {s for s in steps if s % keep_every == 0}
+    return [s for s in steps if s not in keep]
+
+
+def remove_checkpoint(path: str) -> None:
+    """Delete a committed checkpoint: marker first, so a crash midway never leaves a 'complete' one."""
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(os.path.join(path, MARKER))
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def clean_incomplete(root: str, before: int | None, timeout: float) -> None:
+    """Remove abandoned staging directories: those whose writers (recorded in
+    ``owner.r*.json``) are dead processes of this host, and those of steps older than
+    ``before`` untouched for longer than ``timeout``. A live writer's staging
+    directory (another job sharing the root) stays."""
+    for name in os.listdir(root):
+        if PARTIAL not in name:
+            continue
+        m = STEP_DIR.match(name.split(PARTIAL, 1)[0])
+        full = os.path.join(root, name)
+        stale = before is not None and int(m.group(1)) < before and _age(full) > timeout if m else False
+        if m and (stale or _abandoned(full)):
+            shutil.rmtree(full, ignore_errors=True)
+    for name in os.listdir(root):  # committed-less step dirs left by a crash mid-rename
+        m = STEP_DIR.match(name)
+        full = os.path.join(root, name)
+        if m and not os.path.exists(os.path.join(full, MARKER)) and (before is None or int(m.group(1)) < before):
+            shutil.rmtree(full, ignore_errors=True)
+
+
+def record_owner(stage: str, rank: int) -> None:
+    """Note which process writes ``stage`` (so a crashed writer's leftovers can be recognised)."""
+    with open(os.path.join(stage, f"owner.r{rank:05d}.json"), "w") as fh:
+        json.dump({"host": socket.gethostname(), "pid": os.getpid()}, fh)
+
+
+def _age(path: str) -> float:
+    """Seconds since anything in a directory last changed."""
+    try:
+        newest = max((e.stat().st_mtime for e in os.scandir(path)), default=os.stat(path).st_mtime)
+    except OSError:
+        return 0.0
+    return time.time() - newest
+
+
+def _abandoned(stage: str) -> bool:
+    """True when every writer of a staging directory was a process of this host that is gone."""
+    owners = [n for n in os.listdir(stage) if n.startswith("owner.r")] if os.path.isdir(stage) else []
+    if not owners:
+        return False
+    for name in owners:
+        try:
+            with open(os.path.join(stage, name)) as fh:
+                rec = json.load(fh)
+        except (OSError, ValueError):
+            return False
+        if rec.get("host") != socket.gethostname():
+            return False
+        try:
+            os.kill(int(rec["pid"]), 0)
+            return False  # still running
+        except ProcessLookupError:
+            continue
+        except (PermissionError, KeyError, ValueError, TypeError):
+            return False
+    return True

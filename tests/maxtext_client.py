@@ -1,0 +1,215 @@
+"""Drive ``tools/maxtext/harness.py`` (MaxText 0.2.5 in ``.maxtext/venv``, Python 3.12) from the
+3.11 test venv: files in and out, numpy back.
+
+::
+
+    import maxtext_client as mx
+    spec = mx.spec_from_hf(json.load(open(hf_dir / "config.json")), scan=True)
+    res = mx.run_jobs([
+        mx.convert_job(spec, hf_dir, work / "mt.safetensors"),
+        mx.forward_job(spec, work / "mt.safetensors", work / "tokens.npy", work / "logits.npy"),
+    ])
+    logits = np.load(work / "logits.npy")
+    params = mx.read_params(work / "mt.safetensors")     # {"decoder/layers/...": ndarray}
+
+Each :func:`run_jobs` call is one process (MaxText imports in ~10 s), so batch the jobs.
+The venv comes from ``make maxtext-venv`` (``tools/maxtext/setup.sh``); ``MAXTEXT_PYTHON``
+points elsewhere.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+HARNESS = ROOT / "tools" / "maxtext" / "harness.py"
+
+# MaxText's LLaMARotaryEmbedding hard-codes these llama3 scaling constants (maxtext 0.2.5)
+_LLAMA3 = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+           "original_max_position_embeddings": 8192}
+
+
+class HarnessError(RuntimeError):
+    """The MaxText harness failed; the message carries the end of its output."""
+
+
+def python() -> Path:
+    """The interpreter of the MaxText venv."""
+    return Path(os.environ.get("MAXTEXT_PYTHON", ROOT / ".maxtext" / "venv" / "bin" / "python"))
+
+
+def spec_from_hf(cfg: dict[str, Any], *, scan: bool = True, mesh: dict[str, int] | None = None,
+                 batch: int = 8, seq: int = 16) -> dict[str, Any]:
+    """The harness spec of the MaxText model equivalent to a Hugging Face ``config.json``.
+
+    Llama with llama3 rope scaling maps to MaxText ``rope_type=llama3.1`` (only with the
+    scaling constants MaxText hard-codes); everything else to ``rope_type=default``.
+    """
+    family = cfg["model_type"]
+    if family not in ("llama", "mistral", "qwen2", "mixtral"):
+        raise ValueError(f"model_type {family!r} has no MaxText counterpart here")
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    rope_kind = rope.get("rope_type", rope.get("type", "default"))
+    theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    if rope_kind == "llama3":
+        off = {k: rope.get(k) for k, v in _LLAMA3.items() if float(rope.get(k, -1)) != v}
+        if off:
+            raise ValueError(f"llama3 rope scaling {off}: MaxText hard-codes {_LLAMA3}")
+        rope_type = "llama3.1"
+    elif rope_kind == "default":
+        rope_type = "default"
+    else:
+        raise ValueError(f"rope type {rope_kind!r} is not supported by the harness")
+    heads = cfg["num_attention_heads"]
+    spec = {
+        "family": family,
+        "emb": cfg["hidden_size"],
+        "layers": cfg["num_hidden_layers"],
+        "heads": heads,
+        "kv_heads": cfg.get("num_key_value_heads", heads),
+        "head_dim": cfg.get("head_dim") or cfg["hidden_size"] // heads,
+        "mlp": cfg["intermediate_size"],
+        "vocab": cfg["vocab_size"],
+        "scan": scan,
+        "rope_type": rope_type,
+        "rope_theta": float(theta),
+        "norm_eps": float(cfg["rms_norm_eps"]),
+        "tied": bool(cfg.get("tie_word_embeddings", False)),
+        "batch": batch,
+        "seq": seq,
+    }
+    if mesh is not None:
+        spec["mesh"] = dict(mesh)
+    if family == "mixtral":
+        spec["experts"] = cfg["num_local_experts"]
+        spec["experts_per_tok"] = cfg["num_experts_per_tok"]
+    return spec
+
+
+# ------------------------------------------------------------------ jobs (see harness.py)
+
+
+def tree_job(spec: dict[str, Any], out: Path) -> dict[str, Any]:
+    return {"cmd": "tree", "spec": spec, "out": str(out)}
+
+
+def convert_job(spec: dict[str, Any], hf_dir: Path, out: Path, *, report: Path | None = None,
+                from_unscanned: bool = False) -> dict[str, Any]:
+    job = {"cmd": "convert-hf", "spec": spec, "hf_dir": str(hf_dir), "out": str(out),
+           "from_unscanned": from_unscanned}
+    if report is not None:
+        job["report"] = str(report)
+    return job
+
+
+def to_hf_job(spec: dict[str, Any], params: Path, hf_config: Path, out: Path,
+              prefix: str = "") -> dict[str, Any]:
+    """MaxText's own MaxText->HF conversion into ``out/`` (``model.safetensors`` + ``config.json``);
+    ``prefix`` picks ``mu/`` or ``nu/`` out of a ``train`` optimizer-state file."""
+    return {"cmd": "convert-to-hf", "spec": spec, "params": str(params), "hf_config": str(hf_config),
+            "out": str(out), "prefix": prefix}
+
+
+def forward_job(spec: dict[str, Any], params: Path, tokens: Path, out: Path,
+                state: str | None = None) -> dict[str, Any]:
+    job = {"cmd": "forward", "spec": spec, "params": str(params), "tokens": str(tokens), "out": str(out)}
+    if state:
+        job["state"] = state
+    return job
+
+
+def train_job(spec: dict[str, Any], params: Path, tokens: Path, out: Path, steps: int, *,
+              opt_state: Path | None = None, mu: Path | None = None, nu: Path | None = None,
+              count: int | None = None, **adamw: float) -> dict[str, Any]:
+    """Optimizer state: ``opt_state`` (a harness ``train`` output) or ``mu`` + ``nu`` (params
+    files, e.g. moments converted by ``convert-hf``) + ``count``. ``adamw``: lr, b1, b2, eps,
+    wd (harness defaults 1e-3, 0.9, 0.95, 1e-8, 0.1)."""
+    job = {"cmd": "train", "spec": spec, "params": str(params), "tokens": str(tokens),
+           "out": str(out), "steps": steps, **adamw}
+    if opt_state is not None:
+        job["opt_state"] = str(opt_state)
+    if mu is not None or nu is not None:
+        job |= {"mu": str(mu), "nu": str(nu), "count": count}
+    return job
+
+
+def load_job(spec: dict[str, Any], source: Path, rules: Any, *, opt: bool = False, dump: Path | None = None,
+             tokens: Path | None = None, logits: Path | None = None, train_tokens: Path | None = None,
+             steps: int = 0, train_out: Path | None = None, update_scale: dict[str, float] | None = None,
+             save_universal: Path | None = None, report: Path | None = None, **adamw: float) -> dict[str, Any]:
+    """``source`` (anything ckptbridge opens) seen through ``rules`` (rule objects, their JSON, or a
+    JSON file) loaded by ``ckptbridge.adapters.flax.load`` onto MaxText's boxed tree on its mesh;
+    ``opt``: also into MaxText's AdamW state. Then: ``dump`` the loaded state (params, ``mu/``,
+    ``nu/``, ``count``), ``logits`` for ``tokens``, ``steps`` of training on ``train_tokens``
+    (``train_out/state.safetensors``, ``train.json``), ``save_universal`` the result with
+    ``ckptbridge.adapters.flax.save``. The job's result has ``load``: the report (timings, bytes
+    read, leaves not boxed or not sharded as MaxText's rules say, ``count``, ``losses``)."""
+    if isinstance(rules, (list, tuple)):
+        from ckptbridge import rules_to_json
+
+        rules = rules_to_json(rules)
+    else:
+        rules = str(rules)
+    job: dict[str, Any] = {"cmd": "load", "spec": spec, "source": str(source), "rules": rules, "opt": opt,
+                           **adamw}
+    for key, value in (("dump", dump), ("tokens", tokens), ("logits", logits), ("train_tokens", train_tokens),
+                       ("train_out", train_out), ("save_universal", save_universal), ("report", report)):
+        if value is not None:
+            job[key] = str(value)
+    if steps:
+        job["steps"] = steps
+    if update_scale:
+        job["update_scale"] = dict(update_scale)
+    return job
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "XLA_FLAGS", "JAX_PLATFORMS")}
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["DECOUPLE_GCLOUD"] = "TRUE"
+    env["TF_CPP_MIN_LOG_LEVEL"] = "2"
+    return env
+
+
+def run_jobs(jobs: list[dict[str, Any]], timeout: float = 900) -> list[dict[str, Any]]:
+    """Run the jobs in one harness process; their results (losses, converter errors, seconds)."""
+    exe = python()
+    if not exe.exists():
+        raise HarnessError(f"{exe} is missing: run `make maxtext-venv` (tools/maxtext/setup.sh)")
+    with tempfile.TemporaryDirectory(prefix="maxtext-jobs-") as tmp:
+        spec_file, out_file = Path(tmp) / "jobs.json", Path(tmp) / "results.json"
+        spec_file.write_text(json.dumps(jobs))
+        proc = subprocess.run(
+            [str(exe), str(HARNESS), "jobs", "--jobs", str(spec_file), "--out", str(out_file)],
+            env=_env(), capture_output=True, text=True, timeout=timeout, cwd=tmp,
+        )
+        if proc.returncode != 0 or not out_file.exists():
+            tail = (proc.stdout + proc.stderr)[-6000:]
+            raise HarnessError(f"harness exited {proc.returncode}:\n{tail}")
+        return json.loads(out_file.read_text())
+
+
+# ------------------------------------------------------------------ files
+
+
+def read_params(path: Path) -> dict[str, np.ndarray]:
+    """A harness params / optimizer-state safetensors file as ``{path: ndarray}``."""
+    from safetensors.numpy import load_file
+
+    return load_file(str(path))
+
+
+def write_params(path: Path, arrays: dict[str, np.ndarray]) -> Path:
+    """Write ``{maxtext path: ndarray}`` where the harness reads params (or ``mu/``, ``nu/``, ``count``)."""
+    from safetensors.numpy import save_file
+
+    save_file({k: np.ascontiguousarray(v) for k, v in arrays.items()}, str(path))
+    return Path(path)
