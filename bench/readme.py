@@ -75,7 +75,10 @@ def load_results(folder: str) -> dict[str, dict]:
             doc = json.load(fh)
         if not isinstance(doc, dict) or "schema" not in doc:
             md = os.path.splitext(path)[0] + ".md"
-            text = open(md).read() if os.path.exists(md) else None
+            text = None
+            if os.path.exists(md):
+                with open(md) as fh:
+                    text = fh.read()
             out[os.path.splitext(os.path.basename(path))[0]] = {STANDALONE: text}
             continue
         problems = validate(doc)

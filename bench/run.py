@@ -21,7 +21,7 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from _harness import main
+from _harness import main  # noqa: E402
 
 MODULES = ("bench_core", "bench_deepspeed_convert", "bench_torch_load", "jax_load_vs_orbax", "bench_megatron")
 
