@@ -54,10 +54,12 @@ test-megatron-lm: venv
 fuzz: venv
 	FUZZ_CASES=$${FUZZ_CASES:-20000} $(PY) -m pytest -q tests/test_fuzz.py tests/test_fuzz_adapters.py
 
-# Every benchmark on one harness (bench/README.md): results -> bench/results/, then the README's
-# tables regenerated from them. The Megatron rows need Megatron-LM's source: bench/megatron_source.sh.
+# Every harness suite (bench/README.md), then the standalone benchmarks that need only the venv:
+# results -> bench/results/, then the README's tables regenerated from them. The Megatron rows
+# need Megatron-LM's source: bench/megatron_source.sh.
 bench: venv
 	$(PY) bench/run.py
+	$(PY) bench/run.py --standalone
 	$(PY) bench/readme.py
 
 # the same at a tiny size (CI smoke; results in bench/out/results-quick, README untouched)
