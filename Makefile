@@ -33,6 +33,8 @@ maxtext-venv: $(MAXTEXT_STAMP)
 
 lint: venv
 	$(VENV)/bin/ruff check .
+	$(PY) tools/check_architecture.py
+	$(PY) tools/typecheck.py
 
 test: venv maxtext-venv lint
 	$(PY) -m pytest -q

@@ -118,7 +118,7 @@ def _box_sharding(box: Any, mesh: Any = None, axis_rules: Any = None) -> Any:
 
     if isinstance(box, nn.LogicallyPartitioned):  # logical names -> mesh axes by its rules (or the context's)
         rules = box.rules if box.rules is not None else axis_rules
-        return NamedSharding(box_mesh, nn.logical_to_mesh_axes(box.names, rules))
+        return NamedSharding(box_mesh, nn.logical_to_mesh_axes(box.names, rules))  # type: ignore[arg-type]
     return NamedSharding(box_mesh, box.get_partition_spec())
 
 
@@ -315,7 +315,7 @@ def _same_count(name: str, value: Any, adam_counts: set[int]) -> bool:
     """An optax ``count`` leaf (a schedule's) holding the Adam step: :func:`load` restores it from the step."""
     import jax
 
-    if not (name == "count" or name.endswith("/count")) or len(adam_counts) != 1 or getattr(value, "ndim", 1):
+    if not (name == "count" or name.endswith("/count")) or len(adam_counts) != 1 or int(getattr(value, "ndim", 1)):
         return False
     return int(np.asarray(jax.device_get(value))) in adam_counts
 
@@ -533,7 +533,7 @@ def _shapes(source: Any) -> dict[str, tuple[int, ...]]:
     if isinstance(source, Checkpoint):
         return {n: t.shape for n, t in source.index.tensors.items()}
     if isinstance(source, Mapping):
-        return {n: tuple(getattr(v, "shape", v)) for n, v in source.items()}
+        return {n: tuple(getattr(v, "shape", None) or v) for n, v in source.items()}
     raise TypeError("give a Checkpoint or a {name: shape} mapping")
 
 

@@ -78,7 +78,7 @@ def index(path: str, options: OpenOptions | None = None) -> CheckpointIndex:
                 raise FormatError(f"{f}: tensor {name!r} appears in two shards")
             tensors[name], found[name] = t, f
     check_weight_map(index_json_of(path, ".safetensors.index.json"), found)
-    meta = {}
+    meta: dict[str, str] = {}
     if len(files) == 1:
         meta = read_header(files[0])[0].get("__metadata__") or {}
     return CheckpointIndex("safetensors", path, tensors, extra={"metadata": meta} if meta else {})

@@ -51,7 +51,7 @@ def _tty(stream: Any = None) -> bool:
     return bool(getattr(stream or sys.stdout, "isatty", lambda: False)())
 
 
-def _table(title: str, columns: Sequence[str], rows: list[Sequence[Any]]) -> None:
+def _table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
     """A rich table on a terminal; on a pipe the header line and tab-separated rows only."""
     if _tty():
         from rich.console import Console

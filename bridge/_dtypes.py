@@ -57,7 +57,7 @@ def name_of(dtype: object) -> str:
     if isinstance(dtype, str) and dtype in _NUMPY:
         return dtype
     try:
-        return _NAMES[np.dtype(dtype)]
+        return _NAMES[np.dtype(dtype)]  # type: ignore[call-overload]
     except (KeyError, TypeError):
         raise FormatError(f"unsupported dtype {dtype!r}") from None
 

@@ -288,6 +288,7 @@ class ReshardPlan:
             name = name or "tensor"
         items = tuple(targets.items()) if isinstance(targets, Mapping) else tuple(
             (f"target {i}", b) for i, b in enumerate(targets))
+        name = name or "tensor"
         reads = tuple((label, plan(frags, box, name)) for label, box in items)
         return ReshardPlan(name, tuple(shape), dtype, frags, items, reads)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from ._errors import ShapeMismatchError
 from ._model import Box, Fragment
@@ -53,7 +54,7 @@ def plan(fragments: Sequence[Fragment], request: Box, name: str = "tensor") -> t
     return tuple(ops)
 
 
-def normalize_index(index: object, shape: Sequence[int]) -> tuple[Box, tuple[object, ...]]:
+def normalize_index(index: object, shape: Sequence[int]) -> tuple[Box, tuple[Any, ...]]:
     """Turn a numpy-style index into (covering box, index to apply to the box's array).
 
     Integers and unit-step slices are read exactly; strided slices read their
@@ -68,7 +69,9 @@ def normalize_index(index: object, shape: Sequence[int]) -> tuple[Box, tuple[obj
     if len(index) > len(shape):
         raise IndexError(f"too many indices ({len(index)}) for a tensor of shape {tuple(shape)}")
     index = index + (slice(None),) * (len(shape) - len(index))
-    offset, extent, post = [], [], []
+    offset: list[int] = []
+    extent: list[int] = []
+    post: list[slice | int] = []
     for i, n in zip(index, shape):
         if isinstance(i, slice):
             start, stop, step = i.indices(n)

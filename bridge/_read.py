@@ -132,12 +132,12 @@ class FileCache:
         # a view into a larger request can be strided: fill a contiguous buffer, then place it
         flat = out.reshape(-1) if out.flags.c_contiguous else np.empty(out.size, out.dtype)
         same = flat.dtype == dtype
-        dst = flat.view(np.uint8) if same else None
+        dst: np.ndarray | None = flat.view(np.uint8) if same else None
         crc, step = 0, _CHUNK_BYTES - _CHUNK_BYTES % dtype.itemsize
         for lo in range(0, src.size, step):
             piece = src[lo : lo + step]
             crc = crc32(piece, crc)
-            if same:
+            if dst is not None:
                 dst[lo : lo + piece.size] = piece
             else:
                 i = lo // dtype.itemsize
@@ -159,7 +159,7 @@ class FileCache:
             fd = self._fds.get(path)
             if fd is None:
                 fd = self._fds[path] = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        dst = memoryview(out.reshape(-1).view(np.uint8))
+        dst = memoryview(out.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
         while len(dst):
             n = os.preadv(fd, [dst], start)
             if n <= 0:
@@ -223,10 +223,11 @@ def execute_many(items: Sequence[tuple[CopyOp, np.ndarray]], files: FileCache, l
     requests share is fetched and decoded once) get all their ops in one
     call; the others are copied here, on a thread pool when there are several.
     """
-    many: dict[type, list[tuple[Any, Box, np.ndarray]]] = {}
+    many: dict[Any, list[tuple[Any, Box, np.ndarray]]] = {}
     rest = []
     for op, out in items:
-        dst = out[(*op.dst.slices(), Ellipsis)]
+        where: tuple[Any, ...] = (*op.dst.slices(), Ellipsis)
+        dst = out[where]
         cls = type(op.fragment.location)
         if hasattr(cls, "read_many"):
             many.setdefault(cls, []).append((op.fragment.location, op.src, dst))

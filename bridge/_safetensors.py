@@ -289,8 +289,9 @@ def _produce(path: str, t: _Task, buf: mmap.mmap) -> int:
     e = t.item
     shape = e.shape if t.rows is None else (t.rows[1] - t.rows[0], *e.shape[1:])
     out = np.frombuffer(buf, np.uint8, count=t.nbytes, offset=head).view(_dtypes.to_numpy(e.dtype)).reshape(shape)
-    if getattr(e.data, "fills", False):
-        arr = e.data(out=out, rows=t.rows)
+    data: Any = e.data
+    if getattr(data, "fills", False):
+        arr = data(out=out, rows=t.rows)
     elif callable(e.data):
         arr = e.data()
     else:

@@ -419,7 +419,7 @@ def hf_config(args: Mapping[str, Any], vocab_size: int | None = None, family: st
         "num_hidden_layers": int(args["num_layers"]), "num_attention_heads": heads, "num_key_value_heads": kv,
         "head_dim": int(args.get("kv_channels") or int(args["hidden_size"]) // heads),
         "rms_norm_eps": float(args.get("norm_epsilon") or args.get("layernorm_epsilon") or 1e-5),
-        "vocab_size": int(vocab_size if vocab_size is not None else args.get("padded_vocab_size")),
+        "vocab_size": int(vocab_size if vocab_size is not None else args["padded_vocab_size"]),
         "max_position_embeddings": int(args.get("max_position_embeddings") or 4096),
         "tie_word_embeddings": not bool(args.get("untie_embeddings_and_output_weights")),
         "rope_theta": float(args.get("rotary_base") or 10000.0), "hidden_act": "silu",

@@ -271,7 +271,7 @@ def test_an_unguarded_jax_save_frees_its_device_copies_once_they_are_on_the_host
         ck.wait()
         gc.collect()
         assert len(jax.live_arrays()) == before
-        assert ck.restore(0)["params.w"].tobytes() == np.asarray(params["w"]).tobytes()
+        assert ck.restore(0)["params"]["w"].tobytes() == np.asarray(params["w"]).tobytes()
 
 
 class Staged:

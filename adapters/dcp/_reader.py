@@ -193,7 +193,7 @@ def index(path: str, prefix: str | None = None, read_bytes: bool = True) -> Chec
     for name, sc in scalars.items():
         if name not in tensors:  # a 0-dim state without tensor states: keep it visible
             tensors[name] = LogicalTensor(name, scalar_items[name], sc)
-    steps = {sc.get("step") for sc in scalars.values() if "step" in sc}
+    steps = {sc["step"] for sc in scalars.values() if sc.get("step") is not None}
     step = int(next(iter(steps))) if len(steps) == 1 else None
 
     extra: dict[str, Any] = {}

@@ -129,7 +129,7 @@ def _write_dcp(ckpt: Checkpoint, dst: str, stage: str, world: int, weight_state:
     for name, t in ckpt.tensors.items():
         ws = weight_state if weight_state in t.states else t.weight_state
         if ws in WEIGHT_STATES or not with_optim:
-            path = (model_key, name) if model_key else (name,)
+            path: tuple[Any, ...] = (model_key, name) if model_key else (name,)
             entries.append((".".join(path), path, t.states[ws], name))
         if not with_optim:
             continue

@@ -201,7 +201,7 @@ class _Reader:
                 stage: int | None) -> tuple[dict[str, LogicalTensor], dict[str, Any]]:
         o0 = osds[0]
         stripped = stage is not None  # DeepSpeedZeroOptimizer strips group padding from fp32; BF16_Optimizer keeps it
-        fp32_groups = [o.get("single_partition_of_fp32_groups") for o in osds]
+        fp32_groups: list[Any] = [o.get("single_partition_of_fp32_groups") for o in osds]
         if any(not isinstance(g, (list, tuple)) for g in fp32_groups):
             raise FormatError(f"{ranks[0].path}: no 'single_partition_of_fp32_groups' list")
         n_groups = len(fp32_groups[0])

@@ -118,7 +118,8 @@ def load_engine(
     if isinstance(source, Checkpoint):
         ckpt, owned = source, False
     else:
-        ckpt, owned = open_checkpoint(os.fspath(source), **({"tag": tag} if tag else {})), True
+        path = os.fspath(source)
+        ckpt, owned = (open_checkpoint(path, tag=tag) if tag else open_checkpoint(path)), True
     try:
         opt = engine.optimizer
         _check_supported(engine, opt, ckpt)

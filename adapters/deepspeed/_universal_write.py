@@ -233,7 +233,8 @@ def _write_model_states(ckpt: Checkpoint, tag_dir: str, names: list[str]) -> Non
     for n in names:
         t = ckpt.tensors[n]
         w = _weights(ckpt, n)
-        view = TensorView(ckpt, t, "param" if "param" in t.states else w.state_name)
+        state = "param" if "param" in t.states or w is None else w.state_name
+        view = TensorView(ckpt, t, state)
         module[n] = _native(view)
     steps = ckpt.step if ckpt.step is not None else 0
     sd: dict[str, Any] = {

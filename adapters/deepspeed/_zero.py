@@ -67,7 +67,7 @@ def zero12_fragments(
             f"{where}: {len(alignment_paddings)} alignment paddings for {len(shapes)} parameters"
         )
     total_real = max((r.start + r.real for r in ranks), default=0)
-    out: dict[str, dict[str, list[Fragment]]] = {}
+    out: dict[str, dict[str, tuple[Fragment, ...]]] = {}
     off = 0
     for (name, shape), pad in zip(shapes, alignment_paddings):
         n = _numel(shape)
@@ -96,7 +96,7 @@ def zero12_fragments(
                 )
         out[name] = {k: tuple(v) for k, v in states.items()}
         off += n + int(pad)
-    return out  # type: ignore[return-value]
+    return out
 
 
 def zero3_fragments(

@@ -25,6 +25,7 @@ jax is imported lazily, inside the functions, as everywhere in ckptbridge.
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 from collections.abc import Callable, Mapping, Sequence
@@ -58,6 +59,10 @@ _PAGE = 4096
 
 
 # ------------------------------------------------------------------ helpers
+
+
+def _host_data(shard: Any) -> np.ndarray:
+    return np.asarray(shard.data)
 
 
 def box_of_index(index: Sequence[Any] | None, shape: Sequence[int]) -> Box:
@@ -267,7 +272,7 @@ def load(
             wanted = list(names) if names is not None else [
                 n for n, t in ckpt.index.tensors.items() if state is None or state in t.states
             ]
-            reqs = []
+            reqs: list[tuple[str, Any, Any, tuple[int, ...] | None]] = []
             for n in wanted:
                 if isinstance(shardings, jax.sharding.Sharding):
                     sh = shardings
@@ -338,7 +343,7 @@ def tree_pieces(
                     continue
                 box = box_of_index(shard.index, shape)
                 pieces.append(Piece(name, st, dt, shape, box,
-                                               lambda s=shard: np.asarray(s.data)))
+                                               functools.partial(_host_data, shard)))
             sh = leaf.sharding
             layout[name] = {"sharding": type(sh).__name__}
             if isinstance(sh, jax.sharding.NamedSharding):

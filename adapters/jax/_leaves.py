@@ -19,6 +19,7 @@ is started (``copy_to_host_async``) before the first one is waited for.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -62,7 +63,7 @@ def jax_leaves(name: str, value: Any, lazy: bool) -> list[Leaf]:
 
     if not isinstance(value, jax.Array):
         return [Leaf(name, _dtypes.name_of(np.asarray(value).dtype), tuple(np.shape(value)),
-                     Box.full(tuple(np.shape(value))), lambda out, v=value: np.copyto(out, np.asarray(v)))]
+                     Box.full(tuple(np.shape(value))), functools.partial(np.copyto, src=np.asarray(value)))]
     shape = tuple(value.shape)
     dtype = _dtypes.name_of(value.dtype)
     leaves = []

@@ -27,6 +27,7 @@ from ckptbridge.plugin import (
     Box,
     FileRegion,
     FormatError,
+    Fragment,
     MissingShardError,
     TensorState,
     crop,
@@ -174,10 +175,10 @@ def _dp_reshardable(raw: RawCheckpoint, cfg: MegatronConfig, meta: DcpMetadata) 
                 if state == "fp32_master" and not fp16:
                     continue  # fp32 run: the main param is the model weight
                 gathered.setdefault(name, {}).setdefault(state, {})[tp] = piece
-    for name, states in gathered.items():
+    for name, per_state in gathered.items():
         shape = raw.pieces[name]["model"][0].shape
         lay = tp_layout(name, cfg, len(shape))
-        for state, parts in states.items():
+        for state, parts in per_state.items():
             if sorted(parts) != list(range(cfg.tp)):
                 raise FormatError(f"{meta.path}: optimizer state {state!r} of {name!r} lacks TP ranks")
             raw.pieces[name][state] = {0: consolidate(name, [parts[t] for t in range(cfg.tp)], lay, cfg)}
@@ -190,7 +191,7 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 def _reshape(piece: TensorState, shape: tuple[int, ...]) -> TensorState:
     """A 1-D piece of contiguous file runs seen as a row-major tensor of ``shape`` (no copy)."""
-    out = []
+    out: list[Fragment] = []
     for f in sorted(piece.fragments, key=lambda f: f.box.offset[0]):
         loc = f.location
         if not isinstance(loc, FileRegion) or loc.strides != (1,):

@@ -45,7 +45,7 @@ def _state_of(archive: TorchArchive, ref: TensorRef, name: str) -> TensorState:
 def _model_chunks(obj: Mapping[str, Any], where: str) -> list[Mapping[str, Any]]:
     if "model" in obj:
         return [obj["model"]]
-    chunks = []
+    chunks: list[Mapping[str, Any]] = []
     while f"model{len(chunks)}" in obj:
         chunks.append(obj[f"model{len(chunks)}"])
     if not chunks:
@@ -135,9 +135,9 @@ def read_legacy(it_dir: str, iteration: int | None) -> RawCheckpoint:
         raw.extra["param_groups"] = [
             {k: v for k, v in g.items() if k != "params"} for g in (inner.get("param_groups") or [])
         ]
-    for key in ("opt_param_scheduler", "num_floating_point_operations_so_far", "checkpoint_version"):
-        if key in arch0.obj:
-            raw.extra[key] = arch0.obj[key]
+    for extra_key in ("opt_param_scheduler", "num_floating_point_operations_so_far", "checkpoint_version"):
+        if extra_key in arch0.obj:
+            raw.extra[extra_key] = arch0.obj[extra_key]
     return raw
 
 
@@ -193,7 +193,7 @@ def _read_distrib_optim(raw: RawCheckpoint, cfg: MegatronConfig, args: Mapping[s
         raise FormatError(f"{path}: several dtypes in one grad buffer are not supported yet")
     (dtypes, flat), = per_dtype.items()
     params = [(glob, ref.shape) for _, glob, ref in named]
-    shared = ()
+    shared: tuple[str, ...] = ()
     if cfg.tied and cfg.pp > 1:
         shared = tuple(g for g, _ in params if g in ("embedding.word_embeddings.weight", "output_layer.weight"))
     num = sum(math.prod(ref.shape) for _, _, ref in named)

@@ -174,7 +174,7 @@ def _decode_group(group: Sequence[tuple[ZstdChunk, Box, np.ndarray]], files: Any
     dt = _dtypes.to_numpy(loc.dtype)
     n = int(np.prod(loc.chunk))
     src = _scratch("src", loc.length)
-    view, pos = memoryview(src), 0
+    view, pos = memoryview(src), 0  # type: ignore[arg-type]
     fd = _fd(files, loc.file)
     while pos < loc.length:
         got = os.preadv(fd, [view[pos:]], loc.offset + pos)
@@ -188,7 +188,7 @@ def _decode_group(group: Sequence[tuple[ZstdChunk, Box, np.ndarray]], files: Any
     target = out.reshape(-1).view(np.uint8) if whole else _scratch("dst", n * dt.itemsize)
     try:
         with zstandard.ZstdDecompressor().stream_reader(view) as reader:
-            got = reader.readinto(memoryview(target))
+            got = reader.readinto(memoryview(target))  # type: ignore[arg-type]
             extra = reader.read(1)
     except zstandard.ZstdError as err:
         raise FormatError(f"{loc.file}@{loc.offset}: zstd chunk does not decode ({err})") from None
@@ -324,7 +324,7 @@ def _zarr3_layout(meta: Mapping[str, Any]) -> _Layout | None:
     codecs = meta.get("codecs") or []
     plain = _codec_of(codecs)
     if plain is not False:
-        return _Layout(codec=plain)
+        return _Layout(codec=plain if isinstance(plain, str) else None)
     if len(codecs) != 1 or codecs[0].get("name") != "sharding_indexed":
         return None
     cfg = codecs[0].get("configuration") or {}
@@ -335,7 +335,7 @@ def _zarr3_layout(meta: Mapping[str, Any]) -> _Layout | None:
     if [c.get("name") for c in index[1:]] not in ([], ["crc32c"]):
         return None
     return _Layout(tuple(int(c) for c in cfg.get("chunk_shape") or ()), cfg.get("index_location", "end") == "end",
-                   len(index) == 2, inner)
+                   len(index) == 2, inner if isinstance(inner, str) else None)
 
 
 def raw_fragments(

@@ -293,7 +293,7 @@ def _read_item(item: str, prefix: str) -> tuple[dict[str, TensorState], dict[str
                 sp = os.path.join(item, STRINGS)
                 strings = _read_json(sp) if os.path.exists(sp) else {}
             other[name] = strings.get(param)
-    opts = {k: meta.get(k) for k in ("use_ocdbt", "use_zarr3") if k in meta}
+    opts: dict[str, Any] = {k: meta.get(k) for k in ("use_ocdbt", "use_zarr3") if k in meta}
     layout = _saved_shardings(item, prefix, {".".join(k): "/".join(k) for k, _, _ in entries})
     if layout:
         opts["layout"] = layout
@@ -373,8 +373,8 @@ def _index(path: str, step: int | None = None, layout: str = "auto") -> Checkpoi
     for item in items:
         item_dir = os.path.join(target, item) if item else target
         prefix = "" if len(items) == 1 else f"{item}/"
-        tensors, other, opts = _read_item(item_dir, prefix)
-        raw.update(tensors)
+        item_tensors, other, opts = _read_item(item_dir, prefix)
+        raw.update(item_tensors)
         extra.update(other)
         options[item or "."] = opts
     for name in sorted(os.listdir(target)) if not _is_item_dir(target) else ():

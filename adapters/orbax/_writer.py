@@ -137,8 +137,6 @@ def _write(ckpt: Checkpoint, dst: str, stage: str, o: OrbaxWriteOptions) -> None
 
     layout, state, compression, ocdbt, zarr3 = o.layout, o.state, o.compression, o.ocdbt, o.zarr3
     chunk_bytes = o.chunk_bytes
-    # leaf name -> (tensor name, state) or a scalar value
-    flat: dict[str, Any] = {}
     weights: dict[str, tuple[str, str]] = {}
     mu: dict[str, tuple[str, str]] = {}
     nu: dict[str, tuple[str, str]] = {}
@@ -159,12 +157,12 @@ def _write(ckpt: Checkpoint, dst: str, stage: str, o: OrbaxWriteOptions) -> None
                                  "mu": _nest(mu), "nu": _nest(nu)}
         if ckpt.step is not None:
             tree["step"] = np.asarray(int(ckpt.step), np.int64)
-    flat = dict(_flat_leaves(tree))
+    by_path: dict[tuple[str, ...], Any] = dict(_flat_leaves(tree))
 
     ctx = ts.Context({"file_io_concurrency": {"limit": 64}, "cache_pool": {"total_bytes_limit": 0}})
     tree_meta: dict[str, Any] = {}
     array_metas = []
-    for keys, leaf in flat.items():
+    for keys, leaf in by_path.items():
         param = ".".join(keys)
         if isinstance(leaf, tuple):
             tname, sname = leaf

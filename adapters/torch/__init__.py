@@ -25,6 +25,7 @@ Names that differ between checkpoint and model are mapped with rules
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 from collections.abc import Iterable, Mapping, Sequence
@@ -75,6 +76,10 @@ def dtype_name(dtype: Any) -> str:
 
 
 _VIEW_INT = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}
+
+
+def _host_view(t: torch.Tensor) -> np.ndarray:
+    return numpy_view(t.cpu())
 
 
 def numpy_view(t: torch.Tensor) -> np.ndarray:
@@ -153,17 +158,17 @@ def local_boxes(
             from torch.distributed.tensor.placement_types import _StridedShardOffsetMode
 
             size, offs = p._local_shard_size_and_offset(local[d], n, rank, _StridedShardOffsetMode.ALL)
-            picked = list(offs or [])[:size]
+            picked = list(offs or [])[:size]  # type: ignore[arg-type]
         else:
             size, start = Shard.local_shard_size_and_offset(local[d], n, rank)
             picked = list(range(int(start), int(start) + int(size))) if size else []
-        prev = index[d] if index[d] is not None else list(range(local[d]))
-        index[d] = [prev[i] for i in picked]
+        prev = index[d]
+        index[d] = [(prev[i] if prev is not None else i) for i in picked]
         local[d] = int(size)
     if any(s == 0 for s in local):
         return tuple(local), []
     per_dim = [
-        [(0, 0, shape[d])] if index[d] is None else _runs(index[d]) for d in range(len(shape))
+        [(0, 0, shape[d])] if ix is None else _runs(ix) for d, ix in enumerate(index)
     ]
     pairs: list[tuple[Box, Box]] = []
 
@@ -281,7 +286,7 @@ def load(
         tensor = _tensor(ckpt, name)
         if state is not None and state not in tensor.states and not isinstance(placements, Mapping):
             continue
-        pl = list(_placements_for(placements, name))
+        pl = list(_placements_for(placements, name) or ())
         local = read_local(ckpt, tensor, state, device_mesh, pl, dtype)
         if device.type != "cpu":
             local = local.to(device)
@@ -495,7 +500,7 @@ def _pieces(name: str, state: str, t: Any, rank: int) -> list[Any]:
         if rank != 0:
             return []
         local = t.detach()
-        return [Piece(name, state, dtype, shape, Box.full(shape), lambda x=local: numpy_view(x.cpu()))]
+        return [Piece(name, state, dtype, shape, Box.full(shape), functools.partial(_host_view, local))]
     if any(isinstance(p, Partial) for p in t.placements):
         t = t.redistribute(t.device_mesh, [Replicate() if isinstance(p, Partial) else p for p in t.placements])
     mesh = t.device_mesh
@@ -579,7 +584,7 @@ def save(
     dist.barrier()
     write_rank(path, pieces, rank, scalars if rank == 0 else None)
     dist.barrier()
-    status = [None]
+    status: list[str | None] = [None]
     if rank == 0:
         try:
             commit_universal(path, world, step, extra, (), {"source": "torch", "world_size": world},

@@ -159,7 +159,7 @@ def save_torch(obj: Any, path: str) -> int:
                 arr = arr.copy(order="C")
             if tuple(arr.shape) != t.dims():
                 raise FormatError(f"{path}: tensor {i} has shape {arr.shape}, expected {t.dims()}")
-            data = memoryview(arr.reshape(-1).view(np.uint8)) if arr.size else b""
+            data = memoryview(arr.reshape(-1).view(np.uint8)) if arr.size else b""  # type: ignore[arg-type]
             _record(zf, raw, f"{prefix}/data/{i}", data)
             nbytes += arr.nbytes
         _record(zf, raw, f"{prefix}/version", b"3\n")

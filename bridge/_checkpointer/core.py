@@ -419,7 +419,7 @@ class Checkpointer:
                 free = next((b for b in idle if b.ready.is_set()), idle[0] if idle else None)
                 queued = [j for j in self._pending if not j.flushing and not j.superseded]
                 action = admit(self.policy, free is not None, bool(queued))
-                if action == "take":
+                if action == "take" and free is not None:
                     free.busy.set()
                     free.step = None
                     break
@@ -447,6 +447,7 @@ class Checkpointer:
             log.info("step %d replaced by step %d before its flush started", victim.step, step)
             free = victim.buffers
             free.step = None
+        assert free is not None  # "take" and "replace" both hold a set here
         free.ready.wait()  # a background pre-fault of this set is ending
         waited = time.perf_counter() - t0
         if waited > 0.001:

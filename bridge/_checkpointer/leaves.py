@@ -15,6 +15,7 @@ loaded the first time a value of its framework is saved::
 
 from __future__ import annotations
 
+import functools
 import mmap
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -184,7 +185,7 @@ def _numpy_leaf(name: str, value: np.ndarray) -> Leaf:
     arr = np.asarray(value)
     shape = tuple(arr.shape)
     return Leaf(name, _dtypes.name_of(arr.dtype), shape, Box.full(shape),
-                lambda out, a=arr: np.copyto(out, a), per_process=True)
+                functools.partial(np.copyto, src=arr), per_process=True)
 
 
 def leaves_of(state: Any, capture: Capture = Capture(),

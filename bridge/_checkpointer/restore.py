@@ -82,9 +82,9 @@ def _walk(state: Any, prefix: str, parent: Any, key: Any, objects: list[_Object]
         for k in state._fields:
             yield from _walk(getattr(state, k), _join(prefix, k), None, None, objects)
     elif isinstance(state, (list, tuple)):
-        mutable = state if isinstance(state, list) else None
+        items = state if isinstance(state, list) else None
         for i, v in enumerate(state):
-            yield from _walk(v, _join(prefix, i), mutable, i, objects)
+            yield from _walk(v, _join(prefix, i), items, i, objects)
     elif state is None or isinstance(state, (*_PLAIN, np.ndarray)):
         yield _Slot(prefix, state, parent, key)
     else:

@@ -423,7 +423,7 @@ def rule_from_json(data: Mapping[str, Any]) -> Rule:
     unknown = sorted(set(data) - names - {"rule"})
     if unknown:
         raise FormatError(f"rule {kind}: unknown fields {unknown} (fields: {sorted(names)})")
-    kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in data.items() if k in names}
+    kwargs: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in data.items() if k in names}
     try:
         return cls(**kwargs)
     except TypeError as err:
