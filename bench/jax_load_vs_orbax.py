@@ -14,7 +14,8 @@ runtime warmed by one tiny transfer for every tool); the clock stops once the ar
 * Orbax ``StandardCheckpointer.restore`` of its default (zstd) checkpoint, and of the
   uncompressed one: the fair row, same bytes on disk as ckptbridge's;
 * ckptbridge ``adapters.jax.load`` from its universal directory, and from each Orbax
-  checkpoint in place (TensorStore reads them).
+  checkpoint in place (ckptbridge's own reader: raw chunks read directly, zstd chunks decoded
+  with ``zstandard``; TensorStore only as its fallback).
 
 After the clock every case sums the loaded arrays (``checksum``: the same values loaded).
 """
