@@ -12,14 +12,14 @@ export DS_ACCELERATOR := cpu
 export DS_SKIP_CUDA_CHECK := 1
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: venv maxtext-venv test test-fast test-megatron-lm demo lint bench fuzz clean
+.PHONY: venv maxtext-venv test test-fast test-megatron-lm demo lint bench bench-quick fuzz clean
 
 # constraints.txt pins what CI tests (torch's CPU wheel, deepspeed, megatron-core); pyproject's
 # extras give users ranges.
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c constraints.txt -e '.[dev,torch,jax,deepspeed,megatron,remote]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[dev,torch,jax,deepspeed,megatron,remote,bench]'
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -56,8 +56,17 @@ test-megatron-lm: venv
 fuzz: venv
 	FUZZ_CASES=$${FUZZ_CASES:-20000} $(PY) -m pytest -q tests/test_fuzz.py tests/test_fuzz_adapters.py
 
+# Every harness suite (bench/README.md), then the standalone benchmarks that need only the venv:
+# results -> bench/results/, then the README's tables regenerated from them. The Megatron rows
+# need Megatron-LM's source: bench/megatron_source.sh.
 bench: venv
-	$(PY) bench/bench_core.py
+	$(PY) bench/run.py
+	$(PY) bench/run.py --standalone
+	$(PY) bench/readme.py
+
+# the same at a tiny size (CI smoke; results in bench/out/results-quick, README untouched)
+bench-quick: venv
+	$(PY) bench/run.py --quick
 
 clean:
 	rm -rf $(VENV) .maxtext demo_out bench/out .pytest_cache .ruff_cache

@@ -1,68 +1,117 @@
 #!/usr/bin/env python
-"""ckptbridge vs DeepSpeed's ``ds_to_universal`` on the same real ZeRO checkpoint.
+"""DeepSpeed: ckptbridge vs DeepSpeed's own ``ds_to_universal`` on the same real ZeRO-2 bf16 checkpoint.
 
-Makes (once) a ZeRO-2 bf16 checkpoint with real DeepSpeed on CPU (``tools/ds_train.py``,
-``--d_model 1024 --n_layer 4``: ~50 M parameters, ~0.7 GiB of state: fp32 master +
-exp_avg + exp_avg_sq + bf16 weights), then times, in one run, alternating reps of:
+    python bench/bench_deepspeed_convert.py [--quick | --size 1g | --size 8g]
 
-* ``ds``       ``python -m deepspeed.checkpoint.ds_to_universal --inject_missing_state``
-               (DeepSpeed's defaults: 4 extract / 2 merge worker processes)
-* ``ds_w1``    the same with 1 worker each (no process pool; often faster on 2 cores)
-* ``convert``  ``ckptbridge convert SRC DST`` (our pickle-free universal directory)
-* ``convert3`` ``ckptbridge convert SRC DST --states fp32,exp_avg,exp_avg_sq``: the same
-               content ds_to_universal writes (``convert`` also keeps the bf16 module weights)
-* ``reshard``  ``ckptbridge reshard SRC DST --to deepspeed-universal`` (the very layout
-               ds_to_universal writes, which DeepSpeed resumes from)
-* ``floor``    what no converter can beat here: a Python process that imports numpy and writes
-               as many bytes as ``convert`` wrote with O_DIRECT (16 MiB blocks, 3 in flight) from
-               one warm buffer, fsync'd; ``floor_buf`` the same through the page cache. ``ds`` over
-               the faster of the two is the largest speed-up possible on this disk.
+The checkpoint is made once per size by real DeepSpeed on CPU (``tools/ds_train.py``, 2 gloo
+ranks, ZeRO-2, bf16, one training step; fp32 master + exp_avg + exp_avg_sq + bf16 weights).
+Every case is a command line in a fresh process, timed whole (start-up included) until its
+outputs are fsync'd; each tool's start-up (``--help``) is measured the same way and reported
+and subtracted ("net"), so that the ratio at small sizes is not mostly imports.
 
-Each command runs as a child process; we record wall time (including a final ``sync``),
-peak RSS of the whole process tree (psutil, sampled every 20 ms: DeepSpeed's worker pool
-counts in full) and the largest single process's peak (``getrusage(RUSAGE_CHILDREN)``
-``ru_maxrss`` of a fresh wrapper process). Outputs are deleted between reps. "warm": reps
-back to back with the checkpoint in the page cache; ``--cold`` also drops the page cache
-before each rep (needs root) and waits a few seconds.
-
-    python bench/bench_deepspeed_convert.py                       # makes /tmp/ckptbridge_bench_ds
-    python bench/bench_deepspeed_convert.py --ckpt RUN/ckpt --reps 3 --json out.json
-    python bench/bench_deepspeed_convert.py --out /dev/shm/cb   # outputs in memory: no disk floor
+* ``ds_to_universal`` at its defaults (4 extract / 2 merge workers) and swept over worker
+  counts: its fastest setting here is the fair comparison;
+* ``ckptbridge convert`` (all four states), ``--states fp32,exp_avg,exp_avg_sq`` (the
+  content ``ds_to_universal`` writes: the reference) and ``reshard --to deepspeed-universal``
+  (DeepSpeed's own universal layout, which DeepSpeed resumes from);
+* floors: a process that imports numpy and writes as many bytes as ``convert`` does, with
+  ``O_DIRECT`` and through the page cache: no converter can beat the faster one here.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import resource
-import shutil
-import statistics
-import subprocess
 import sys
-import threading
-import time
 
-from _common import drop_caches
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _harness import Case, Size, Suite, main
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-sys.path.insert(0, os.path.join(ROOT, "tools"))
+CLI = "import sys; from ckptbridge._cli import main; sys.exit(main(sys.argv[1:]))"  # = the `ckptbridge` script
+STATES3 = "fp32,exp_avg,exp_avg_sq"
 
 
-def _env() -> dict[str, str]:
-    e = dict(os.environ)
-    e.update({"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": e.get("OMP_NUM_THREADS", "1")})
-    return e
+def prepare(ctx) -> None:
+    import json
 
-
-def make_checkpoint(out: str) -> str:
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
     import make_deepspeed_ckpt as tools
 
-    os.makedirs(out, exist_ok=True)
-    tools.launch(2, ["--stage", "2", "--dtype", "bf16", "--steps", "2", "--out", out,
-                     "--d_model", "1024", "--n_layer", "4"], os.path.join(out, "train.log"), timeout=3600)
-    return os.path.join(out, "ckpt")
+    import ckptbridge
+
+    run = ctx.input("run")
+    os.makedirs(run)
+    tools.launch(2, ["--stage", "2", "--dtype", "bf16", "--steps", "1", "--out", run,
+                     "--d_model", str(ctx.param("d_model")), "--n_layer", str(ctx.param("n_layer"))],
+                 ctx.input("train.log"), timeout=4 * 3600)
+    ck = ckptbridge.open(os.path.join(run, "ckpt"))
+    nbytes = sum(st.nbytes for t in ck.tensors.values() for st in t.states.values())
+    with open(os.path.join(run, "ckpt", "latest")) as fh:
+        tag = fh.read().strip()
+    tag_dir = os.path.join(run, "ckpt", tag)
+    files = sum(os.path.getsize(os.path.join(tag_dir, f)) for f in os.listdir(tag_dir))
+    with open(ctx.input("facts.json"), "w") as fh:
+        json.dump({"tag": tag, "universal_bytes": nbytes, "rank_file_bytes": files,
+                   "params": sum(t.states["fp32"].nbytes // 4 for t in ck.tensors.values() if "fp32" in t.states)},
+                  fh)
+    os.sync()
+
+
+def _facts(ctx) -> dict:
+    import json
+
+    with open(ctx.input("facts.json")) as fh:
+        return json.load(fh)
+
+
+def _ckpt(ctx) -> str:
+    return ctx.input("run", "ckpt")
+
+
+def _tag_dir(ctx) -> str:
+    return os.path.join(_ckpt(ctx), _facts(ctx)["tag"])
+
+
+def _ds(ctx, extract: int, merge: int) -> list[str]:
+    argv = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", _tag_dir(ctx),
+            "--output_folder", ctx.out("ds_universal"), "--inject_missing_state"]
+    if (extract, merge) != (4, 2):  # its defaults
+        argv += ["--num_extract_workers", str(extract), "--num_merge_workers", str(merge)]
+    return argv
+
+
+def ds_default(ctx):
+    return _ds(ctx, 4, 2)
+
+
+def ds_w1(ctx):
+    return _ds(ctx, 1, 1)
+
+
+def ds_w2_1(ctx):
+    return _ds(ctx, 2, 1)
+
+
+def ds_w2_2(ctx):
+    return _ds(ctx, 2, 2)
+
+
+def ds_w8_4(ctx):
+    return _ds(ctx, 8, 4)
+
+
+def cb_convert(ctx):
+    return [sys.executable, "-c", CLI, "convert", _ckpt(ctx), ctx.out("universal")]
+
+
+def cb_convert3(ctx):
+    return [*cb_convert(ctx), "--states", STATES3]
+
+
+def cb_reshard(ctx):
+    return [sys.executable, "-c", CLI, "reshard", _ckpt(ctx), ctx.out("ds_universal"), "--to", "deepspeed-universal"]
 
 
 FLOOR = r"""
@@ -70,10 +119,11 @@ import mmap, os, sys, threading
 import numpy  # noqa: F401  (every converter here imports it)
 path, nbytes, mode, block = sys.argv[1], int(sys.argv[2]), sys.argv[3], 16 << 20
 buf = mmap.mmap(-1, block); buf.write(os.urandom(block))
+flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
 try:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | (os.O_DIRECT if mode == "direct" else 0), 0o644)
+    fd = os.open(path, flags | (os.O_DIRECT if mode == "direct" else 0), 0o644)
 except OSError:  # tmpfs: no O_DIRECT
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    fd = os.open(path, flags, 0o644)
 offs = list(range(0, nbytes, block))
 def run(k):
     for o in offs[k::3]:
@@ -84,153 +134,75 @@ os.ftruncate(fd, nbytes); os.fsync(fd); os.close(fd)
 """
 
 
-def _universal_bytes(tag_dir: str) -> int:
-    """Bytes of tensor data ``ckptbridge convert`` writes for this checkpoint (all states)."""
-    import ckptbridge
-
-    ck = ckptbridge.open(os.path.dirname(tag_dir))
-    return sum(st.nbytes for t in ck.tensors.values() for st in t.states.values())
+def floor_direct(ctx):
+    return [sys.executable, "-c", FLOOR, ctx.out("floor.bin"), str(_facts(ctx)["universal_bytes"]), "direct"]
 
 
-def state_bytes(tag_dir: str) -> int:
-    return sum(os.path.getsize(os.path.join(tag_dir, f)) for f in os.listdir(tag_dir) if f.endswith(".pt"))
+def floor_buffered(ctx):
+    return [sys.executable, "-c", FLOOR, ctx.out("floor.bin"), str(_facts(ctx)["universal_bytes"]), "buffered"]
 
 
-def measure(cmd: list[str]) -> dict[str, float]:
-    """Run ``cmd`` in a fresh wrapper; wall seconds, peak tree RSS, peak single-process RSS."""
-    import psutil
-
-    wrapper = [sys.executable, __file__, "--child", "--", *cmd]
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(wrapper, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    peak = 0
-    stop = threading.Event()
-
-    def sample() -> None:
-        nonlocal peak
-        try:
-            root = psutil.Process(proc.pid)
-        except psutil.NoSuchProcess:
-            return
-        while not stop.is_set():
-            total = 0
-            try:
-                for p in [root, *root.children(recursive=True)]:
-                    try:
-                        total += p.memory_info().rss
-                    except psutil.NoSuchProcess:
-                        pass
-            except psutil.NoSuchProcess:
-                break
-            peak = max(peak, total)
-            time.sleep(0.02)
-
-    th = threading.Thread(target=sample, daemon=True)
-    th.start()
-    out, err = proc.communicate()
-    wall = time.perf_counter() - t0
-    stop.set()
-    th.join()
-    if proc.returncode:
-        raise RuntimeError(f"{' '.join(cmd[:4])} failed:\n{err[-3000:]}")
-    child = json.loads(out.strip().splitlines()[-1])
-    return {"wall_s": wall, "peak_tree_rss_mb": peak / 2**20, "peak_proc_rss_mb": child["maxrss_kb"] / 1024}
+def startup_ds(ctx):
+    return [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--help"]
 
 
-def child_main(cmd: list[str]) -> None:
-    """Wrapper process: run cmd, sync, print the largest descendant's ru_maxrss."""
-    res = subprocess.run(cmd, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    os.sync()
-    if res.returncode:
-        sys.stderr.write(res.stderr)
-        raise SystemExit(res.returncode)
-    print(json.dumps({"maxrss_kb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss}))
+def startup_cb(ctx):
+    return [sys.executable, "-c", CLI, "--help"]
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--ckpt", default=None, help="DeepSpeed checkpoint root (default: make one)")
-    ap.add_argument("--workdir", default="/tmp/ckptbridge_bench_ds")
-    ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--out", default=None, help="where outputs go (default WORKDIR/out); e.g. /dev/shm/x "
-                    "to take the disk out of the comparison")
-    ap.add_argument("--cold", action="store_true")
-    ap.add_argument("--only", default="ds,ds_w1,convert,convert3,reshard,floor,floor_buf")
-    ap.add_argument("--json", default=None)
-    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("cmd", nargs="*", help=argparse.SUPPRESS)
-    a = ap.parse_args()
-    if a.child:
-        return child_main(a.cmd)
+def startup_numpy(ctx):
+    return [sys.executable, "-c", "import numpy"]
 
-    ckpt = a.ckpt or os.path.join(a.workdir, "run", "ckpt")
-    if not os.path.isdir(ckpt):
-        t0 = time.time()
-        make_checkpoint(os.path.join(a.workdir, "run"))
-        print(f"made {ckpt} with DeepSpeed in {time.time() - t0:.0f}s")
-    with open(os.path.join(ckpt, "latest")) as fh:
-        tag = fh.read().strip()
-    tag_dir = os.path.join(ckpt, tag)
-    nbytes = state_bytes(tag_dir)
-    out = a.out or os.path.join(a.workdir, "out")
-    py = sys.executable
-    cli = [py, "-c", "import sys; from ckptbridge._cli import main; sys.exit(main(sys.argv[1:]))"]
-    cmds = {
-        "ds": [py, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", tag_dir,
-               "--output_folder", os.path.join(out, tag + "_universal"), "--inject_missing_state"],
-        "ds_w1": [py, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", tag_dir,
-                  "--output_folder", os.path.join(out, tag + "_universal"), "--inject_missing_state",
-                  "--num_extract_workers", "1", "--num_merge_workers", "1"],
-        "convert": [*cli, "convert", ckpt, os.path.join(out, "universal")],
-        "convert3": [*cli, "convert", ckpt, os.path.join(out, "universal"), "--states", "fp32,exp_avg,exp_avg_sq"],
-        "reshard": [*cli, "reshard", ckpt, os.path.join(out, "ds_universal"), "--to", "deepspeed-universal"],
-        "floor": [py, "-c", FLOOR, os.path.join(out, "floor.bin"), str(_universal_bytes(tag_dir)), "direct"],
-        "floor_buf": [py, "-c", FLOOR, os.path.join(out, "floor.bin"), str(_universal_bytes(tag_dir)), "buffered"],
-    }
-    names = [n for n in a.only.split(",") if n in cmds]
-    results: dict[str, list[dict[str, float]]] = {n: [] for n in names}
-    cold_ok = None
-    for rep in range(a.reps):
-        for n in names:
-            shutil.rmtree(out, ignore_errors=True)
-            os.makedirs(out)
-            if a.cold:
-                cold_ok = drop_caches()
-            r = measure(cmds[n])
-            results[n].append(r)
-            print(f"rep {rep} {n:8s} {r['wall_s']:7.2f}s  tree peak {r['peak_tree_rss_mb']:8.0f} MB  "
-                  f"largest proc {r['peak_proc_rss_mb']:8.0f} MB", flush=True)
-    shutil.rmtree(out, ignore_errors=True)
 
-    med = {n: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for n, rs in results.items()}
-    print(f"\ncheckpoint: {tag_dir}, {nbytes / 2**30:.2f} GiB of rank files, "
-          f"{'cold' if a.cold else 'warm'} page cache{'' if cold_ok in (None, True) else ' (drop_caches refused)'}, "
-          f"medians of {a.reps}")
-    print(f"{'tool':10s} {'wall s':>8s} {'tree peak MB':>13s} {'largest proc MB':>16s}")
-    for n, m in med.items():
-        print(f"{n:10s} {m['wall_s']:8.2f} {m['peak_tree_rss_mb']:13.0f} {m['peak_proc_rss_mb']:16.0f}")
-    floors = [med[f]["wall_s"] for f in ("floor", "floor_buf") if f in med]
-    if floors:
-        floor = min(floors)
-        for theirs in ("ds", "ds_w1"):
-            if theirs in med:
-                print(f"largest speed-up possible over {theirs} on this disk: "
-                      f"{med[theirs]['wall_s'] / floor:.1f}x (the faster floor row)")
-        for ours in ("convert", "convert3", "reshard"):
-            if ours in med:
-                print(f"{ours}: {med[ours]['wall_s'] / floor:.2f}x the floor's time")
-    for ours in ("convert", "convert3", "reshard"):
-        for theirs in ("ds", "ds_w1"):
-            if ours in med and theirs in med:
-                o, t = med[ours], med[theirs]
-                print(f"{ours} vs {theirs}: {t['wall_s'] / o['wall_s']:.1f}x faster, "
-                      f"peak RSS (tree) {o['peak_tree_rss_mb'] / t['peak_tree_rss_mb']:.2f}x, "
-                      f"(largest proc) {o['peak_proc_rss_mb'] / t['peak_proc_rss_mb']:.2f}x of DeepSpeed's")
-    if a.json:
-        with open(a.json, "w") as fh:
-            json.dump({"checkpoint": tag_dir, "state_bytes": nbytes, "cold": a.cold, "reps": results,
-                       "median": med}, fh, indent=1)
+G = "convert a ZeRO-2 bf16 checkpoint (2 ranks) to a universal checkpoint"
+DS = "deepspeed ds_to_universal"
+
+
+def _ds_mem(extract: int):
+    # measured: ~0.95 GiB of tree RSS per GiB of rank files with 1 worker, ~2.4 with the default 4
+    return lambda g: 0.5 + g * (0.6 + 0.45 * extract)
+
+
+SUITE = Suite(
+    name="deepspeed", module="bench_deepspeed_convert",
+    title="DeepSpeed: convert a real ZeRO-2 bf16 checkpoint (ckptbridge vs ds_to_universal)",
+    description=__doc__.split("\n\n", 2)[2].strip(),
+    prepare="prepare",
+    # DeepSpeed itself makes the checkpoint: each rank holds the fp32 model, its bf16 copy and its
+    # half of the fp32 master + Adam moments, ~16 bytes a parameter per rank at peak
+    prepare_mem_gib=lambda g: 2.5 * g + 2,
+    disk_gib=lambda g: 2.5 * g,
+    sizes={
+        "quick": Size("quick", 0.01, reps=1, params={"d_model": 128, "n_layer": 2}),
+        "1g": Size("1g", 1.0, reps=3, params={"d_model": 1024, "n_layer": 6}),      # ~76M params, ~1.0 GiB
+        "8g": Size("8g", 8.0, reps=2, params={"d_model": 2048, "n_layer": 12}),     # ~604M params, ~7.9 GiB
+    },
+    cases=(
+        Case("ds/default", G, DS, "default (4 extract / 2 merge workers)", cmd="ds_default", startup="deepspeed",
+             mem_gib=_ds_mem(4)),
+        Case("ds/w1-1", G, DS, "workers 1 / 1", cmd="ds_w1", startup="deepspeed", mem_gib=_ds_mem(1)),
+        Case("ds/w2-1", G, DS, "workers 2 / 1", cmd="ds_w2_1", startup="deepspeed", mem_gib=_ds_mem(2)),
+        Case("ds/w2-2", G, DS, "workers 2 / 2", cmd="ds_w2_2", startup="deepspeed", mem_gib=_ds_mem(2)),
+        Case("ds/w8-4", G, DS, "workers 8 / 4", cmd="ds_w8_4", startup="deepspeed", mem_gib=_ds_mem(8)),
+        Case("cb/convert3", G, "ckptbridge", f"convert --states {STATES3} (what ds_to_universal writes)", "ours",
+             cmd="cb_convert3", startup="ckptbridge", ref=True, mem_gib=0.6),
+        Case("cb/convert", G, "ckptbridge", "convert (all four states)", "ours", cmd="cb_convert",
+             startup="ckptbridge", mem_gib=0.6),
+        Case("cb/reshard", G, "ckptbridge", "reshard --to deepspeed-universal (DeepSpeed's layout)", "ours",
+             cmd="cb_reshard", startup="ckptbridge", mem_gib=0.6),
+        Case("floor/direct", G, "floor", "numpy process writing the same bytes, O_DIRECT", "floor",
+             cmd="floor_direct", startup="numpy", mem_gib=0.2),
+        Case("floor/buffered", G, "floor", "the same through the page cache", "floor", cmd="floor_buffered",
+             startup="numpy", mem_gib=0.2),
+    ),
+    startups={
+        "deepspeed": Case("startup/deepspeed", "start-up", DS, "ds_to_universal --help", cmd="startup_ds"),
+        "ckptbridge": Case("startup/ckptbridge", "start-up", "ckptbridge", "ckptbridge --help", cmd="startup_cb"),
+        "numpy": Case("startup/numpy", "start-up", "numpy", "python -c 'import numpy'", cmd="startup_numpy"),
+    },
+    env={"DS_ACCELERATOR": "cpu", "DS_SKIP_SHM_OP": "1", "DS_BUILD_OPS": "0", "DS_SKIP_CUDA_CHECK": "1"},
+)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main([SUITE]))

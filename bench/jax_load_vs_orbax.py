@@ -1,49 +1,36 @@
-"""Load a sharded state onto a *changed* sharding: ckptbridge vs Orbax restore (8 fake CPU devices).
+#!/usr/bin/env python
+"""JAX: load a sharded state onto a changed sharding; ckptbridge vs Orbax restore (8 CPU devices).
 
-The same data (standard normal fp32, ``--mib`` in all, in ``--tensors`` tensors) is saved
-from a 2x4 mesh with ``P("x", "y")`` twice: by Orbax ``StandardCheckpointer`` (its defaults,
-zstd) and by ``ckptbridge.adapters.jax.save`` (universal). Each is then loaded onto a 4x2 mesh
-with ``P(None, ("a", "b"))``, each in a fresh subprocess (peak RSS per mode):
+    python bench/jax_load_vs_orbax.py [--quick | --size 1g | --size 8g]
 
-* ``orbax``       Orbax ``StandardCheckpointer.restore`` with the new shardings;
-* ``cb-universal`` ``ckptbridge.adapters.jax.load`` from the universal directory;
-* ``cb-orbax``     ``ckptbridge.adapters.jax.load`` from the Orbax checkpoint (TensorStore).
+The same standard-normal fp32 state (16 tensors of ``rows x 1024``, ``gib`` in all) is saved
+once per size from a 2x4 mesh with ``P("x", "y")`` three times: by Orbax at its defaults
+(``StandardCheckpointer``: OCDBT, zstd compression), by Orbax without compression
+(``PyTreeCheckpointHandler(use_compression=False)``) and by ``ckptbridge.adapters.jax.save``
+(universal, uncompressed). Each case loads onto a 4x2 mesh with ``P(None, ("a", "b"))`` in a
+fresh process; imports, meshes and the target shardings are made before the clock (JAX's
+runtime warmed by one tiny transfer for every tool); the clock stops once the arrays are ready.
 
-Each rep of each mode is a fresh process (modes interleaved rep by rep). Reports seconds
-(median of ``--reps``, warm page cache; the first rep also pays for jax's start-up),
-bytes the process read (``/proc/self/io`` rchar; mmap page faults are not counted there,
-see ckptbridge's own count) and peak RSS::
+* Orbax ``StandardCheckpointer.restore`` of its default (zstd) checkpoint, and of the
+  uncompressed one: the fair row, same bytes on disk as ckptbridge's;
+* ckptbridge ``adapters.jax.load`` from its universal directory, and from each Orbax
+  checkpoint in place (ckptbridge's own reader: raw chunks read directly, zstd chunks decoded
+  with ``zstandard``; TensorStore only as its fallback).
 
-    OMP_NUM_THREADS=1 .venv/bin/python bench/jax_load_vs_orbax.py --mib 1024 --reps 3
+After the clock every case sums the loaded arrays (``checksum``: the same values loaded).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import shutil
-import statistics
-import subprocess
 import sys
-import tempfile
-import time
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from _harness import Case, Column, Size, Suite, main, warm
 
-MODES = ("orbax", "cb-universal", "cb-orbax")
-
-
-def _rchar() -> int:
-    with open("/proc/self/io") as fh:
-        return int(next(line for line in fh if line.startswith("rchar")).split()[1])
-
-
-def _hwm_mib() -> float:
-    """Peak RSS of this process image (VmHWM; ru_maxrss would include the parent's peak before exec)."""
-    with open("/proc/self/status") as fh:
-        return int(next(line for line in fh if line.startswith("VmHWM")).split()[1]) / 1024
+N = 16
+COLS = 1024
 
 
 def _meshes():
@@ -55,7 +42,11 @@ def _meshes():
     return Mesh(devs.reshape(2, 4), ("x", "y")), Mesh(devs.reshape(4, 2), ("a", "b"))
 
 
-def make(root: str, mib: int, tensors: int) -> None:
+def _rows(gib: float) -> int:
+    return max(8, int(gib * (1 << 30) / N / 4 / COLS) // 8 * 8)
+
+
+def prepare(ctx) -> None:
     import jax
     import numpy as np
     import orbax.checkpoint as ocp
@@ -65,95 +56,123 @@ def make(root: str, mib: int, tensors: int) -> None:
     from ckptbridge.adapters import jax as cbjax
 
     src, _ = _meshes()
-    rows = max(8, (mib << 20) // tensors // 4 // 1024 // 8 * 8)
     rng = np.random.default_rng(0)
-    tree = {f"w{i}": jax.device_put(rng.standard_normal((rows, 1024), dtype=np.float32),
-                                    NamedSharding(src, P("x", "y"))) for i in range(tensors)}
+    tree = {f"w{i}": jax.device_put(rng.standard_normal((_rows(ctx.gib), COLS), dtype=np.float32),
+                                    NamedSharding(src, P("x", "y"))) for i in range(N)}
     ck = ocp.StandardCheckpointer()
-    ck.save(os.path.join(root, "orbax"), tree)
+    ck.save(ctx.input("orbax"), tree)
     ck.wait_until_finished()
-    cbjax.save(os.path.join(root, "universal"), tree)
-    with open(os.path.join(root, "shapes.json"), "w") as fh:
-        json.dump({k: list(v.shape) for k, v in tree.items()}, fh)
+    raw = ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_compression=False))
+    raw.save(ctx.input("orbax_nozstd"), args=ocp.args.PyTreeSave(tree))
+    cbjax.save(ctx.input("universal"), tree)
+    os.sync()
 
 
-def run_mode(root: str, mode: str, reps: int) -> dict:
+def _setup(ctx, tool: str):
     import jax
     import numpy as np
-    import orbax.checkpoint as ocp
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    import ckptbridge as cbopen
+    if tool == "ckptbridge":
+        warm.ckptbridge()
+    else:
+        import orbax.checkpoint  # noqa: F401
+    _, dst = _meshes()
+    sh = NamedSharding(dst, P(None, ("a", "b")))
+    jax.block_until_ready(jax.device_put(np.ones((8, 8), np.float32), sh))  # the runtime, warmed
+    return {f"w{i}": jax.ShapeDtypeStruct((_rows(ctx.gib), COLS), np.float32, sharding=sh) for i in range(N)}
+
+
+def _checksum(ctx, out) -> None:
+    import jax
+    import numpy as np
+
+    ctx.metrics["checksum"] = float(sum(np.asarray(jax.device_get(v), dtype=np.float64).sum() for v in out.values()))
+
+
+def _orbax(ctx, which: str) -> None:
+    import jax
+    import orbax.checkpoint as ocp
+
+    target = _setup(ctx, "orbax")
+    with ctx.region():
+        out = ocp.StandardCheckpointer().restore(ctx.input(which), target)
+        jax.block_until_ready(out)
+    _checksum(ctx, out)
+
+
+def orbax_default(ctx):
+    _orbax(ctx, "orbax")
+
+
+def orbax_nozstd(ctx):
+    _orbax(ctx, "orbax_nozstd")
+
+
+def _cb(ctx, which: str) -> None:
+    import jax
+
+    import ckptbridge
     from ckptbridge.adapters import jax as cbjax
 
-    _, dst = _meshes()
-    with open(os.path.join(root, "shapes.json")) as fh:
-        shapes = json.load(fh)
-    sh = NamedSharding(dst, P(None, ("a", "b")))
-    target = {k: jax.ShapeDtypeStruct(tuple(s), np.float32, sharding=sh) for k, s in shapes.items()}
-    times, rchars, counted = [], [], []
-    for _ in range(reps):
-        r0, t0 = _rchar(), time.perf_counter()
-        if mode == "orbax":
-            out = ocp.StandardCheckpointer().restore(os.path.join(root, "orbax"), target)
-            counted.append(None)
-        else:
-            ckpt = cbopen.open(os.path.join(root, "universal" if mode == "cb-universal" else "orbax"))
-            out = cbjax.load(ckpt, target)
-            counted.append(ckpt.stats.bytes_read)
-            ckpt.close()
+    target = _setup(ctx, "ckptbridge")
+    with ctx.region(), ckptbridge.open(ctx.input(which)) as ck:
+        out = cbjax.load(ck, target)
         jax.block_until_ready(out)
-        times.append(time.perf_counter() - t0)
-        rchars.append(_rchar() - r0)
-        del out
-    return {"mode": mode, "seconds": statistics.median(times), "all_seconds": times,
-            "rchar": statistics.median(rchars), "bytes_read_counted": counted[-1],
-            "peak_rss_mib": _hwm_mib()}
+    _checksum(ctx, out)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--mib", type=int, default=1024)
-    ap.add_argument("--tensors", type=int, default=16)
-    ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--mode")
-    ap.add_argument("--root")
-    args = ap.parse_args()
-    if args.mode:
-        print(json.dumps(run_mode(args.root, args.mode, args.reps)))
-        return
-    root = tempfile.mkdtemp(prefix="cb-bench-jax-")
-    try:
-        t0 = time.perf_counter()
-        subprocess.run([sys.executable, "-c", "import sys; sys.path.insert(0, sys.argv[1]); "
-                        "import jax_load_vs_orbax as b; b.make(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))",
-                        os.path.dirname(os.path.abspath(__file__)), root, str(args.mib), str(args.tensors)],
-                       check=True)
-        print(f"# made {args.mib} MiB in {args.tensors} tensors in {time.perf_counter() - t0:.1f}s", flush=True)
-        runs: dict[str, list[dict]] = {m: [] for m in MODES}
-        for _ in range(args.reps):  # modes interleaved rep by rep: drift on a shared machine hits all alike
-            for mode in MODES:
-                out = subprocess.run([sys.executable, __file__, "--mode", mode, "--root", root, "--reps", "1"],
-                                     check=True, capture_output=True, text=True).stdout
-                runs[mode].append(json.loads(out.strip().splitlines()[-1]))
-        results = {}
-        for mode, rs in runs.items():
-            results[mode] = {
-                "mode": mode, "seconds": statistics.median(r["seconds"] for r in rs),
-                "all_seconds": [round(r["seconds"], 3) for r in rs],
-                "rchar": statistics.median(r["rchar"] for r in rs),
-                "bytes_read_counted": rs[-1]["bytes_read_counted"],
-                "peak_rss_mib": max(r["peak_rss_mib"] for r in rs),
-            }
-            print(json.dumps(results[mode]), flush=True)
-        base = results["orbax"]["seconds"]
-        for mode in ("cb-universal", "cb-orbax"):
-            print(f"# {mode}: {base / results[mode]['seconds']:.2f}x the speed of Orbax restore "
-                  f"(peak rss {results[mode]['peak_rss_mib']:.0f} vs {results['orbax']['peak_rss_mib']:.0f} MiB)")
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
+def cb_universal(ctx):
+    _cb(ctx, "universal")
+
+
+def cb_orbax(ctx):
+    _cb(ctx, "orbax")
+
+
+def cb_orbax_nozstd(ctx):
+    _cb(ctx, "orbax_nozstd")
+
+
+def startup_orbax(ctx):
+    return [sys.executable, "-c", "import jax, orbax.checkpoint; jax.devices()"]
+
+
+def startup_cb(ctx):
+    return [sys.executable, "-c", "import jax, ckptbridge.adapters.jax; jax.devices()"]
+
+
+G = "load onto a changed sharding (2x4 P(x, y) -> 4x2 P(None, (a, b)))"
+SUITE = Suite(
+    name="jax", module="jax_load_vs_orbax",
+    title="JAX: load onto a changed sharding (ckptbridge vs Orbax restore)",
+    description=__doc__.split("\n\n", 2)[2].strip(),
+    prepare="prepare",
+    prepare_mem_gib=lambda g: 2.5 * g + 1,
+    disk_gib=lambda g: 3.2 * g,
+    sizes={"quick": Size("quick", 1 / 32, reps=1), "1g": Size("1g", 1.0, reps=3), "8g": Size("8g", 8.0, reps=2)},
+    cases=(
+        Case("orbax/default", G, "Orbax", "default (StandardCheckpointer, zstd checkpoint)", fn="orbax_default",
+             startup="orbax", mem_gib=lambda g: 2.5 * g + 1),
+        Case("orbax/nozstd", G, "Orbax", "fastest fair: checkpoint saved with use_compression=False",
+             fn="orbax_nozstd", startup="orbax", mem_gib=lambda g: 2.5 * g + 1),
+        Case("cb/universal", G, "ckptbridge", "adapters.jax.load, universal dir", "ours", fn="cb_universal",
+             startup="ckptbridge", ref=True, mem_gib=lambda g: 1.2 * g + 1),
+        Case("cb/orbax-nozstd", G, "ckptbridge", "adapters.jax.load, the uncompressed Orbax checkpoint in place",
+             "ours", fn="cb_orbax_nozstd", startup="ckptbridge", mem_gib=lambda g: 1.5 * g + 1),
+        Case("cb/orbax", G, "ckptbridge", "adapters.jax.load, the zstd Orbax checkpoint in place", "ours",
+             fn="cb_orbax", startup="ckptbridge", mem_gib=lambda g: 1.5 * g + 1),
+    ),
+    startups={
+        "orbax": Case("startup/orbax", "start-up", "Orbax", "import jax, orbax.checkpoint", cmd="startup_orbax"),
+        "ckptbridge": Case("startup/ckptbridge", "start-up", "ckptbridge", "import jax, ckptbridge.adapters.jax",
+                           cmd="startup_cb"),
+    },
+    columns=(Column("checksum", "sum of the values loaded", "{:.6g}"),),
+    env={"XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"},
+)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main([SUITE]))

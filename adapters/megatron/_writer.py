@@ -16,7 +16,8 @@ with ``--no-load-rng``.
 
 Options: ``tp``, ``pp`` (default: the source's), ``dp`` (recorded in the args),
 ``distributed_optimizer`` (default: as the source; ``True`` writes
-``distrib_optim.pt``), ``iteration``. The target has no virtual pipeline and
+``distrib_optim.pt``), ``iteration``, ``optimizer`` (``false``: the model weights only, as
+Megatron-LM's ``tools/checkpoint/convert.py`` writes them). The target has no virtual pipeline and
 uniform stages. The fp16 loss-scaler state is not carried (Megatron restarts it).
 Vocabulary rows beyond the tokenizer's size are taken from the source's padding
 rows where it is a Megatron checkpoint (they are trained rows; Megatron's softmax
@@ -213,6 +214,8 @@ class MegatronWriteOptions(WriteOptions):
     ``distributed_optimizer``: write ``distrib_optim.pt`` (default: as the source).
     ``iteration``: the iteration number (default: the source's step).
     ``args``: a JSON file of Megatron args for a source that has none (an HF model), or overrides.
+    ``optimizer``: ``False`` writes the model weights only (no ``optimizer`` entry, no
+    ``distrib_optim.pt``), as Megatron-LM's ``tools/checkpoint/convert.py`` writes them.
     """
 
     tp: int | None = None
@@ -221,6 +224,7 @@ class MegatronWriteOptions(WriteOptions):
     distributed_optimizer: bool | None = None
     iteration: int | None = None
     args: str | None = None
+    optimizer: bool = True
 
     def validate(self) -> None:
         for name in ("tp", "pp", "dp"):
@@ -235,12 +239,13 @@ def write(ckpt: Any, dst: str, options: MegatronWriteOptions | None = None) -> s
     o = options or MegatronWriteOptions()
     dst = os.path.abspath(os.fspath(dst))
     with staged_dir(dst, overwrite=o.overwrite) as stage:
-        _write(ckpt, stage, o.tp, o.pp, o.dp, o.distributed_optimizer, o.iteration, o.args)
+        _write(ckpt, stage, o.tp, o.pp, o.dp, o.distributed_optimizer, o.iteration, o.args, o.optimizer)
     return dst
 
 
 def _write(ckpt: Any, tmp: str, tp: int | None, pp: int | None, dp: int | None,
-           distributed_optimizer: bool | None, iteration: int | None, args_file: str | None) -> None:
+           distributed_optimizer: bool | None, iteration: int | None, args_file: str | None,
+           optimizer: bool = True) -> None:
     import torch
 
     info = _source_info(ckpt, args_file)
@@ -271,7 +276,7 @@ def _write(ckpt: Any, tmp: str, tp: int | None, pp: int | None, dp: int | None,
         shapes[n] = (padded, *shape[1:]) if n in _VOCAB else shape
     weight_dtype = "bfloat16" if cfg.bf16 else "float16" if cfg.fp16 else "float32"
     mixed = cfg.bf16 or cfg.fp16
-    have_opt = all(src.has_state(n, "exp_avg") and src.has_state(n, "exp_avg_sq") for n in names)
+    have_opt = optimizer and all(src.has_state(n, "exp_avg") and src.has_state(n, "exp_avg_sq") for n in names)
     groups_src = [dict(g) for g in (info.get("param_groups") or [])] or _default_groups(args)
     for g in groups_src:
         g.pop("step", None)

@@ -1,0 +1,116 @@
+#!/usr/bin/env python
+"""Regenerate the README's benchmark tables from the result files (never typed by hand).
+
+    python bench/readme.py [--results bench/results] [--readme README.md] [--check]
+
+Every harness result ``bench/results/<suite>-<size>.json`` (schema ``ckptbridge-bench/1``) is
+rendered (``_harness.report.readme_block``) between the README's marker comments
+``<!-- bench:<suite>-<size> -->`` and ``<!-- /bench:<suite>-<size> -->``. A standalone
+benchmark's result ``bench/results/<stem>.json`` (its own format: bench_async.py,
+bench_orbax_inplace.py, bench_ds_resume.py, bench_big_state.py, bench_recipes.py ...) goes
+between ``<!-- bench:<stem> -->`` markers as the Markdown table its script wrote beside it
+(``<stem>.md``), or, where the script writes none, as a pointer to the JSON: never as numbers
+typed or re-derived here. A result file without markers, or markers without a result file,
+is reported (the README then says the file is missing). ``--check`` changes nothing and
+exits 1 if the README is stale.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import re
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _harness.report import readme_block, validate
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+MARK = re.compile(r"(<!-- bench:(?P<key>[\w.-]+) -->\n)(?P<body>.*?)(<!-- /bench:(?P=key) -->)", re.S)
+
+
+def render(text: str, results: dict[str, dict]) -> tuple[str, list[str], list[str]]:
+    """``text`` with every marked block replaced; (new text, keys without results, results without markers)."""
+    seen: set[str] = set()
+    missing: list[str] = []
+
+    def sub(m: re.Match) -> str:
+        key = m.group("key")
+        seen.add(key)
+        doc = results.get(key)
+        if doc is None:
+            missing.append(key)
+            body = f"*No result file `bench/results/{key}.json` yet (bench/README.md: the command that writes it).*\n"
+        elif STANDALONE in doc:
+            body = standalone_block(key, doc[STANDALONE])
+        else:
+            body = readme_block(doc)
+        return m.group(1) + body + m.group(4)
+
+    out = MARK.sub(sub, text)
+    return out, missing, sorted(set(results) - seen)
+
+
+STANDALONE = "_standalone_md"  # key of a standalone result: the text of its .md (or None)
+
+
+def standalone_block(key: str, md: str | None) -> str:
+    """A standalone benchmark's own Markdown, verbatim, under a line naming its files."""
+    src = f"*From `bench/results/{key}.json`"
+    if md is None:
+        return (src + " (the script's own format, not rendered as a table: read the JSON or the "
+                "script's docstring).*\n")
+    return src + f" and `{key}.md`, as the script wrote them.*\n\n" + md.strip() + "\n"
+
+
+def load_results(folder: str) -> dict[str, dict]:
+    """Harness results by ``<suite>-<size>``; standalone ones (no harness schema) by file stem."""
+    out: dict[str, dict] = {}
+    for path in sorted(glob.glob(os.path.join(folder, "*.json"))):
+        with open(path) as fh:
+            doc = json.load(fh)
+        if not isinstance(doc, dict) or "schema" not in doc:
+            md = os.path.splitext(path)[0] + ".md"
+            text = None
+            if os.path.exists(md):
+                with open(md) as fh:
+                    text = fh.read()
+            out[os.path.splitext(os.path.basename(path))[0]] = {STANDALONE: text}
+            continue
+        problems = validate(doc)
+        if problems:
+            raise SystemExit(f"{path}: not a valid result file: {problems[:5]}")
+        out[f"{doc['suite']}-{doc['size']}"] = doc
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--results", default=os.path.join(HERE, "results"))
+    ap.add_argument("--readme", default=os.path.join(ROOT, "README.md"))
+    ap.add_argument("--check", action="store_true")
+    a = ap.parse_args(argv)
+    with open(a.readme) as fh:
+        text = fh.read()
+    new, missing, unplaced = render(text, load_results(a.results))
+    for key in missing:
+        print(f"README marker bench:{key} has no result file in {a.results}")
+    for key in unplaced:
+        print(f"result {key} has no marker in {a.readme} (add <!-- bench:{key} --> ... <!-- /bench:{key} -->)")
+    if a.check:
+        stale = new != text
+        print("README benchmark tables are " + ("stale: run python bench/readme.py" if stale else "up to date"))
+        return 1 if stale else 0
+    if new != text:
+        with open(a.readme, "w") as fh:
+            fh.write(new)
+        print(f"updated {a.readme}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

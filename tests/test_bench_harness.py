@@ -1,0 +1,111 @@
+"""The benchmark harness can't rot: CI runs it at ``--quick`` on real cases and checks what it measured.
+
+Not a timed test: no timing is asserted. ``bench/run.py core --quick`` runs two read cases
+(ckptbridge and ``torch.load``) in fresh processes on inputs written by torch, safetensors,
+DCP and ckptbridge; the result file must have the schema's shape
+(``_harness.report.validate``), every measurement must be filled, and the bytes-read
+measures must see the input: ``torch.load`` reads the 32 MiB file with read calls
+(``rchar``), and with the inputs evicted from the page cache both tools get (most of) it
+from the storage device (``read_bytes``). A case that reads nothing (negative control,
+``write/torch.save``) shows none. The README generator then renders the file between its
+markers, idempotently.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH = os.path.join(ROOT, "bench")
+MIB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def quick_result(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    work = tmp_path_factory.mktemp("bench")
+    out = work / "results"
+    cmd = [sys.executable, os.path.join(BENCH, "run.py"), "core", "--quick", "--work", str(work / "work"),
+           "--out", str(out), "--only", "read all/ckptbridge", "--only", "read all/torch.load",
+           "--only", "write/torch.save"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    with open(out / "core-quick.json") as fh:
+        doc = json.load(fh)
+    assert (out / "core-quick.md").read_text().startswith("# Core")
+    return doc
+
+
+def test_schema_and_measurements(quick_result: dict) -> None:
+    sys.path.insert(0, BENCH)
+    from _harness.report import validate
+
+    doc = quick_result
+    assert validate(doc) == []
+    assert doc["schema"] == "ckptbridge-bench/1" and doc["size"] == "quick" and doc["cold_inputs_run"]
+    m = doc["machine"]
+    assert m["cores"] >= 1 and m["memcpy_gbps"] > 0 and m["disk_write_gbps"] > 0 and m["disk_read_gbps"] > 0
+    cases = {c["name"]: c for c in doc["cases"]}
+    assert set(cases) == {"read all/ckptbridge", "read all/torch.load", "write/torch.save"}
+    for c in cases.values():
+        assert c["status"] == "ok", c.get("reason")
+        run = c["runs"][0]
+        assert run["wall_s"] > 0 and run["outer_s"] > run["wall_s"] and run["samples"] >= 0
+        assert run["maxrss"] > 0 and run["pss_peak"] > 0
+    src = 32 * MIB  # the quick state: 16 tensors, 1/32 GiB
+    torch_load, ours, write = cases["read all/torch.load"], cases["read all/ckptbridge"], cases["write/torch.save"]
+    assert torch_load["runs"][0]["rchar"] >= src  # torch.load reads the file with read calls
+    assert ours["runs"][0]["bytes_read"] >= 0.9 * src  # read calls + mapped pages
+    for c in (torch_load, ours):  # inputs evicted: the device delivers the file, whatever the method
+        assert c["cold"]["evicted_bytes"] >= src
+        assert c["cold"]["read_bytes"] >= 0.9 * src, c["cold"]
+        assert c["median"]["m.checksum"] == pytest.approx(ours["median"]["m.checksum"], rel=1e-9)
+        assert c["median"]["pss_above_base"] >= 0.5 * src  # both hold the whole state at the end
+    assert write["runs"][0]["rchar"] < src / 8 and write["cold"]["read_bytes"] < src / 8  # reads nothing
+    assert write["runs"][0]["wchar"] >= src  # ... and writes the file
+    group = next(g for g in doc["groups"] if g["group"] == "read everything")
+    assert group["ref"] == "read all/ckptbridge" and group["checksums_agree"] is True
+    peer = group["peers"][0]
+    assert peer["tool"] == "torch.load" and peer["speedup_default"] > 0
+
+
+def test_readme_tables_from_results(quick_result: dict, tmp_path) -> None:
+    sys.path.insert(0, BENCH)
+    import readme
+
+    text = "intro\n<!-- bench:core-quick -->\nstale\n<!-- /bench:core-quick -->\n<!-- bench:core-8g -->\n" \
+           "<!-- /bench:core-8g -->\nend\n"
+    new, missing, unplaced = readme.render(text, {"core-quick": quick_result})
+    assert missing == ["core-8g"] and unplaced == []
+    assert "stale" not in new and "| torch.load |" in new and "(ref)" in new and new.endswith("end\n")
+    assert readme.render(new, {"core-quick": quick_result})[0] == new  # idempotent
+    _, _, unplaced = readme.render("no markers\n", {"core-quick": quick_result})
+    assert unplaced == ["core-quick"]
+
+
+def test_readme_standalone_results(quick_result: dict, tmp_path) -> None:
+    """A standalone benchmark's result (its own JSON, no harness schema) goes into the README as the
+    Markdown its script wrote, verbatim, or as a pointer to the JSON: never as re-typed numbers."""
+    sys.path.insert(0, BENCH)
+    import readme
+
+    (tmp_path / "core-quick.json").write_text(json.dumps(quick_result))
+    (tmp_path / "bench_async.json").write_text(json.dumps({"cases": {"torch": {"loop_s": 12.5}}}))
+    (tmp_path / "bench_async.md").write_text("| loop | s |\n|---|---|\n| torch | 12.5 |\n")
+    (tmp_path / "ds_resume.json").write_text(json.dumps({"median": {"native": 3.25}}))
+    results = readme.load_results(str(tmp_path))
+    assert set(results) == {"core-quick", "bench_async", "ds_resume"}
+    text = "".join(f"<!-- bench:{k} -->\nold\n<!-- /bench:{k} -->\n" for k in ("bench_async", "ds_resume", "bench_x"))
+    new, missing, unplaced = readme.render(text, results)
+    assert missing == ["bench_x"] and unplaced == ["core-quick"]
+    assert "| torch | 12.5 |" in new and "bench/results/bench_async.json" in new
+    assert "bench/results/ds_resume.json" in new and "3.25" not in new  # pointed to, not rendered
+    assert "old" not in new and "No result file `bench/results/bench_x.json`" in new
+    (tmp_path / "bad-quick.json").write_text(json.dumps({"schema": "ckptbridge-bench/1"}))
+    with pytest.raises(SystemExit, match="not a valid result file"):  # a broken harness file is refused
+        readme.load_results(str(tmp_path))
