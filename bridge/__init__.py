@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from ._checkpointer import Checkpointer, SaveStats
     from ._convert import DiffRow, convert, diff, export, trace
     from ._errors import (
+        AccessDeniedError,
         CheckpointError,
         CorruptionError,
         FormatError,
@@ -45,6 +46,7 @@ if TYPE_CHECKING:
         MissingShardError,
         OptionError,
         ShapeMismatchError,
+        StorageError,
         TensorNotFoundError,
         TruncatedError,
         UnknownFormatError,
@@ -76,6 +78,8 @@ if TYPE_CHECKING:
         rule_from_json,
         rules_to_json,
     )
+    from ._storage import RemotePolicy
+    from ._storage import configure as configure_storage
     from ._universal import verify
 
 _LAZY = {  # public name -> module: imported on first use, so the CLI and core start fast
@@ -102,6 +106,10 @@ _LAZY = {  # public name -> module: imported on first use, so the CLI and core s
     "UnknownFormatError": "._errors",
     "UnsafePickleError": "._errors",
     "WriteError": "._errors",
+    "StorageError": "._errors",
+    "AccessDeniedError": "._errors",
+    "RemotePolicy": "._storage",
+    "configure_storage": "._storage",
     "Format": "._formats",
     "formats": "._formats",
     "ReshardPlan": "._html",
@@ -137,11 +145,14 @@ _LAZY = {  # public name -> module: imported on first use, so the CLI and core s
 }
 
 
+_RENAMED = {"configure_storage": "configure"}  # public name -> name in its module
+
+
 def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'ckptbridge' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module, __name__), name)
+    value = getattr(importlib.import_module(module, __name__), _RENAMED.get(name, name))
     globals()[name] = value
     return value
 
@@ -151,6 +162,7 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
+    "AccessDeniedError",
     "Box",
     "Checkpoint",
     "CheckpointError",
@@ -172,6 +184,7 @@ __all__ = [
     "MissingShardError",
     "OptionError",
     "Pad",
+    "RemotePolicy",
     "Rename",
     "Renumber",
     "Replicate",
@@ -183,6 +196,7 @@ __all__ = [
     "Split",
     "Stack",
     "State",
+    "StorageError",
     "TensorNotFoundError",
     "TensorState",
     "TensorView",
@@ -194,6 +208,7 @@ __all__ = [
     "WriteError",
     "__version__",
     "apply_rules",
+    "configure_storage",
     "convert",
     "detect_format",
     "diff",

@@ -11,6 +11,10 @@ private ``ckptbridge._*`` module. It holds
 * the view an adapter returns: :class:`CheckpointIndex` (``Checkpoint`` adds the reader);
 * the rule language and its fragment transforms (``concat``, ``crop``, ``split`` ...);
 * reading: :class:`FileCache`, :func:`read_state`;
+* storage: ``storage`` (``ckptbridge._storage``), the path API every adapter opens files
+  through, so that checkpoints behind URLs (``s3://``, ``gs://``, ``hf://`` ... through fsspec)
+  read like local ones: ``storage.isfile``, ``isdir``, ``listdir``, ``getsize``, ``open_read``,
+  ``read_bytes``, ``join``, ``normpath``, ``inside`` ...;
 * the registry: :class:`Format`, :class:`OpenOptions`, :class:`WriteOptions`,
   :func:`register_format`, :func:`require` (import an optional dependency or
   name the extra to install);
@@ -39,11 +43,13 @@ A minimal read-only format::
 from __future__ import annotations
 
 from . import _dtypes as dtypes
+from . import _storage as storage
 from ._checkpoint import Checkpoint, CheckpointIndex, TensorView
 from ._checkpointer.leaves import Capture, Leaf, LeafProvider, leaves_of, register_leaf_provider
 from ._commit import check_destination, fsync_tree, publish, staged_dir, staged_file, staging_path
 from ._crc import crc32
 from ._errors import (
+    AccessDeniedError,
     CheckpointError,
     CorruptionError,
     FormatError,
@@ -52,6 +58,7 @@ from ._errors import (
     MissingShardError,
     OptionError,
     ShapeMismatchError,
+    StorageError,
     TensorNotFoundError,
     TruncatedError,
     UnknownFormatError,
@@ -108,6 +115,7 @@ from ._universal import Piece, commit_universal, write_rank, write_universal
 
 __all__ = [
     "WEIGHT_STATES",
+    "AccessDeniedError",
     "Box",
     "Capture",
     "Checkpoint",
@@ -145,6 +153,7 @@ __all__ = [
     "Split",
     "Stack",
     "State",
+    "StorageError",
     "TensorNotFoundError",
     "TensorState",
     "TensorView",
@@ -187,6 +196,7 @@ __all__ = [
     "staged_dir",
     "staged_file",
     "staging_path",
+    "storage",
     "transpose",
     "unstack",
     "weight_state_for",

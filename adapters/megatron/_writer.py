@@ -53,6 +53,7 @@ from ckptbridge.plugin import (
     WriteOptions,
     fuse,
     staged_dir,
+    storage,
 )
 from ckptbridge.plugin import dtypes as _dtypes
 
@@ -128,7 +129,7 @@ class _Source:
     def __init__(self, ckpt: Any, info: Mapping[str, Any], cfg: MegatronConfig) -> None:
         self.ckpt, self.cfg = ckpt, cfg
         self.padded_src: Any = None
-        if info.get("padding_stripped") and ckpt.format == "megatron" and os.path.exists(ckpt.path):
+        if info.get("padding_stripped") and ckpt.format == "megatron" and storage.exists(ckpt.path):
 
             # the padding rows are real (trained) rows: carry them over where they fit
             self.padded_src = Checkpoint(index(ckpt.path, strip_padding=False, vocab_size=cfg.vocab),
