@@ -78,6 +78,7 @@ if TYPE_CHECKING:
         rule_from_json,
         rules_to_json,
     )
+    from ._scaleout import World, world_from_env
     from ._storage import RemotePolicy
     from ._storage import configure as configure_storage
     from ._universal import verify
@@ -110,6 +111,8 @@ _LAZY = {  # public name -> module: imported on first use, so the CLI and core s
     "AccessDeniedError": "._errors",
     "RemotePolicy": "._storage",
     "configure_storage": "._storage",
+    "World": "._scaleout",
+    "world_from_env": "._scaleout",
     "Format": "._formats",
     "formats": "._formats",
     "ReshardPlan": "._html",
@@ -205,6 +208,7 @@ __all__ = [
     "UnknownFormatError",
     "UnsafePickleError",
     "Unstack",
+    "World",
     "WriteError",
     "__version__",
     "apply_rules",
@@ -222,4 +226,5 @@ __all__ = [
     "rules_to_json",
     "trace",
     "verify",
+    "world_from_env",
 ]

@@ -48,6 +48,7 @@ def detect_format(path: str | os.PathLike[str]) -> str:
 def open_index(path: str | os.PathLike[str], format: str | None = None, **options: Any) -> CheckpointIndex:
     """The metadata of the checkpoint at ``path`` (see :func:`open`)."""
     path = _storage.local(os.fspath(path))
+    _storage.prime(path)  # a fresh view: another process may have written or deleted objects since
     if format is None and not _storage.exists(path):
         raise MissingShardError(f"{path}: no such file or directory")
     fmt: Format = get_format(format or detect_format(path))

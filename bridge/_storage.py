@@ -40,6 +40,7 @@ destination prefix and write the ``COMMITTED`` marker last (see
 from __future__ import annotations
 
 import contextlib
+import copy
 import io
 import os
 import posixpath
@@ -457,6 +458,7 @@ class _RemoteWriter:
             with contextlib.suppress(Exception):
                 if callable(discard):
                     discard()
+                    self._fh.closed = True  # else its __del__ would try to finish the discarded upload
                 elif not self._fh.closed:
                     self._fh.close()
 
@@ -472,7 +474,7 @@ class FsspecStorage:
         fsspec = require("fsspec", "remote", f"reading or writing {proto}:// URLs")
         extra = _EXTRAS.get(proto, "remote")
         try:
-            self.fs = fsspec.filesystem(proto, **dict(options))
+            self.fs = fsspec.filesystem(proto, **copy.deepcopy(dict(options)))  # clients edit nested dicts
         except ImportError as err:
             raise MissingExtraError(
                 f"{proto}:// URLs need a package that is not installed ({err}); "
@@ -484,6 +486,7 @@ class FsspecStorage:
         self.stats = FetchStats()
         self._lock = threading.Lock()
         self._dirs: dict[str, dict[str, dict[str, Any]]] = {}
+        self._infos: dict[str, dict[str, Any] | None] = {}
         self._blocks: OrderedDict[tuple[str, int], bytes] = OrderedDict()
         self._async = bool(getattr(self.fs, "async_impl", False))
         self._pool = ThreadPoolExecutor(max(1, policy.concurrency), thread_name_prefix="ckptbridge-fetch") \
@@ -524,13 +527,23 @@ class FsspecStorage:
         """Forget cached listings and blocks at or under ``url`` (and its parent's listing)."""
         key = self._key(url)
         with self._lock:
-            for d in [d for d in self._dirs if not key or d == key or d.startswith(key + "/")
-                      or d == self._key(posixpath.dirname(key))]:
+            # the key, what lies under it, and every prefix above it (a new object makes its
+            # ancestors' prefixes appear; a deleted one can make them vanish)
+            def related(d: str) -> bool:
+                return not key or d == key or d.startswith(key + "/") or key.startswith(d.rstrip("/") + "/")
+
+            dropped = [d for d in self._dirs if related(d)]
+            for d in dropped:
                 del self._dirs[d]
+            for d in [d for d in self._infos if related(d)]:
+                del self._infos[d]
             for b in [b for b in self._blocks if not key or b[0] == key or b[0].startswith(key + "/")]:
                 del self._blocks[b]
-        with contextlib.suppress(Exception):
-            self.fs.invalidate_cache(self.path_of(url) if url else None)
+        with contextlib.suppress(Exception):  # the client's own listings too (s3fs keeps children's)
+            if not url:
+                self.fs.invalidate_cache()
+            for d in {key, *dropped} if url else ():
+                self.fs.invalidate_cache(self.path_of(d))
 
     def _listing(self, url: str) -> dict[str, dict[str, Any]] | None:
         """Entries of directory ``url`` by name (cached), or None when it is not a directory."""
@@ -557,17 +570,25 @@ class FsspecStorage:
         return listing
 
     def _info(self, url: str) -> dict[str, Any] | None:
+        """``{"type", "size"}`` of ``url`` or None: from its directory's listing (one LIST serves
+        every sibling), else one lookup (file systems that cannot list, e.g. plain HTTP), cached."""
         key = self._key(url)
         parent, name = posixpath.dirname(key), posixpath.basename(key)
         with self._lock:
-            plist = self._dirs.get(parent, False)
-        if plist is not False and "://" in parent and parent.split("://", 1)[1]:
-            return (plist or {}).get(name)
+            if key in self._infos:
+                return self._infos[key]
+        if "://" in parent and parent.split("://", 1)[1]:
+            listing = self._listing(parent)
+            if listing is not None and name in listing:
+                return listing[name]
         try:
             info = self.call(url, "looking it up", self.fs.info, self.path_of(url))
+            found: dict[str, Any] | None = {"type": info.get("type"), "size": info.get("size")}
         except MissingShardError:
-            return None
-        return {"type": info.get("type"), "size": info.get("size")}
+            found = None
+        with self._lock:
+            self._infos[key] = found
+        return found
 
     def exists(self, url: str) -> bool:
         return self._info(url) is not None or self._listing(url) is not None

@@ -286,8 +286,23 @@ def write_universal(path: str, pieces: Iterable[Piece], *, step: int | None = No
 # ------------------------------------------------------------------ reading
 
 
+_RANK_FILE = re.compile(r"^(manifest\.r\d{5}\.json|[^/]+-r\d{5}-\d{5}\.safetensors)$")
+
+
 def detect(path: str) -> bool:
-    return _storage.isdir(path) and (_storage.exists(_storage.join(path, MANIFEST)) or is_staging(path))
+    if not _storage.isdir(path):
+        return False
+    if _storage.exists(_storage.join(path, MANIFEST)) or is_staging(path):
+        return True
+    if not _storage.is_url(path):
+        return False
+    # at a URL the staging prefix is the destination: a write that died left rank files or data
+    # objects but no manifest; it is ours, and opening it says it was never finished
+    names = _storage.listdir(path)
+    if any(_RANK_FILE.match(n) for n in names):
+        return True
+    data = _storage.join(path, "data")
+    return "data" in names and _storage.isdir(data) and any(_RANK_FILE.match(n) for n in _storage.listdir(data))
 
 
 def _load_manifest(path: str) -> dict[str, Any]:

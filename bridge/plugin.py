@@ -21,6 +21,9 @@ private ``ckptbridge._*`` module. It holds
 * writing: :func:`staged_dir` / :func:`staged_file` (the one commit rule), the
   universal layout's writer (:class:`Piece`, :func:`write_universal`,
   :func:`write_rank`, :func:`commit_universal`) and the safetensors primitives;
+* scale-out writes: :class:`World`, :func:`world_from_env` (this process among the launcher's),
+  :class:`Store` / :class:`FileStore` (how ranks agree; runtimes register stores through the
+  ``ckptbridge.stores`` entry-point group), :func:`balance`;
 * the asynchronous checkpointer's hook for runtimes: :class:`Leaf` and
   :func:`register_leaf_provider`;
 * the error tree.
@@ -111,6 +114,7 @@ from ._rules import (
     unstack,
 )
 from ._safetensors import Entry, FileSpec, read_header, write_file, write_files
+from ._scaleout import FileStore, Store, World, balance, rank_from_env, world_from_env
 from ._universal import Piece, commit_universal, write_rank, write_universal
 
 __all__ = [
@@ -126,6 +130,7 @@ __all__ = [
     "FileCache",
     "FileRegion",
     "FileSpec",
+    "FileStore",
     "FlatPartition",
     "Format",
     "FormatError",
@@ -154,6 +159,7 @@ __all__ = [
     "Stack",
     "State",
     "StorageError",
+    "Store",
     "TensorNotFoundError",
     "TensorState",
     "TensorView",
@@ -162,10 +168,12 @@ __all__ = [
     "UnknownFormatError",
     "UnsafePickleError",
     "Unstack",
+    "World",
     "WriteError",
     "WriteOptions",
     "apply_rules",
     "as_checkpoint",
+    "balance",
     "c_strides",
     "check_destination",
     "check_name",
@@ -184,6 +192,7 @@ __all__ = [
     "leaves_of",
     "open_checkpoint",
     "publish",
+    "rank_from_env",
     "read_header",
     "read_state",
     "register_format",
@@ -200,6 +209,7 @@ __all__ = [
     "transpose",
     "unstack",
     "weight_state_for",
+    "world_from_env",
     "write_file",
     "write_files",
     "write_rank",
