@@ -222,11 +222,58 @@ def _fail_text(err: BaseException) -> str:
     return " ".join((str(err) or type(err).__name__).split())
 
 
+def _poll(store: Store, key: str, timeout: float, missing: str) -> str:
+    """``store.get(key)`` in slices of a second, so that signals are handled while waiting."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return store.get(key, max(0.001, min(1.0, deadline - time.monotonic())))
+        except TimeoutError:
+            if time.monotonic() >= deadline:
+                return missing
+
+
+class _Terminated(SystemExit):
+    """SIGTERM (the launcher tears the job down because another rank died)."""
+
+
+@contextlib.contextmanager
+def _exit_on_sigterm() -> Any:
+    """Turn SIGTERM into an exception in the main thread, so a torn-down rank 0 removes its stage."""
+    import signal
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def raise_(signum: int, frame: Any) -> None:
+        raise _Terminated(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, raise_)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def run(world: World, dst: str, overwrite: bool,
         write: Callable[[str], Any], commit: Callable[[str], str]) -> str:
     """Drive one distributed write of ``dst`` (see the module doc): ``write(token)`` writes this
     rank's share into the stage, ``commit(token)`` (rank 0, once every rank wrote) merges and
-    publishes. Every rank returns ``dst`` or raises the error, naming the rank that failed."""
+    publishes. Every rank returns ``dst`` or raises the error, naming the rank that failed.
+    A rank 0 terminated by the launcher (SIGTERM) removes the local stage before it exits."""
+    seen: dict[str, str] = {}  # the stage's token, once known
+    with _exit_on_sigterm():
+        try:
+            return _run(world, dst, overwrite, write, commit, seen)
+        except _Terminated:
+            if world.rank == 0 and "token" in seen and not _storage.is_url(dst):
+                shutil.rmtree(staging_path(dst, seen["token"]), ignore_errors=True)
+            raise
+
+
+def _run(world: World, dst: str, overwrite: bool,
+         write: Callable[[str], Any], commit: Callable[[str], str], seen: dict[str, str]) -> str:
     n = getattr(_CALLS, "n", 0)
     _CALLS.n = n + 1
     key = f"ckptbridge/{world.job or 'job'}/{n}"
@@ -246,9 +293,12 @@ def run(world: World, dst: str, overwrite: bool,
         if status.startswith("fail:"):
             raise WriteError(f"{dst}: not written: rank 0 refused ({status[5:]})")
         token = status[3:]
+    seen["token"] = token
     # 2. every rank writes its share
     try:
         write(token)
+    except _Terminated:
+        raise  # the launcher is tearing the job down: no goodbyes (run() removes the stage)
     except BaseException as err:
         store.set(f"{key}/wrote/{rank}", f"fail:{_fail_text(err)}")
         if rank == 0:
@@ -259,10 +309,8 @@ def run(world: World, dst: str, overwrite: bool,
     if rank == 0:
         failed = []
         for r in range(size):
-            try:
-                status = store.get(f"{key}/wrote/{r}", world.timeout)
-            except TimeoutError:
-                status = f"fail:rank {r} did not finish within {world.timeout:.0f} s (killed or hung?)"
+            status = _poll(store, f"{key}/wrote/{r}", world.timeout,
+                           f"fail:rank {r} did not finish within {world.timeout:.0f} s (killed or hung?)")
             if status != "ok":
                 failed.append((r, status[5:]))
         if failed:
@@ -293,15 +341,15 @@ def _wait(store: Store, key: str, timeout: float, what: str) -> str:
 
 def _abandon(world: World, dst: str, token: str, key: str, why: str) -> None:
     """Rank 0 after a failure: tell the others, then remove the stage (nothing was committed)."""
+    if not _storage.is_url(dst):  # first: a launcher tearing the job down may not wait for the rest
+        shutil.rmtree(staging_path(dst, token), ignore_errors=True)
     world.store.set(f"{key}/result", f"fail:{why}")
     _finish(world, key)
-    if not _storage.is_url(dst):
-        shutil.rmtree(staging_path(dst, token), ignore_errors=True)
 
 
 def _finish(world: World, key: str, ack_timeout: float = 60.0) -> None:
     """Wait (briefly) until every other rank read the result, then drop file coordination's files."""
-    deadline = time.monotonic() + ack_timeout
+    deadline = time.monotonic() + min(ack_timeout, world.timeout)
     for r in range(1, world.size):
         with contextlib.suppress(TimeoutError, CheckpointError, OSError):
             world.store.get(f"{key}/ack/{r}", max(0.0, deadline - time.monotonic()))
