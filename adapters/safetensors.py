@@ -11,7 +11,6 @@ as one consolidated file of one state (``reshard --to safetensors`` is
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import ckptbridge
@@ -27,6 +26,7 @@ from ckptbridge.plugin import (
     check_name,
     contiguous_fragment,
     read_header,
+    storage,
 )
 from ckptbridge.plugin import dtypes as _dtypes
 
@@ -49,19 +49,20 @@ def _single_file_tensors(path: str) -> dict[str, LogicalTensor]:
 
 
 def _index_files(path: str) -> list[str]:
-    if os.path.isdir(path):
-        idx = [f for f in sorted(os.listdir(path)) if f.endswith(".safetensors.index.json")]
+    if storage.isdir(path):
+        names = sorted(storage.listdir(path))
+        idx = [f for f in names if f.endswith(".safetensors.index.json")]
         if idx:
-            return shard_files(os.path.join(path, idx[0]))
-        return [os.path.join(path, f) for f in sorted(os.listdir(path)) if f.endswith(".safetensors")]
+            return shard_files(storage.join(path, idx[0]))
+        return [storage.join(path, f) for f in names if f.endswith(".safetensors")]
     return shard_files(path) if path.endswith(".index.json") else [path]
 
 
 def detect(path: str) -> bool:
-    if os.path.isfile(path):
+    if storage.isfile(path):
         return path.endswith((".safetensors", ".safetensors.index.json"))
-    if os.path.isdir(path):
-        return any(f.endswith((".safetensors", ".safetensors.index.json")) for f in os.listdir(path))
+    if storage.isdir(path):
+        return any(f.endswith((".safetensors", ".safetensors.index.json")) for f in storage.listdir(path))
     return False
 
 
@@ -71,7 +72,7 @@ def index(path: str, options: OpenOptions | None = None) -> CheckpointIndex:
     files = _index_files(path)
     found: dict[str, str] = {}
     for f in files:
-        if not os.path.exists(f):
+        if not storage.exists(f):
             raise MissingShardError(f"{f}: shard listed by {path} is missing")
         for name, t in _single_file_tensors(f).items():
             if name in tensors:

@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from ._checkpointer import Checkpointer, RestoreResult, SavePolicy, SaveStats
     from ._convert import DiffRow, convert, diff, export, trace
     from ._errors import (
+        AccessDeniedError,
         CheckpointError,
         CorruptionError,
         FormatError,
@@ -45,6 +46,7 @@ if TYPE_CHECKING:
         MissingShardError,
         OptionError,
         ShapeMismatchError,
+        StorageError,
         TensorNotFoundError,
         TruncatedError,
         UnknownFormatError,
@@ -88,6 +90,9 @@ if TYPE_CHECKING:
         rule_from_json,
         rules_to_json,
     )
+    from ._scaleout import World, world_from_env
+    from ._storage import RemotePolicy
+    from ._storage import configure as configure_storage
     from ._universal import verify
     from ._watchdog import Watchdog
 
@@ -122,6 +127,12 @@ _LAZY = {  # public name -> module: imported on first use, so the CLI and core s
     "EXIT_RESTART": "._health",
     "Verdict": "._health",
     "WatchdogPolicy": "._health",
+    "StorageError": "._errors",
+    "AccessDeniedError": "._errors",
+    "RemotePolicy": "._storage",
+    "configure_storage": "._storage",
+    "World": "._scaleout",
+    "world_from_env": "._scaleout",
     "Format": "._formats",
     "formats": "._formats",
     "ReshardPlan": "._html",
@@ -168,13 +179,16 @@ _LAZY = {  # public name -> module: imported on first use, so the CLI and core s
 }
 
 
+_RENAMED = {"configure_storage": "configure"}  # public name -> name in its module
+
+
 def __getattr__(name: str) -> Any:
     if name in ("recipes", "plugin"):  # public submodules
         return importlib.import_module(f".{name}", __name__)
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'ckptbridge' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module, __name__), name)
+    value = getattr(importlib.import_module(module, __name__), _RENAMED.get(name, name))
     globals()[name] = value
     return value
 
@@ -186,6 +200,7 @@ def __dir__() -> list[str]:
 __all__ = [
     "EXIT_FAULTY",
     "EXIT_RESTART",
+    "AccessDeniedError",
     "Box",
     "Cast",
     "Checkpoint",
@@ -213,6 +228,7 @@ __all__ = [
     "MissingShardError",
     "OptionError",
     "Pad",
+    "RemotePolicy",
     "Rename",
     "Renumber",
     "Replicate",
@@ -229,6 +245,7 @@ __all__ = [
     "SplitDim",
     "Stack",
     "State",
+    "StorageError",
     "TensorNotFoundError",
     "TensorState",
     "TensorView",
@@ -241,9 +258,11 @@ __all__ = [
     "Watchdog",
     "WatchdogError",
     "WatchdogPolicy",
+    "World",
     "WriteError",
     "__version__",
     "apply_rules",
+    "configure_storage",
     "convert",
     "detect_format",
     "diff",
@@ -258,4 +277,5 @@ __all__ = [
     "rules_to_json",
     "trace",
     "verify",
+    "world_from_env",
 ]

@@ -227,12 +227,22 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _world(dst: str, args: argparse.Namespace) -> Any:
+    """This process's place among the launcher's (torchrun, srun ...), or None when alone."""
+    from ._scaleout import world_from_env
+
+    return None if args.one_process else world_from_env(dst, args.timeout)
+
+
 def cmd_convert(args: argparse.Namespace) -> int:
     ckpt = _open(args)
     states = [s for s in args.states.split(",") if s] if args.states else None
-    with _progress("converting", _bytes_of(ckpt, states), lambda: ckpt.stats.bytes_read), _writing(args.dst):
-        out = convert(ckpt, args.dst, states=states, overwrite=args.overwrite)
-    print(f"wrote {out}")
+    world = _world(args.dst, args)
+    with _progress("converting", _bytes_of(ckpt, states) // (world.size if world else 1),
+                   lambda: ckpt.stats.bytes_read), _writing(args.dst):
+        out = convert(ckpt, args.dst, states=states, overwrite=args.overwrite, world=world)
+    if world is None or world.rank == 0:
+        print(f"wrote {out}" + (f" ({world.size} processes)" if world else ""))
     return 0
 
 
@@ -301,6 +311,11 @@ def cmd_reshard(args: argparse.Namespace) -> int:
             opts[flag] = value
     if args.overwrite:
         opts["overwrite"] = True
+    if fmt.name == "universal" and not args.one_process and "distributed" not in opts:
+        from ._scaleout import rank_from_env
+
+        if rank_from_env()[1] > 1:  # launched as N processes: write one share each
+            opts["distributed"] = True
     ckpt = _open(args)
     dst = destination(args.dst, fmt.name)
     with _progress(f"writing {fmt.name}", _bytes_of(ckpt), lambda: ckpt.stats.bytes_read), _writing(dst):
@@ -389,6 +404,13 @@ def _source_args(s: argparse.ArgumentParser, *, rules: bool = True) -> None:
                        help="view the source through mapping rules (a JSON list, as `inspect --json` prints)")
 
 
+def _launcher_args(s: argparse.ArgumentParser) -> None:
+    s.add_argument("--one-process", action="store_true",
+                   help="ignore RANK/WORLD_SIZE: write everything from this process alone")
+    s.add_argument("--timeout", type=float, default=6 * 3600.0, metavar="SECONDS",
+                   help="under a launcher (torchrun, srun): how long rank 0 waits for the others")
+
+
 def _writer_epilog() -> str:
     try:
         lines = ["write options per format (-o key=value; --tp/--pp/... are shorthands):"]
@@ -437,6 +459,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--states", default=None, metavar="S1,S2",
                    help="only these states (e.g. fp32,exp_avg,exp_avg_sq); default all")
     s.add_argument("--overwrite", action="store_true", help="replace DST once the new one is complete")
+    _launcher_args(s)
     _source_args(s)
     s.set_defaults(fn=cmd_convert)
 
@@ -486,6 +509,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--overwrite", action="store_true", help="replace DST once the new one is complete")
     s.add_argument("-o", "--option", action="append", default=[], metavar="KEY=VALUE",
                    help="a write option of the target format (repeatable; see below)")
+    _launcher_args(s)
     _source_args(s)
     s.set_defaults(fn=cmd_reshard)
 

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from . import _storage
 from ._checkpoint import Checkpoint, TensorView
 from ._commit import check_destination, staged_file
 from ._dtypes import to_numpy
@@ -25,10 +26,9 @@ from ._formats import Format, WriteOptions
 from ._jsonable import jsonable
 from ._model import Box
 from ._open import as_checkpoint
-from ._paths import local_path
 from ._rules import Rule, apply_rules, rules_to_json
 from ._safetensors import Entry, write_file
-from ._universal import Piece, detect, index, write_universal
+from ._universal import Piece, commit_universal, detect, index, write_rank, write_universal
 from ._version import __version__
 
 
@@ -95,8 +95,8 @@ def _manifest_fragment(ckpt: Checkpoint, name: str, state: str, frag: Any) -> di
         return None
     import json
 
-    with open(os.path.join(ckpt.path, "manifest.json")) as fh:
-        frags = json.load(fh)["tensors"][name]["states"][state]["fragments"]
+    frags = json.loads(_storage.read_text(_storage.join(ckpt.path, "manifest.json")))
+    frags = frags["tensors"][name]["states"][state]["fragments"]
     for f in frags:
         if f["offset"] == list(frag.box.offset):
             return f
@@ -111,8 +111,16 @@ def convert(
     rules: Sequence[Rule] = (),
     overwrite: bool = False,
     progress: Callable[[int, int], None] | None = None,
+    world: Any = None,
 ) -> str:
     """Write a universal directory from any supported checkpoint.
+
+    ``dst`` may be a URL (``s3://bucket/ckpt`` ...): the objects stream into the prefix and
+    the ``COMMITTED`` marker is written last. ``world`` (a ``ckptbridge._scaleout.World``,
+    e.g. ``world_from_env(dst)`` under torchrun/srun): this process is one of ``world.size``
+    that all call ``convert`` with the same arguments; each writes a balanced share of the
+    bytes and rank 0 commits (see ``ckptbridge._scaleout``). Same result as one process,
+    up to data file names and offsets.
 
     ``states`` keeps only those states (e.g. ``["fp32", "exp_avg", "exp_avg_sq"]``; a name no
     tensor has is an error). ``rules`` are mapping rules applied on the way (rename, transpose, stack...);
@@ -130,6 +138,12 @@ def convert(
         ckpt.format, ckpt.path, tensors, ckpt.step, ckpt.extra, ckpt.rules, ckpt.provenance
     ), ckpt.files)
     pieces = _pieces(view, states)
+    dst = _storage.local(os.fspath(dst))
+    if world is not None and world.size > 1:
+        from ._scaleout import balance
+
+        sizes = [p.box.size * np.dtype(_np(p.dtype)).itemsize for p in pieces]
+        pieces = [pieces[i] for i in balance(sizes, world.size)[world.rank]]
     total = sum(p.box.size * np.dtype(_np(p.dtype)).itemsize for p in pieces)
     done = [0]
 
@@ -138,14 +152,21 @@ def convert(
         if progress:
             progress(done[0], total)
 
-    return write_universal(
-        local_path(dst, writing=True), pieces, step=ckpt.step, extra=jsonable(ckpt.extra),
-        rules=[*ckpt.rules, *rules_to_json(rules)],
-        provenance={"source_format": ckpt.format, "source_path": os.path.abspath(ckpt.path),
-                    "ckptbridge_version": __version__, **_provenance(ckpt)},
-        scalars={n: dict(t.scalars) for n, t in tensors.items() if t.scalars},
-        overwrite=overwrite, on_piece=tick,
-    )
+    meta = {"step": ckpt.step, "extra": jsonable(ckpt.extra), "rules": [*ckpt.rules, *rules_to_json(rules)],
+            "provenance": {"source_format": ckpt.format, "source_path": _storage.abspath(ckpt.path),
+                           "ckptbridge_version": __version__, **_provenance(ckpt)}}
+    scalars = {n: dict(t.scalars) for n, t in tensors.items() if t.scalars}
+    if world is not None and world.size > 1:
+        from ._scaleout import run
+
+        def write(token: str) -> None:
+            write_rank(dst, pieces, world.rank, scalars if world.rank == 0 else None, on_piece=tick, token=token)
+
+        def commit(token: str) -> str:
+            return commit_universal(dst, world.size, overwrite=overwrite, token=token, **meta)
+
+        return run(world, dst, overwrite, write, commit)
+    return write_universal(dst, pieces, **meta, scalars=scalars, overwrite=overwrite, on_piece=tick)
 
 
 def _np(dtype: str) -> Any:
@@ -172,7 +193,7 @@ def export(
     stays near the writer's buffers whatever the size of the tensors.
     """
     ckpt = as_checkpoint(src)
-    out = local_path(out, writing=True)
+    out = _storage.local(os.fspath(out))
     check_destination(out, overwrite)
     entries = []
     for name, t in ckpt.tensors.items():
@@ -264,13 +285,20 @@ class UniversalWriteOptions(WriteOptions):
     """Writing ckptbridge's universal layout.
 
     ``states``: only these states (e.g. ``fp32,exp_avg,exp_avg_sq``); default all.
+    ``distributed``: this process is one rank of a launched job (torchrun, srun: ``RANK``/``WORLD_SIZE``) whose ranks all run the same command; each writes a share, rank 0 commits.
     """
 
     states: tuple[str, ...] | None = None
+    distributed: bool = False
 
 
 def _write_universal(ckpt: Checkpoint, dst: str, options: UniversalWriteOptions) -> str:
-    return convert(ckpt, dst, states=options.states, overwrite=options.overwrite)
+    world = None
+    if options.distributed:
+        from ._scaleout import world_from_env
+
+        world = world_from_env(dst)
+    return convert(ckpt, dst, states=options.states, overwrite=options.overwrite, world=world)
 
 
 def _open_universal(path: str, _options: object) -> Any:

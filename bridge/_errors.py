@@ -79,3 +79,15 @@ class WriteError(CheckpointError, OSError):
 
     def __str__(self) -> str:
         return str(self.strerror if self.strerror is not None else self.args[0] if self.args else "")
+
+
+class StorageError(CheckpointError, OSError):
+    """An object store (a URL's file system) was unreachable, or kept failing after the retries;
+    the message names the object. ``str(err)`` is the message alone."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if len(self.args) == 1 else super().__str__()
+
+
+class AccessDeniedError(StorageError, PermissionError):
+    """The object store refused the credentials (or the permission) for an object; names it."""

@@ -9,6 +9,12 @@ states after the rules; nothing is read)::
     ckpt = ckptbridge.open("model.safetensors")
     ckptbridge.open("run/", format="megatron", split_fused=True)
     ckptbridge.open("hf_llama/", rules=ckptbridge.recipes.rules("llama", src="hf", dst="maxtext", ...))
+
+Paths may be URLs of any fsspec file system (``s3://``, ``gs://``, ``hf://``,
+``memory://`` ...; ``file://`` is a local path): detection is a few listings,
+and reads fetch only the byte ranges they need (``ckptbridge._storage``)::
+
+    ckptbridge.open("s3://bucket/run/ckpt", storage_options={"endpoint_url": "http://127.0.0.1:9000"})
 """
 
 from __future__ import annotations
@@ -17,17 +23,18 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from . import _storage
 from ._checkpoint import Checkpoint, CheckpointIndex
 from ._errors import CheckpointError, MissingShardError, UnknownFormatError
 from ._formats import Format, broken_hint, formats, get_format, make_options
-from ._paths import local_path
 from ._read import FileCache
 
 
 def detect_format(path: str | os.PathLike[str]) -> str:
     """Name of the format at ``path``; raises ``UnknownFormatError`` naming the path."""
-    path = local_path(path)
-    if not os.path.exists(path):
+    path = _storage.local(os.fspath(path))
+    _storage.prime(path)
+    if not _storage.exists(path):
         raise MissingShardError(f"{path}: no such file or directory")
     fmts = [f for f in formats() if f.detect is not None and f.readable]
     for fmt in fmts:
@@ -41,8 +48,9 @@ def detect_format(path: str | os.PathLike[str]) -> str:
 
 def open_index(path: str | os.PathLike[str], format: str | None = None, **options: Any) -> CheckpointIndex:
     """The metadata of the checkpoint at ``path`` (see :func:`open`)."""
-    path = local_path(path)
-    if format is None and not os.path.exists(path):
+    path = _storage.local(os.fspath(path))
+    _storage.prime(path)  # a fresh view: another process may have written or deleted objects since
+    if format is None and not _storage.exists(path):
         raise MissingShardError(f"{path}: no such file or directory")
     fmt: Format = get_format(format or detect_format(path))
     if fmt.index is None:
@@ -62,6 +70,7 @@ def open(
     *,
     rules: Sequence[Any] | None = None,
     verify: bool = True,
+    storage_options: dict[str, Any] | None = None,
     **options: Any,
 ) -> Checkpoint:
     """Open any supported checkpoint as a lazy :class:`Checkpoint` (reads metadata only).
@@ -73,7 +82,12 @@ def open(
     checkpoint as seen through them. ``verify`` checks recorded checksums
     whenever a whole fragment is read (universal checkpoints record them),
     refusing corrupted data with :class:`~ckptbridge.CorruptionError`.
+    ``storage_options`` (for a URL): fsspec options (``endpoint_url``, ``key`` ...) and fetch
+    policy (``retries``, ``concurrency`` ...) for every URL under ``path``, see
+    ``ckptbridge.configure_storage``.
     """
+    if storage_options:
+        _storage.configure(os.fspath(path), **storage_options)
     ckpt = Checkpoint(open_index(path, format, **options), FileCache(verify=verify))
     return ckpt.with_rules(rules) if rules else ckpt
 

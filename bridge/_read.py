@@ -2,13 +2,16 @@
 
 Local files are memory-mapped once per :class:`FileCache`; each copy is a
 strided numpy copy out of the mapping, so only the pages holding requested
-elements are touched. Many fragments are copied in parallel on a thread
-pool (numpy releases the GIL while copying). ``ReadStats`` counts the bytes
+elements are touched. Fragments behind URLs (``s3://``, ``gs://`` ...) are
+fetched as the byte runs the copies need (``ckptbridge._remote_read``).
+Many fragments are copied in parallel on a thread pool (numpy releases the
+GIL while copying). ``ReadStats`` counts the bytes
 taken from each file, so tests and benchmarks can assert them::
 
     cache = FileCache()
     arr = read_state(state, Box((0, 0), (2, 3)), cache)
-    cache.stats.bytes_read
+    cache.stats.bytes_read        # bytes the copies needed
+    cache.stats.bytes_fetched     # bytes fetched from object stores for them (URLs only)
 """
 
 from __future__ import annotations
@@ -44,18 +47,34 @@ class ReadStats:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.per_file: Counter[str] = Counter()
+        self.fetched: Counter[str] = Counter()  # bytes fetched per object (URLs)
+        self.requests = 0
+        self.retries = 0
 
     def add(self, file: str, nbytes: int) -> None:
         with self._lock:
             self.per_file[file] += nbytes
 
+    def add_fetched(self, file: str, nbytes: int, requests: int = 0, retries: int = 0) -> None:
+        with self._lock:
+            self.fetched[file] += nbytes
+            self.requests += requests
+            self.retries += retries
+
     @property
     def bytes_read(self) -> int:
         return sum(self.per_file.values())
 
+    @property
+    def bytes_fetched(self) -> int:
+        """Bytes that came over the network for these reads (what a slice really cost)."""
+        return sum(self.fetched.values())
+
     def reset(self) -> None:
         with self._lock:
             self.per_file.clear()
+            self.fetched.clear()
+            self.requests = self.retries = 0
 
 
 class FileCache:
@@ -71,6 +90,7 @@ class FileCache:
         self._lock = threading.Lock()
         self._maps: dict[str, mmap.mmap | bytes] = {}
         self._fds: dict[str, int] = {}
+        self._sizes: dict[str, int] = {}
         weakref.finalize(self, _close_all, self._fds)  # a cache dropped without close() leaks no fds
         self.stats = ReadStats()
         self.verify = verify
@@ -89,10 +109,27 @@ class FileCache:
                 self._maps[path] = buf
             return buf
 
+    def remote_size(self, url: str) -> int:
+        """Size of an object behind a URL (looked up once per cache)."""
+        with self._lock:
+            size = self._sizes.get(url)
+        if size is None:
+            from . import _storage
+
+            size = _storage.get(url).size(url)
+            with self._lock:
+                self._sizes[url] = size
+        return size
+
     def copy_region(self, region: FileRegion, box: Box, out: np.ndarray) -> int:
         """Copy ``box`` of the fragment stored at ``region`` into ``out`` (cast to out.dtype)."""
         if box.size == 0:
             return 0
+        if "://" in region.file:
+            from ._remote_read import execute_remote
+
+            op = CopyOp(Fragment(Box.full(box.stop), region), box, Box.full(box.shape))
+            return execute_remote([(op, out)], self, region.file, lambda _item: 0)
         dtype = _dtypes.to_numpy(region.dtype)
         buf = self.buffer(region.file)
         start = region.offset + sum(o * s for o, s in zip(box.offset, region.strides)) * dtype.itemsize
@@ -247,6 +284,10 @@ def _execute_each(items: Sequence[tuple[CopyOp, np.ndarray]], files: FileCache, 
             return files.copy_verified(frag, dst, label)
         return loc.read_into(op.src, dst, files)
 
+    if any("://" in getattr(op.fragment.location, "file", "") for op, _ in items):
+        from ._remote_read import execute_remote
+
+        return execute_remote(items, files, label, one)
     if len(items) <= 1 or sum(op.src.size for op, _ in items) < (1 << 16):
         return sum(one(item) for item in items)
     with ThreadPoolExecutor(min(files.max_workers, len(items))) as pool:

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _dtypes
+from . import _dtypes, _storage
 from ._crc import crc32, crc32_combine
 from ._errors import FormatError, MissingShardError, TruncatedError, WriteError
 
@@ -43,8 +43,8 @@ def read_header(path: str) -> tuple[dict[str, Any], int]:
     leads to a huge allocation or a read past the end.
     """
     try:
-        with open(path, "rb") as fh:
-            size = os.fstat(fh.fileno()).st_size
+        with _storage.open_read(path) as fh:
+            size = os.fstat(fh.fileno()).st_size if not _storage.is_url(path) else _storage.getsize(path)
             head = fh.read(8)
             if len(head) < 8:
                 raise TruncatedError(f"{path}: too short for a safetensors file ({size} bytes)")
@@ -201,7 +201,7 @@ def write_files(files: Sequence[FileSpec], on_entry: Callable[[Entry], None] | N
             buf, start, part = futures[k].result()
             writer.check()
             if t.file not in outs:
-                outs[t.file] = _NewFile(files[t.file].path)
+                outs[t.file] = _new_file(files[t.file].path)
             writer.put(outs[t.file].chunk(buf, start, t.nbytes), written[k])
             if isinstance(t.item, Entry):
                 crc = part if t.first else crc32_combine(crc, part, t.nbytes)
@@ -410,6 +410,11 @@ def _pwrite_all(fd: int, buf: mmap.mmap, lo: int, hi: int, at: int, path: str = 
                 lo, at = lo + n, at + n
     except OSError as err:
         raise WriteError(f"{path}: writing bytes {at}-{at + hi - lo}: {err.strerror}", err.errno) from err
+
+
+def _new_file(path: str) -> Any:
+    """A new local file (O_DIRECT where possible), or a streamed upload for a URL."""
+    return _storage.remote(path).writer(path) if _storage.is_url(path) else _NewFile(path)
 
 
 class _NewFile:

@@ -20,9 +20,11 @@ per-rank manifests, writes the marker and renames ``DIR.partial`` to
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
+import re
 import shutil
 import time
 import uuid
@@ -33,11 +35,19 @@ from typing import Any
 
 import numpy as np
 
-from . import _dtypes
+from . import _dtypes, _storage
 from ._checkpoint import CheckpointIndex
-from ._commit import check_destination, is_staging, publish, staging_path, write_marker
+from ._commit import (
+    check_destination,
+    is_staging,
+    prepare_destination,
+    publish,
+    staging_path,
+    write_marker,
+)
 from ._crc import crc32
 from ._errors import (
+    CheckpointError,
     FormatError,
     IncompleteCheckpointError,
     MissingShardError,
@@ -72,6 +82,9 @@ class Piece:
 
 
 def _write_json(path: str, obj: Any) -> None:
+    if _storage.is_url(path):  # one PUT: an object appears whole
+        _storage.write_bytes(path, json.dumps(obj, separators=(",", ":"), default=_json_default).encode())
+        return
     tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
     with open(tmp, "w") as fh:
         fh.write(json.dumps(obj, separators=(",", ":"), default=_json_default))  # one shot: the C encoder
@@ -125,7 +138,7 @@ def plan_rank(
         for part, group in enumerate(files):
             rel = f"data/{_safe_component(state)}-r{rank:05d}-{part:05d}.safetensors"
             entries = [Entry(_key(p), p.dtype, p.box.shape, p.data) for p in group]
-            out.append((rel, group, FileSpec(os.path.join(stage, rel), entries, {"format": FORMAT, "state": state})))
+            out.append((rel, group, FileSpec(_storage.join(stage, rel), entries, {"format": FORMAT, "state": state})))
     return out
 
 
@@ -148,7 +161,7 @@ def write_rank(
     ``background``: write at a lower CPU priority (see ``write_files``).
     """
     stage = staging_path(path, token)
-    os.makedirs(os.path.join(stage, "data"), exist_ok=True)
+    _storage.makedirs(_storage.join(stage, "data"))
     plan = plan_rank(path, pieces, rank, max_file_bytes, token)
     specs = [dataclasses.replace(spec, image=images[rel]) if images and rel in images else spec
              for rel, _, spec in plan]
@@ -165,8 +178,8 @@ def write_rank(
                 "byte_offset": w.offset, "checksum": w.checksum,
                 **({"sources": list(p.sources)} if p.sources else {}),
             })
-    _write_json(os.path.join(stage, f"manifest.r{rank:05d}.json"),
-                {"rank": rank, "fragments": frags, "scalars": dict(scalars or {})})
+    _write_json(_storage.join(stage, f"manifest.r{rank:05d}.json"),
+                {"rank": rank, "token": token, "fragments": frags, "scalars": dict(scalars or {})})
     return stage
 
 
@@ -191,12 +204,16 @@ def commit_universal(
     stage = staging_path(path, token)
     check_destination(path, overwrite)
     tensors: dict[str, dict[str, Any]] = {}
+    remote = _storage.is_url(path)
+    if remote:
+        _storage.get(path).invalidate(path)
     for rank in range(world_size):
-        part = os.path.join(stage, f"manifest.r{rank:05d}.json")
-        if not os.path.exists(part):
+        part = _storage.join(stage, f"manifest.r{rank:05d}.json")
+        if not _storage.exists(part):
             raise MissingShardError(f"{part}: rank {rank} did not finish writing; not committing")
-        with open(part) as fh:
-            data = json.load(fh)
+        data = json.loads(_storage.read_text(part))
+        if data.get("token", token) != token:  # left by an earlier, killed attempt at this prefix
+            raise MissingShardError(f"{part}: rank {rank} did not finish writing in this attempt; not committing")
         for name, sc in data.get("scalars", {}).items():
             tensors.setdefault(name, {"states": {}, "scalars": {}})["scalars"].update(sc)
         for f in data["fragments"]:
@@ -216,15 +233,33 @@ def commit_universal(
         "tensors": tensors,
     }
     _parse_tensors(manifest, stage)  # validates coverage before anything is committed
-    _write_json(os.path.join(stage, EXTRA), dict(extra or {}))
-    _write_json(os.path.join(stage, MANIFEST), manifest)
-    for rank in range(world_size):
-        os.remove(os.path.join(stage, f"manifest.r{rank:05d}.json"))
-    for name in os.listdir(stage):  # writers' liveness records (see ckptbridge._checkpointer.steps)
-        if name.startswith("owner.r"):
-            os.remove(os.path.join(stage, name))
+    _write_json(_storage.join(stage, EXTRA), dict(extra or {}))
+    _write_json(_storage.join(stage, MANIFEST), manifest)
+    if remote:  # the stage is the destination prefix: drop everything the manifest does not name
+        keep = {MANIFEST, EXTRA} | {f["file"] for t in tensors.values() for st in t["states"].values()
+                                    for f in st["fragments"]}
+        _storage.remote(path).remove_many([_storage.join(stage, r) for r in _storage.find(stage)
+                                        if r not in keep and _OURS.match(r)])
+    else:
+        for rank in range(world_size):
+            os.remove(os.path.join(stage, f"manifest.r{rank:05d}.json"))
+        for name in os.listdir(stage):  # writers' liveness records (see ckptbridge._checkpointer.steps)
+            if name.startswith("owner.r") or name == ".coord":
+                _remove_any(os.path.join(stage, name))
     write_marker(stage, MARKER, json.dumps({"format": FORMAT, "version": VERSION, "tensors": len(tensors)}))
     return publish(stage, path, overwrite=overwrite)
+
+
+# objects a writer of this layout leaves under a prefix (an earlier, abandoned attempt's included);
+# committing at a URL deletes those the manifest does not name, and nothing else
+_OURS = re.compile(r"^(data/[^/]+-r\d{5}-\d{5}\.safetensors|manifest\.r\d{5}\.json|owner\.r[^/]*|\.coord/.*)$")
+
+
+def _remove_any(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        os.remove(path)
 
 
 def write_universal(path: str, pieces: Iterable[Piece], *, step: int | None = None,
@@ -236,33 +271,49 @@ def write_universal(path: str, pieces: Iterable[Piece], *, step: int | None = No
     """Write a complete universal directory from one process."""
     path = os.fspath(path)
     check_destination(path, overwrite)
+    prepare_destination(path, overwrite)
     token = uuid.uuid4().hex[:12]  # private staging: a concurrent writer of the same path cannot interfere
     stage = staging_path(path, token)
     try:
         write_rank(path, pieces, 0, scalars, max_file_bytes, on_piece, token)
         return commit_universal(path, 1, step, extra, rules, provenance, overwrite, token)
     except BaseException:
-        shutil.rmtree(stage, ignore_errors=True)
+        if not _storage.is_url(path):  # at a URL the objects stay, invisible without the marker
+            shutil.rmtree(stage, ignore_errors=True)
         raise
 
 
 # ------------------------------------------------------------------ reading
 
 
+_RANK_FILE = re.compile(r"^(manifest\.r\d{5}\.json|[^/]+-r\d{5}-\d{5}\.safetensors)$")
+
+
 def detect(path: str) -> bool:
-    return os.path.isdir(path) and (os.path.exists(os.path.join(path, MANIFEST)) or is_staging(path))
+    if not _storage.isdir(path):
+        return False
+    if _storage.exists(_storage.join(path, MANIFEST)) or is_staging(path):
+        return True
+    if not _storage.is_url(path):
+        return False
+    # at a URL the staging prefix is the destination: a write that died left rank files or data
+    # objects but no manifest; it is ours, and opening it says it was never finished
+    names = _storage.listdir(path)
+    if any(_RANK_FILE.match(n) for n in names):
+        return True
+    data = _storage.join(path, "data")
+    return "data" in names and _storage.isdir(data) and any(_RANK_FILE.match(n) for n in _storage.listdir(data))
 
 
 def _load_manifest(path: str) -> dict[str, Any]:
-    mpath = os.path.join(path, MANIFEST)
-    if not os.path.exists(os.path.join(path, MARKER)):
+    mpath = _storage.join(path, MANIFEST)
+    if not _storage.exists(_storage.join(path, MARKER)):
         raise IncompleteCheckpointError(
             f"{path}: no {MARKER} marker, so this checkpoint was never finished (crashed or still "
             "being written); use the previous checkpoint"
         )
     try:
-        with open(mpath) as fh:
-            manifest = json.load(fh)
+        manifest = json.loads(_storage.read_text(mpath))
     except FileNotFoundError:
         raise MissingShardError(f"{mpath}: manifest missing") from None
     except (ValueError, UnicodeDecodeError) as err:
@@ -277,8 +328,8 @@ def _load_manifest(path: str) -> dict[str, Any]:
 def _resolve(root: str, rel: str, where: str) -> str:
     if not isinstance(rel, str) or "\x00" in rel or os.path.isabs(rel):
         raise FormatError(f"{where}: bad data file name {rel!r}")
-    full = os.path.normpath(os.path.join(root, rel))
-    if not full.startswith(os.path.normpath(root) + os.sep):
+    full = _storage.inside(root, rel)
+    if full is None:
         raise FormatError(f"{where}: data file {rel!r} points outside the checkpoint")
     return full
 
@@ -286,7 +337,10 @@ def _resolve(root: str, rel: str, where: str) -> str:
 def _parse_tensors(manifest: Mapping[str, Any], root: str) -> dict[str, LogicalTensor]:
     out: dict[str, LogicalTensor] = {}
     sizes: dict[str, int] = {}
-    mpath = os.path.join(root, MANIFEST)
+    mpath = _storage.join(root, MANIFEST)
+    if _storage.is_url(root):  # one listing gives every data object's size
+        with contextlib.suppress(CheckpointError):
+            _storage.listdir(_storage.join(root, "data"))
     try:
         items = manifest["tensors"].items()
     except (KeyError, AttributeError):
@@ -304,7 +358,7 @@ def _parse_tensors(manifest: Mapping[str, Any], root: str) -> dict[str, LogicalT
                     region = FileRegion(file, int(f["byte_offset"]), dtype, c_strides(box.shape))
                     if file not in sizes:
                         try:
-                            sizes[file] = os.path.getsize(file)
+                            sizes[file] = _storage.getsize(file)
                         except OSError:
                             raise MissingShardError(f"{file}: data file of tensor {name!r} is missing") from None
                     if region.offset + region.extent(box.shape) > sizes[file]:
@@ -331,11 +385,10 @@ def index(path: str) -> CheckpointIndex:
     manifest = _load_manifest(path)
     tensors = _parse_tensors(manifest, path)
     extra: dict[str, Any] = {}
-    epath = os.path.join(path, EXTRA)
-    if os.path.exists(epath):
+    epath = _storage.join(path, EXTRA)
+    if _storage.exists(epath):
         try:
-            with open(epath) as fh:
-                extra = json.load(fh)
+            extra = json.loads(_storage.read_text(epath))
         except ValueError as err:
             raise FormatError(f"{epath}: not valid JSON ({err})") from None
     return CheckpointIndex(
@@ -350,6 +403,15 @@ def fragment_checksum(frag: Fragment, stats: Any = None, chunk: int = 64 << 20) 
     loc = frag.location
     left = loc.extent(frag.box.shape)
     crc = 0
+    if _storage.is_url(loc.file):
+        store = _storage.remote(loc.file)
+        for lo in range(loc.offset, loc.offset + left, chunk):
+            got = store.fetch(loc.file, [(lo, min(lo + chunk, loc.offset + left))], stats=stats)
+            for piece in got.pieces(lo, min(lo + chunk, loc.offset + left)):
+                crc = crc32(piece, crc)
+            if stats is not None:
+                stats.add(loc.file, min(chunk, loc.offset + left - lo))
+        return f"crc32:{crc:08x}"
     with open(loc.file, "rb") as fh:
         fh.seek(loc.offset)
         while left > 0:

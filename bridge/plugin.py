@@ -11,12 +11,19 @@ private ``ckptbridge._*`` module. It holds
 * the view an adapter returns: :class:`CheckpointIndex` (``Checkpoint`` adds the reader);
 * the rule language and its fragment transforms (``concat``, ``crop``, ``split`` ...);
 * reading: :class:`FileCache`, :func:`read_state`, :func:`read_boxes`;
+* storage: ``storage`` (``ckptbridge._storage``), the path API every adapter opens files
+  through, so that checkpoints behind URLs (``s3://``, ``gs://``, ``hf://`` ... through fsspec)
+  read like local ones: ``storage.isfile``, ``isdir``, ``listdir``, ``getsize``, ``open_read``,
+  ``read_bytes``, ``join``, ``normpath``, ``inside`` ...;
 * the registry: :class:`Format`, :class:`OpenOptions`, :class:`WriteOptions`,
   :func:`register_format`, :func:`require` (import an optional dependency or
   name the extra to install);
 * writing: :func:`staged_dir` / :func:`staged_file` (the one commit rule), the
   universal layout's writer (:class:`Piece`, :func:`write_universal`,
   :func:`write_rank`, :func:`commit_universal`) and the safetensors primitives;
+* scale-out writes: :class:`World`, :func:`world_from_env` (this process among the launcher's),
+  :class:`Store` / :class:`FileStore` (how ranks agree; runtimes register stores through the
+  ``ckptbridge.stores`` entry-point group), :func:`balance`;
 * the asynchronous checkpointer's hook for runtimes: :class:`Leaf` and
   :func:`register_leaf_provider`;
 * the fault detector's hook for runtimes: :class:`JobStore` and :func:`register_job_store`
@@ -42,11 +49,13 @@ A minimal read-only format::
 from __future__ import annotations
 
 from . import _dtypes as dtypes
+from . import _storage as storage
 from ._checkpoint import Checkpoint, CheckpointIndex, TensorView
 from ._checkpointer.leaves import Capture, Leaf, LeafProvider, leaves_of, register_leaf_provider
 from ._commit import check_destination, fsync_tree, publish, staged_dir, staged_file, staging_path
 from ._crc import crc32
 from ._errors import (
+    AccessDeniedError,
     CheckpointError,
     CorruptionError,
     FormatError,
@@ -55,6 +64,7 @@ from ._errors import (
     MissingShardError,
     OptionError,
     ShapeMismatchError,
+    StorageError,
     TensorNotFoundError,
     TruncatedError,
     UnknownFormatError,
@@ -127,11 +137,13 @@ from ._rules import (
     unstack,
 )
 from ._safetensors import Entry, FileSpec, read_header, write_file, write_files
+from ._scaleout import FileStore, Store, World, balance, rank_from_env, world_from_env
 from ._universal import Piece, commit_universal, write_rank, write_universal
 from ._views import ScaledRegion, ViewRegion, ZeroRegion
 
 __all__ = [
     "WEIGHT_STATES",
+    "AccessDeniedError",
     "BoundedCaller",
     "Box",
     "Capture",
@@ -147,6 +159,7 @@ __all__ = [
     "FileCache",
     "FileRegion",
     "FileSpec",
+    "FileStore",
     "FlatPartition",
     "Format",
     "FormatError",
@@ -181,6 +194,8 @@ __all__ = [
     "SplitDim",
     "Stack",
     "State",
+    "StorageError",
+    "Store",
     "StoreTimeout",
     "TensorNotFoundError",
     "TensorState",
@@ -191,11 +206,13 @@ __all__ = [
     "UnsafePickleError",
     "Unstack",
     "ViewRegion",
+    "World",
     "WriteError",
     "WriteOptions",
     "ZeroRegion",
     "apply_rules",
     "as_checkpoint",
+    "balance",
     "c_strides",
     "cast",
     "check_destination",
@@ -222,6 +239,7 @@ __all__ = [
     "pad",
     "poll_keys",
     "publish",
+    "rank_from_env",
     "read_boxes",
     "read_header",
     "read_state",
@@ -240,9 +258,11 @@ __all__ = [
     "staged_dir",
     "staged_file",
     "staging_path",
+    "storage",
     "transpose",
     "unstack",
     "weight_state_for",
+    "world_from_env",
     "write_file",
     "write_files",
     "write_rank",

@@ -30,7 +30,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptbridge.adapters.torchfile import Opaque, TensorRef, TorchArchive, TorchDtype, safe_loads
-from ckptbridge.plugin import Box, FileRegion, FormatError, Fragment, MissingShardError, TensorState
+from ckptbridge.plugin import (
+    Box,
+    FileRegion,
+    FormatError,
+    Fragment,
+    MissingShardError,
+    TensorState,
+    storage,
+)
 from ckptbridge.plugin import dtypes as _dtypes
 
 _MAX_METADATA = 1 << 31
@@ -71,18 +79,18 @@ _RANK_METADATA = re.compile(r"__(\d+)\.metadata")
 
 def is_dcp_dir(path: str) -> bool:
     """``.metadata``, or the per-rank ``__<rank>.metadata`` files of ``dcp.save(use_collectives=False)``."""
-    if not os.path.isdir(path):
+    if not storage.isdir(path):
         return False
-    return os.path.isfile(os.path.join(path, ".metadata")) or os.path.isfile(os.path.join(path, "__0.metadata"))
+    return storage.isfile(storage.join(path, ".metadata")) or storage.isfile(storage.join(path, "__0.metadata"))
 
 
 def metadata_files(path: str) -> list[str]:
     """The metadata pickles of a DCP directory: ``.metadata``, else every rank's ``__<rank>.metadata``
     (written without rank coordination; ranks must run 0..N-1 without a gap)."""
-    main = os.path.join(path, ".metadata")
-    if os.path.isfile(main):
+    main = storage.join(path, ".metadata")
+    if storage.isfile(main):
         return [main]
-    ranks = sorted(int(m.group(1)) for f in os.listdir(path) if (m := _RANK_METADATA.fullmatch(f)))
+    ranks = sorted(int(m.group(1)) for f in storage.listdir(path) if (m := _RANK_METADATA.fullmatch(f)))
     if not ranks:
         raise MissingShardError(f"{main}: DCP metadata file not found (not a finished checkpoint?)")
     missing = sorted(set(range(ranks[-1] + 1)) - set(ranks))
@@ -91,7 +99,7 @@ def metadata_files(path: str) -> list[str]:
             f"{path}: per-rank DCP metadata found for ranks {ranks} but __{missing[0]}.metadata "
             f"(rank(s) {missing}) is missing"
         )
-    return [os.path.join(path, f"__{r}.metadata") for r in ranks]
+    return [storage.join(path, f"__{r}.metadata") for r in ranks]
 
 
 def _fields(obj: Any) -> dict[str, Any]:
@@ -145,16 +153,15 @@ def read_metadata(path: str) -> DcpMetadata:
 
 
 def _read_one(path: str, meta_file: str) -> DcpMetadata:
-    if os.path.getsize(meta_file) > _MAX_METADATA:
+    if storage.getsize(meta_file) > _MAX_METADATA:
         raise FormatError(f"{meta_file}: implausibly large metadata file")
-    with open(meta_file, "rb") as fh:
-        raw = safe_loads(fh.read(), source=meta_file)
+    raw = safe_loads(storage.read_bytes(meta_file), source=meta_file)
     f = _fields(raw)
-    sdm, storage = f.get("state_dict_metadata"), f.get("storage_data")
-    if not isinstance(sdm, Mapping) or not isinstance(storage, Mapping):
+    sdm, items = f.get("state_dict_metadata"), f.get("storage_data")
+    if not isinstance(sdm, Mapping) or not isinstance(items, Mapping):
         raise FormatError(f"{meta_file}: not a torch.distributed.checkpoint Metadata pickle")
     where: dict[tuple[str, tuple[int, ...] | None], tuple[str, int, int]] = {}
-    for idx, info in storage.items():
+    for idx, info in items.items():
         fi, ii = _fields(idx), _fields(info)
         if ii.get("transform_descriptors"):
             raise FormatError(
@@ -166,7 +173,7 @@ def _read_one(path: str, meta_file: str) -> DcpMetadata:
         rel = str(ii.get("relative_path"))
         if os.path.isabs(rel) or ".." in rel.split("/"):
             raise FormatError(f"{meta_file}: data file {rel!r} escapes the checkpoint directory")
-        where[key] = (os.path.join(path, rel), int(ii.get("offset", 0)), int(ii.get("length", -1)))
+        where[key] = (storage.join(path, rel), int(ii.get("offset", 0)), int(ii.get("length", -1)))
     tensors: dict[str, DcpTensor] = {}
     objects: dict[str, tuple[str, int, int]] = {}
     for fqn, md in sdm.items():

@@ -25,6 +25,7 @@ from ckptbridge.plugin import (
     c_strides,
     read_state,
     rules_to_json,
+    storage,
 )
 from ckptbridge.plugin import dtypes as _dtypes
 
@@ -54,9 +55,7 @@ def detect(path: str) -> bool:
 
 def _fragment(t: DcpTensor, chunk: DcpChunk, st_headers: dict[tuple[str, int], Any]) -> Fragment:
     """A chunk in place: inside its ``torch.save`` archive, or in a safetensors-serialized file."""
-    with open(chunk.file, "rb") as fh:
-        fh.seek(chunk.offset)
-        magic = fh.read(4)
+    magic = storage.read_bytes(chunk.file, chunk.offset, 4)
     if magic == b"PK\x03\x04":
         return chunk_fragment(t, chunk)
     key = (chunk.file, chunk.offset)
@@ -76,7 +75,7 @@ def _fragment(t: DcpTensor, chunk: DcpChunk, st_headers: dict[tuple[str, int], A
     if shape != chunk.sizes or dtype != t.dtype or end - begin != Box.full(shape).size * _dtypes.itemsize(dtype):
         raise ShapeMismatchError(f"{chunk.file}: item {t.fqn!r} is {shape} {dtype}, "
                                  f"metadata says {chunk.sizes} {t.dtype}")
-    if base + end > os.path.getsize(chunk.file):
+    if base + end > storage.getsize(chunk.file):
         raise TruncatedError(f"{chunk.file}: item {t.fqn!r} ends past the end of the file")
     return Fragment(Box(chunk.offsets, chunk.sizes), FileRegion(chunk.file, base + begin, dtype, c_strides(shape)))
 
@@ -92,8 +91,8 @@ def _byte_item(meta: DcpMetadata, fqn: str) -> Any:
 
 
 def _safetensors_header(file: str, offset: int) -> tuple[dict[str, Any], int]:
-    with open(file, "rb") as fh:
-        size = os.fstat(fh.fileno()).st_size
+    with storage.open_read(file) as fh:
+        size = storage.getsize(file)
         fh.seek(offset)
         head = fh.read(8)
         if len(head) < 8:
@@ -206,7 +205,7 @@ def index(path: str, prefix: str | None = None, read_bytes: bool = True) -> Chec
     return CheckpointIndex(
         "dcp", path, tensors, step, extra, rules,
         {"format": "torch.distributed.checkpoint", "version": meta.raw.fields.get("version"),
-         "files": sorted({os.path.basename(c.file) for t in meta.tensors.values() for c in t.chunks})},
+         "files": sorted({storage.basename(c.file) for t in meta.tensors.values() for c in t.chunks})},
     )
 
 

@@ -25,7 +25,7 @@ import os
 import re
 from dataclasses import dataclass
 
-from ckptbridge.plugin import FormatError, MissingShardError
+from ckptbridge.plugin import FormatError, MissingShardError, storage
 
 OPTIM_RE = re.compile(r"^(bf16_|fp16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 ZERO3_MODEL_RE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
@@ -48,8 +48,7 @@ class TagFiles:
 
 
 def _read_text(path: str) -> str:
-    with open(path, encoding="utf-8") as fh:
-        return fh.read().strip()
+    return storage.read_text(path).strip()
 
 
 def resolve_tag_dir(path: str, tag: str | None = None) -> str:
@@ -59,18 +58,18 @@ def resolve_tag_dir(path: str, tag: str | None = None) -> str:
     """
     path = os.fspath(path)
     if tag is not None:
-        cand = os.path.join(path, tag)
-        if not os.path.isdir(cand):
+        cand = storage.join(path, tag)
+        if not storage.isdir(cand):
             raise MissingShardError(f"{path}: no tag folder {tag!r}")
         return cand
     if _is_tag_dir(path):
         return path
     for marker in ("latest", "latest_universal"):
-        mfile = os.path.join(path, marker)
-        if os.path.isfile(mfile):
+        mfile = storage.join(path, marker)
+        if storage.isfile(mfile):
             name = _read_text(mfile)
-            cand = os.path.join(path, name)
-            if not os.path.isdir(cand):
+            cand = storage.join(path, name)
+            if not storage.isdir(cand):
                 raise MissingShardError(
                     f"{mfile} names tag {name!r} but {cand} does not exist (pass tag=... or the tag folder)"
                 )
@@ -80,30 +79,30 @@ def resolve_tag_dir(path: str, tag: str | None = None) -> str:
 
 def _is_tag_dir(path: str) -> bool:
     try:
-        names = os.listdir(path)
+        names = storage.listdir(path)
     except OSError:
         return False
     if any(OPTIM_RE.match(n) or MODEL_RE.match(n) or ZERO3_MODEL_RE.match(n) for n in names):
         return True
-    return os.path.isfile(os.path.join(path, "zero", "optimizer_state.pt"))
+    return storage.isfile(storage.join(path, "zero", "optimizer_state.pt"))
 
 
 def looks_like_deepspeed(path: str) -> bool:
     """Cheap test used by ``detect``: never raises."""
     try:
-        if os.path.isfile(path):
+        if storage.isfile(path):
             return False
         if _is_tag_dir(path):
             return True
         for marker in ("latest", "latest_universal"):
-            mfile = os.path.join(path, marker)
-            if os.path.isfile(mfile) and os.path.getsize(mfile) < 4096:
+            mfile = storage.join(path, marker)
+            if storage.isfile(mfile) and storage.getsize(mfile) < 4096:
                 name = _read_text(mfile)
-                target = os.path.join(path, name)
+                target = storage.join(path, name)
                 if _is_tag_dir(target):
                     return True
                 # 'latest' naming a tag that is gone: claim it so that index() can say which
-                if name and "\n" not in name and os.sep not in name and not os.path.exists(target):
+                if name and "\n" not in name and os.sep not in name and not storage.exists(target):
                     return True
     except (OSError, UnicodeDecodeError, ValueError):
         return False
@@ -111,14 +110,14 @@ def looks_like_deepspeed(path: str) -> bool:
 
 
 def list_tag_files(tag_dir: str) -> TagFiles:
-    names = sorted(os.listdir(tag_dir))
+    names = sorted(storage.listdir(tag_dir))
     optim: dict[tuple[int, int], str] = {}
     prefixes = set()
     model: dict[int, str] = {}
     zero3_model: dict[tuple[int, int], str] = {}
     layers: dict[tuple[int, int], str] = {}
     for n in names:
-        full = os.path.join(tag_dir, n)
+        full = storage.join(tag_dir, n)
         if m := OPTIM_RE.match(n):
             prefixes.add(m.group(1) or "")
             optim[(int(m.group(3)), int(m.group(2)))] = full
@@ -130,10 +129,10 @@ def list_tag_files(tag_dir: str) -> TagFiles:
             layers[(int(m.group(1)), int(m.group(2) or 0))] = full
     if len(prefixes) > 1:
         raise FormatError(f"{tag_dir}: optimizer files with mixed prefixes {sorted(prefixes)}")
-    universal = not optim and os.path.isfile(os.path.join(tag_dir, "zero", "optimizer_state.pt"))
+    universal = not optim and storage.isfile(storage.join(tag_dir, "zero", "optimizer_state.pt"))
     return TagFiles(
         tag_dir=tag_dir,
-        tag=os.path.basename(os.path.normpath(tag_dir)),
+        tag=storage.basename(tag_dir),
         optim=optim,
         optim_prefix=next(iter(prefixes), ""),
         model=model,

@@ -13,7 +13,6 @@ so every state is a single fragment::
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -25,6 +24,7 @@ from ckptbridge.plugin import (
     TensorState,
     check_name,
     contiguous_fragment,
+    storage,
 )
 
 from ._common import FORMAT, get, hyper, open_archive, shape_of
@@ -34,7 +34,7 @@ STATES = ("fp32", "exp_avg", "exp_avg_sq")
 
 
 def index_universal(files: TagFiles) -> CheckpointIndex:
-    zero = os.path.join(files.tag_dir, "zero")
+    zero = storage.join(files.tag_dir, "zero")
     model_path = files.model.get(0) or files.zero3_model.get((0, 0))
     shapes: dict[str, tuple[int, ...]] = {}
     m0: Mapping[str, Any] = {}
@@ -43,7 +43,7 @@ def index_universal(files: TagFiles) -> CheckpointIndex:
         for group in get(m0, "param_shapes") or []:
             for k, v in group.items():
                 shapes[str(k)] = shape_of(v)
-    opt = open_archive(os.path.join(zero, "optimizer_state.pt"), "universal optimizer state")
+    opt = open_archive(storage.join(zero, "optimizer_state.pt"), "universal optimizer state")
     osd = opt.obj if isinstance(opt.obj, Mapping) else {}
     inner = osd.get("optimizer_state_dict") if isinstance(osd.get("optimizer_state_dict"), Mapping) else None
     default_step = None
@@ -52,15 +52,15 @@ def index_universal(files: TagFiles) -> CheckpointIndex:
         if "step" in st0:
             default_step = read_scalar(opt, st0["step"])
     tensors: dict[str, LogicalTensor] = {}
-    for name in sorted(os.listdir(zero)):
-        pdir = os.path.join(zero, name)
-        if not os.path.isdir(pdir):
+    for name in sorted(storage.listdir(zero)):
+        pdir = storage.join(zero, name)
+        if not storage.isdir(pdir):
             continue
         check_name(name, pdir)
         states = {}
         for key in STATES:
-            f = os.path.join(pdir, f"{key}.pt")
-            if not os.path.exists(f):
+            f = storage.join(pdir, f"{key}.pt")
+            if not storage.exists(f):
                 continue
             arch = open_archive(f, f"{name}/{key}")
             obj = arch.obj
@@ -77,8 +77,8 @@ def index_universal(files: TagFiles) -> CheckpointIndex:
         if not states:
             continue
         scalars = {}
-        sfile = os.path.join(pdir, "step.pt")
-        if os.path.exists(sfile):
+        sfile = storage.join(pdir, "step.pt")
+        if storage.exists(sfile):
             sarch = open_archive(sfile, f"{name}/step")
             scalars["step"] = read_scalar(sarch, sarch.obj)
         elif default_step is not None:

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from ckptbridge.adapters.torchfile import Opaque, TensorRef, TorchDtype
-from ckptbridge.plugin import FormatError, MissingShardError
+from ckptbridge.plugin import FormatError, MissingShardError, storage
 
 TRACKER = "latest_checkpointed_iteration.txt"
 ITER_RE = re.compile(r"^iter_(\d{7,})$")
@@ -20,31 +20,29 @@ RANK_RE = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
 
 def resolve_iter_dir(path: str) -> tuple[str, int | None]:
     """A run dir (with the tracker file), an ``iter_*``/``release`` dir -> (iteration dir, iteration)."""
-    path = os.path.abspath(os.fspath(path))
-    if os.path.isfile(os.path.join(path, TRACKER)):
-        with open(os.path.join(path, TRACKER), encoding="utf-8", errors="replace") as fh:
-            text = fh.read(4096).strip()
+    path = storage.abspath(os.fspath(path))
+    if storage.isfile(storage.join(path, TRACKER)):
+        text = storage.read_text(storage.join(path, TRACKER), 4096, errors="replace").strip()
         if text == "release":
-            return os.path.join(path, "release"), None
+            return storage.join(path, "release"), None
         if not re.fullmatch(r"[0-9]{1,12}", text):
             raise FormatError(f"{path}/{TRACKER}: expected an iteration number or 'release', got {text!r}")
-        it_dir = os.path.join(path, f"iter_{int(text):07d}")
-        if not os.path.isdir(it_dir):
+        it_dir = storage.join(path, f"iter_{int(text):07d}")
+        if not storage.isdir(it_dir):
             raise MissingShardError(
                 f"{it_dir}: {TRACKER} names iteration {int(text)} but its directory is missing"
             )
         return it_dir, int(text)
-    m = ITER_RE.match(os.path.basename(path))
+    m = ITER_RE.match(storage.basename(path))
     return path, (int(m.group(1)) if m else None)
 
 
 def is_dist_dir(path: str) -> bool:
-    meta = os.path.join(path, "metadata.json")
-    if not os.path.isfile(meta):
+    meta = storage.join(path, "metadata.json")
+    if not storage.isfile(meta):
         return False
     try:
-        with open(meta) as fh:
-            return json.load(fh).get("sharded_backend") in ("torch_dist", "zarr", "fsdp_dtensor")
+        return json.loads(storage.read_text(meta)).get("sharded_backend") in ("torch_dist", "zarr", "fsdp_dtensor")
     except (OSError, ValueError, AttributeError):
         return False
 
@@ -53,15 +51,15 @@ def rank_dirs(it_dir: str) -> dict[tuple[int, int], str]:
     """``mp_rank_TT[_PPP]`` directories of a legacy iteration dir: (tp, pp) -> path."""
     out = {}
     try:
-        names = os.listdir(it_dir)
+        names = storage.listdir(it_dir)
     except OSError:
         return {}
     for n in names:
         m = RANK_RE.match(n)
-        if m and os.path.isdir(os.path.join(it_dir, n)):
+        if m and storage.isdir(storage.join(it_dir, n)):
             if m.group(3) is not None:
                 raise FormatError(f"{it_dir}/{n}: expert-parallel checkpoints are not supported yet")
-            out[(int(m.group(1)), int(m.group(2) or 0))] = os.path.join(it_dir, n)
+            out[(int(m.group(1)), int(m.group(2) or 0))] = storage.join(it_dir, n)
     return out
 
 

@@ -18,7 +18,6 @@ from the args (see :func:`_dp_reshardable`).
 from __future__ import annotations
 
 import math
-import os
 import re
 from typing import Any
 
@@ -32,6 +31,7 @@ from ckptbridge.plugin import (
     TensorState,
     crop,
     flat_range_fragments,
+    storage,
     unstack,
 )
 
@@ -54,8 +54,8 @@ _BUCKET_RE = re.compile(
 
 
 def read_dist(it_dir: str, iteration: int | None) -> RawCheckpoint:
-    common_path = os.path.join(it_dir, "common.pt")
-    if not os.path.isfile(common_path):
+    common_path = storage.join(it_dir, "common.pt")
+    if not storage.isfile(common_path):
         raise MissingShardError(f"{common_path}: torch_dist checkpoint without common.pt")
     common = TorchArchive.open(common_path).obj
     args = args_dict(common.get("args"), common_path)
@@ -65,7 +65,7 @@ def read_dist(it_dir: str, iteration: int | None) -> RawCheckpoint:
     raw = RawCheckpoint(args, iteration if iteration is not None else common.get("iteration"))
     raw.files = sorted({c.file for t in meta.tensors.values() for c in t.chunks})
     for f in raw.files:
-        if not os.path.isfile(f):
+        if not storage.isfile(f):
             raise MissingShardError(f"{f}: data file named by {it_dir}/.metadata is missing")
     fp16 = cfg.bf16 or cfg.fp16
     for key, _t in meta.tensors.items():

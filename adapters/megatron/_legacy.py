@@ -12,13 +12,18 @@ fragments), which ``megatron.index`` consolidates with the layout rules::
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from ckptbridge.adapters.torchfile import TensorRef, TorchArchive, read_scalar
-from ckptbridge.plugin import FormatError, MissingShardError, TensorState, contiguous_fragment
+from ckptbridge.plugin import (
+    FormatError,
+    MissingShardError,
+    TensorState,
+    contiguous_fragment,
+    storage,
+)
 
 from ._common import args_dict, rank_dir_name, rank_dirs
 from ._layout import LAYER_RE, MegatronConfig
@@ -64,7 +69,7 @@ def read_legacy(it_dir: str, iteration: int | None) -> RawCheckpoint:
     first = ranks.get((0, 0))
     if first is None:
         raise MissingShardError(f"{it_dir}/mp_rank_00[_000]: rank 0 directory missing")
-    arch0 = TorchArchive.open(os.path.join(first, "model_optim_rng.pt"))
+    arch0 = TorchArchive.open(storage.join(first, "model_optim_rng.pt"))
     args = args_dict(arch0.obj.get("args"), arch0.path)
     cfg = MegatronConfig.from_args(args, where=arch0.path)
     missing = [rank_dir_name(t, p, cfg.pp) for t in range(cfg.tp) for p in range(cfg.pp) if (t, p) not in ranks]
@@ -78,8 +83,8 @@ def read_legacy(it_dir: str, iteration: int | None) -> RawCheckpoint:
         if (t, p) != (0, 0):
             if t >= cfg.tp or p >= cfg.pp:
                 raise FormatError(f"{d}: rank outside TP={cfg.tp} PP={cfg.pp} from the args")
-            f = os.path.join(d, "model_optim_rng.pt")
-            if not os.path.isfile(f):
+            f = storage.join(d, "model_optim_rng.pt")
+            if not storage.isfile(f):
                 raise MissingShardError(f"{f}: rank file missing")
             archives[(t, p)] = TorchArchive.open(f)
     raw = RawCheckpoint(args, iteration if iteration is not None else arch0.obj.get("iteration"))
@@ -99,7 +104,7 @@ def read_legacy(it_dir: str, iteration: int | None) -> RawCheckpoint:
         raise FormatError(f"{it_dir}: stages hold {total} decoder layers, the args say {cfg.num_layers}")
     raw.offsets = offsets
 
-    dist_opt = cfg.distributed_optimizer or os.path.isfile(os.path.join(first, "distrib_optim.pt"))
+    dist_opt = cfg.distributed_optimizer or storage.isfile(storage.join(first, "distrib_optim.pt"))
     opt_kind = None
     for (t, p), arch in sorted(archives.items()):
         chunks = _model_chunks(arch.obj, arch.path)
@@ -174,8 +179,8 @@ def _read_torch_adam(raw: RawCheckpoint, args: Mapping[str, Any], tp: int, named
 
 def _read_distrib_optim(raw: RawCheckpoint, cfg: MegatronConfig, args: Mapping[str, Any], tp: int, pp: int,
                         named: list[tuple[str, str, TensorRef]], arch: TorchArchive, it_dir: str) -> None:
-    path = os.path.join(it_dir, rank_dir_name(tp, pp, cfg.pp), "distrib_optim.pt")
-    if not os.path.isfile(path):
+    path = storage.join(it_dir, rank_dir_name(tp, pp, cfg.pp), "distrib_optim.pt")
+    if not storage.isfile(path):
         raise MissingShardError(
             f"{path}: distributed-optimizer state missing (the run used --use-distributed-optimizer)"
         )

@@ -19,6 +19,7 @@ from ckptbridge.plugin import (
     crop,
     read_state,
     rules_to_json,
+    storage,
 )
 
 from ._common import ITER_RE, TRACKER, is_dist_dir, plain, rank_dirs, resolve_iter_dir
@@ -31,15 +32,15 @@ def detect(path: str) -> bool:
     """A Megatron run dir, iteration dir, or Megatron dist-checkpoint dir (cheap; never raises)."""
     try:
         path = os.fspath(path)
-        if not os.path.isdir(path):
+        if not storage.isdir(path):
             return False
-        if os.path.isfile(os.path.join(path, TRACKER)):
+        if storage.isfile(storage.join(path, TRACKER)):
             return True
-        if is_dist_dir(path) and os.path.isfile(os.path.join(path, "common.pt")):
+        if is_dist_dir(path) and storage.isfile(storage.join(path, "common.pt")):
             return True
-        return bool(rank_dirs(path)) and (ITER_RE.match(os.path.basename(path)) is not None
-                                          or os.path.basename(path) == "release"
-                                          or any(os.path.isfile(os.path.join(d, "model_optim_rng.pt"))
+        return bool(rank_dirs(path)) and (ITER_RE.match(storage.basename(path)) is not None
+                                          or storage.basename(path) == "release"
+                                          or any(storage.isfile(storage.join(d, "model_optim_rng.pt"))
                                                  for d in rank_dirs(path).values()))
     except Exception:  # detection must never raise on foreign input
         return False
@@ -127,8 +128,8 @@ def index(path: str, *, split_fused: bool = False, strip_padding: bool = True, v
         }
     }
     prov = {"source_format": f"megatron/{fmt}", "tp": cfg.tp, "pp": cfg.pp, "dp": cfg.dp,
-            "path": os.path.abspath(os.fspath(path)), "files": len(raw.files)}
-    return CheckpointIndex("megatron", os.path.abspath(os.fspath(path)), tensors, raw.iteration, extra,
+            "path": storage.abspath(os.fspath(path)), "files": len(raw.files)}
+    return CheckpointIndex("megatron", storage.abspath(os.fspath(path)), tensors, raw.iteration, extra,
                            tuple(rules_to_json(rules)), prov)
 
 

@@ -56,6 +56,7 @@ from ckptbridge.plugin import (
     fuse,
     require,
     staged_dir,
+    storage,
 )
 from ckptbridge.plugin import dtypes as _dtypes
 
@@ -146,7 +147,7 @@ class _Source:
     def __init__(self, ckpt: Any, info: Mapping[str, Any], cfg: MegatronConfig) -> None:
         self.ckpt, self.cfg = ckpt, cfg
         self.padded_src: Any = None
-        if info.get("padding_stripped") and ckpt.format == "megatron" and os.path.exists(ckpt.path):
+        if info.get("padding_stripped") and ckpt.format == "megatron" and storage.exists(ckpt.path):
 
             # the padding rows are real (trained) rows: carry them over where they fit
             self.padded_src = Checkpoint(index(ckpt.path, strip_padding=False, vocab_size=cfg.vocab),

@@ -14,7 +14,6 @@ place (``TorchArchive``), and a ``torch.save``-compatible writer (``save_torch``
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from ckptbridge.plugin import (
@@ -26,6 +25,7 @@ from ckptbridge.plugin import (
     OpenOptions,
     TensorState,
     check_name,
+    storage,
 )
 
 from .._hf import check_weight_map, index_json_of, shard_files
@@ -54,20 +54,21 @@ _STEP_KEYS = ("step", "iteration", "global_step", "global_steps", "epoch_step")
 
 
 def _files(path: str) -> list[str]:
-    if os.path.isdir(path):
-        idx = [f for f in os.listdir(path) if f.endswith(".bin.index.json")]
+    if storage.isdir(path):
+        names = storage.listdir(path)
+        idx = [f for f in names if f.endswith(".bin.index.json")]
         if not idx:
-            return [os.path.join(path, f) for f in sorted(os.listdir(path))
-                    if f.endswith((".pt", ".bin", ".pth")) and is_torch_zip(os.path.join(path, f))]
-        path = os.path.join(path, sorted(idx)[0])
+            return [storage.join(path, f) for f in sorted(names)
+                    if f.endswith((".pt", ".bin", ".pth")) and is_torch_zip(storage.join(path, f))]
+        path = storage.join(path, sorted(idx)[0])
     return shard_files(path) if path.endswith(".index.json") else [path]
 
 
 def detect(path: str) -> bool:
-    if os.path.isfile(path):
+    if storage.isfile(path):
         return path.endswith(".bin.index.json") or is_torch_zip(path) or is_legacy_torch(path)
-    if os.path.isdir(path):
-        return any(f.endswith(".bin.index.json") for f in os.listdir(path))
+    if storage.isdir(path):
+        return any(f.endswith(".bin.index.json") for f in storage.listdir(path))
     return False
 
 
@@ -87,7 +88,7 @@ def index(path: str, options: OpenOptions | None = None) -> CheckpointIndex:
     step = None
     found: dict[str, str] = {}
     for f in _files(path):
-        if not os.path.exists(f):
+        if not storage.exists(f):
             raise MissingShardError(f"{f}: shard listed by {path} is missing")
         archive = open_legacy(f) if is_legacy_torch(f) else TorchArchive.open(f)
         _refuse_pickled_objects(f, archive.obj)

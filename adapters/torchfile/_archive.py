@@ -32,6 +32,7 @@ from ckptbridge.plugin import (
     Fragment,
     MissingShardError,
     TruncatedError,
+    storage,
 )
 from ckptbridge.plugin import dtypes as _dtypes
 
@@ -43,10 +44,8 @@ _MAX_PICKLE = 1 << 31
 
 def is_torch_zip(path: str, offset: int = 0) -> bool:
     try:
-        with open(path, "rb") as fh:
-            fh.seek(offset)
-            return fh.read(4) == b"PK\x03\x04"
-    except OSError:
+        return storage.read_bytes(path, offset, 4) == b"PK\x03\x04"
+    except (OSError, CheckpointError):
         return False
 
 
@@ -89,13 +88,19 @@ def _read_archive(
         raise FormatError(f"{label}: torch archive without data.pkl")
     prefix = pkl[0].filename[: -len("data.pkl")]
     offsets: dict[str, tuple[int, int]] = {}
-    for info in infos:
-        if not info.filename.startswith(prefix + "data/"):
-            continue
+    records = [i for i in infos if i.filename.startswith(prefix + "data/")]
+    batch = getattr(raw, "raw", raw)
+    heads: list[bytes] | None = None
+    if hasattr(batch, "read_ranges") and len(records) > 1:  # behind a URL: every local header in one round
+        heads = batch.read_ranges([(base + i.header_offset, _LOCAL_HEADER.size) for i in records])
+    for k, info in enumerate(records):
         if info.compress_type != zipfile.ZIP_STORED:
             raise FormatError(f"{label}: storage {info.filename} is compressed")
-        raw.seek(base + info.header_offset)
-        head = raw.read(_LOCAL_HEADER.size)
+        if heads is not None:
+            head = heads[k]
+        else:
+            raw.seek(base + info.header_offset)
+            head = raw.read(_LOCAL_HEADER.size)
         if len(head) < _LOCAL_HEADER.size or head[:4] != b"PK\x03\x04":
             raise TruncatedError(f"{label}: broken zip entry {info.filename}")
         fields = _LOCAL_HEADER.unpack(head)
@@ -126,7 +131,7 @@ class TorchArchive:
         Storage offsets are absolute file offsets either way."""
         path = os.fspath(path)
         label = f"{path}@{offset}" + (f" ({what})" if what else "") if offset or what else path
-        if not os.path.exists(path):
+        if not storage.exists(path):
             raise MissingShardError(f"{path}: file not found" + (f" (needed for {what})" if what else ""))
         if not is_torch_zip(path, offset):
             raise FormatError(
@@ -134,8 +139,8 @@ class TorchArchive:
                 "pickles are not read; re-save with a current torch)"
             )
         try:
-            with open(path, "rb") as raw:
-                total = os.fstat(raw.fileno()).st_size
+            with storage.open_read(path) as raw:
+                total = storage.getsize(path)
                 length = total - offset if length is None else length
                 if offset < 0 or length < 0 or offset + length > total:
                     raise TruncatedError(f"{label}: needs bytes up to {offset + length}, the file has {total}")
@@ -238,9 +243,7 @@ def read_scalar(archive: TorchArchive, ref: Any) -> float | int:
         raise FormatError(f"{archive.path}: expected a scalar tensor, found shape {ref.shape}")
     loc = archive.fragment(ref).location
     dtype = _dtypes.to_numpy(ref.dtype)
-    with open(archive.path, "rb") as fh:
-        fh.seek(loc.offset)
-        raw = fh.read(dtype.itemsize)
+    raw = storage.read_bytes(archive.path, loc.offset, dtype.itemsize)
     if len(raw) != dtype.itemsize:
         raise TruncatedError(f"{archive.path}: scalar at byte {loc.offset} is past the end of the file")
     value = np.frombuffer(raw, dtype=dtype)[0].item()

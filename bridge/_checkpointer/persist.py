@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 import shutil
 
-from .._commit import fsync_tree, publish, staging_path
+from .. import _storage
+from .._commit import fsync_tree, publish, staging_path, upload_dir
 from .._formats import require
 from .._universal import MARKER
 from .steps import remove_checkpoint
@@ -20,26 +21,23 @@ def check_target(dest_root: str) -> None:
 def persist(src: str, dest_root: str) -> None:
     """Copy the committed step directory ``src`` under ``dest_root`` (same name), marker last.
 
-    A local destination is built in a staging directory and renamed into place; a URL
-    (``s3://``, ``gs://`` ... through fsspec) gets every object first and the marker last,
-    so readers never take a half-copied step for a complete one.
+    A local destination (``file://`` included) is built in a staging directory and renamed
+    into place; at a URL (``s3://``, ``gs://`` ... through fsspec) the commit rule of
+    ``ckptbridge._commit`` applies: every object first, the ``COMMITTED`` marker last (an earlier
+    copy of the same step loses its marker before its objects are replaced), so readers never
+    take a half-copied step for a complete one.
     """
     name = os.path.basename(src)
+    dest_root = _storage.local(dest_root)
+    if _storage.is_url(dest_root):
+        upload_dir(src, _storage.join(dest_root, name), overwrite=True, marker=MARKER)
+        return
     files = []
     for dirpath, _, names in os.walk(src):
         for n in names:
             rel = os.path.relpath(os.path.join(dirpath, n), src)
             if rel != MARKER:
                 files.append(rel)
-    if "://" in dest_root:
-        fsspec = require("fsspec", "remote", "a persistent checkpoint level at a URL")
-        fs, base = fsspec.core.url_to_fs(dest_root)
-        target = f"{base.rstrip('/')}/{name}"
-        for rel in files:
-            fs.makedirs(os.path.dirname(f"{target}/{rel}"), exist_ok=True)
-            fs.put_file(os.path.join(src, rel), f"{target}/{rel}")
-        fs.put_file(os.path.join(src, MARKER), f"{target}/{MARKER}")
-        return
     target = os.path.join(dest_root, name)
     stage = staging_path(target)
     shutil.rmtree(stage, ignore_errors=True)
