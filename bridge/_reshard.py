@@ -18,14 +18,12 @@ from . import _storage
 from ._errors import UnknownFormatError
 from ._formats import get_format, make_options, writable_formats
 from ._open import as_checkpoint
-from ._paths import local_path
 
 
 def destination(dst: str | os.PathLike[str], to: str) -> str:
     """Where ``reshard`` writes: ``dst``, with the format's file extension added when it has none."""
     fmt = get_format(to)
-    # the universal layout is written through the storage layer (URLs too); other writers write files
-    dst = _storage.local(os.fspath(dst)) if fmt.name == "universal" else local_path(dst, writing=True)
+    dst = _storage.local(os.fspath(dst))  # URLs too: writers stage locally and upload, marker last
     if fmt.suffix and not os.path.splitext(os.path.basename(dst))[1]:
         dst += fmt.suffix
     return dst

@@ -64,7 +64,7 @@ from ._errors import (
     WriteError,
 )
 from ._formats import require
-from ._paths import local_path
+from ._paths import file_url_path
 
 # ------------------------------------------------------------------ paths
 
@@ -77,9 +77,9 @@ def is_url(path: str | os.PathLike[str]) -> bool:
 
 def local(path: str | os.PathLike[str]) -> str:
     """``file:///x`` -> ``/x`` (``file://localhost/x`` and percent escapes too, see
-    :func:`ckptbridge._paths.local_path`); any other path or URL unchanged."""
+    :func:`ckptbridge._paths.file_url_path`); any other path or URL unchanged."""
     p = os.fspath(path)
-    return local_path(p) if p[:7].lower() == "file://" else p
+    return file_url_path(p) if p[:7].lower() == "file://" else p
 
 
 def protocol(url: str) -> str:
