@@ -23,6 +23,7 @@ import json
 import os
 import re
 import sys
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -46,7 +47,7 @@ def render(text: str, results: dict[str, dict]) -> tuple[str, list[str], list[st
             missing.append(key)
             body = f"*No result file `bench/results/{key}.json` yet (bench/README.md: the command that writes it).*\n"
         elif STANDALONE in doc:
-            body = standalone_block(key, doc[STANDALONE])
+            body = standalone_block(key, doc[STANDALONE], doc.get(RAW))
         else:
             body = readme_block(doc)
         return m.group(1) + body + m.group(4)
@@ -56,14 +57,39 @@ def render(text: str, results: dict[str, dict]) -> tuple[str, list[str], list[st
 
 
 STANDALONE = "_standalone_md"  # key of a standalone result: the text of its .md (or None)
+RAW = "_standalone_json"  # and its JSON
+HEADLINE = re.compile(r"ratio|speedup|summary|goal|equal|_vs_|bytes_fetched|fetched_over", re.I)
 
 
-def standalone_block(key: str, md: str | None) -> str:
+def headline_table(doc: Any, limit: int = 40) -> str:
+    """The numbers and yes/no values of a standalone result whose key path names a ratio, a
+    speed-up, a goal or a summary, as a two-column table (paths as in the JSON, values as written)."""
+    rows: list[tuple[str, str]] = []
+
+    def walk(node: Any, path: list[str], hit: bool) -> None:
+        if isinstance(node, dict):
+            for k, v in node.items():
+                walk(v, [*path, str(k)], hit or bool(HEADLINE.search(str(k))))
+        elif hit and isinstance(node, bool):
+            rows.append((".".join(path), "yes" if node else "no"))
+        elif hit and isinstance(node, (int, float)):
+            rows.append((".".join(path), f"{node:.3g}" if isinstance(node, float) else str(node)))
+
+    walk(doc, [], False)
+    if not rows:
+        return "*(no ratio, speed-up or goal in this file)*\n"
+    out = ["| figure | value |", "|---|---|", *(f"| `{k}` | {v} |" for k, v in rows[:limit])]
+    if len(rows) > limit:
+        out.append(f"| ... {len(rows) - limit} more in the JSON | |")
+    return "\n".join(out) + "\n"
+
+
+def standalone_block(key: str, md: str | None, doc: Any = None) -> str:
     """A standalone benchmark's own Markdown, verbatim, under a line naming its files."""
     src = f"*From `bench/results/{key}.json`"
     if md is None:
-        return (src + " (the script's own format, not rendered as a table: read the JSON or the "
-                "script's docstring).*\n")
+        return src + " (the script's own format; its headline figures below, read from the JSON).*\n\n" + \
+            headline_table(doc)
     return src + f" and `{key}.md`, as the script wrote them.*\n\n" + md.strip() + "\n"
 
 
@@ -79,7 +105,7 @@ def load_results(folder: str) -> dict[str, dict]:
             if os.path.exists(md):
                 with open(md) as fh:
                     text = fh.read()
-            out[os.path.splitext(os.path.basename(path))[0]] = {STANDALONE: text}
+            out[os.path.splitext(os.path.basename(path))[0]] = {STANDALONE: text, RAW: doc}
             continue
         problems = validate(doc)
         if problems:

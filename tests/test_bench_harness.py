@@ -97,14 +97,15 @@ def test_readme_standalone_results(quick_result: dict, tmp_path) -> None:
     (tmp_path / "core-quick.json").write_text(json.dumps(quick_result))
     (tmp_path / "bench_async.json").write_text(json.dumps({"cases": {"torch": {"loop_s": 12.5}}}))
     (tmp_path / "bench_async.md").write_text("| loop | s |\n|---|---|\n| torch | 12.5 |\n")
-    (tmp_path / "ds_resume.json").write_text(json.dumps({"median": {"native": 3.25}}))
+    (tmp_path / "ds_resume.json").write_text(json.dumps({"median": {"native": 3.25}, "speedup_ttfs": 1.953}))
     results = readme.load_results(str(tmp_path))
     assert set(results) == {"core-quick", "bench_async", "ds_resume"}
     text = "".join(f"<!-- bench:{k} -->\nold\n<!-- /bench:{k} -->\n" for k in ("bench_async", "ds_resume", "bench_x"))
     new, missing, unplaced = readme.render(text, results)
     assert missing == ["bench_x"] and unplaced == ["core-quick"]
     assert "| torch | 12.5 |" in new and "bench/results/bench_async.json" in new
-    assert "bench/results/ds_resume.json" in new and "3.25" not in new  # pointed to, not rendered
+    assert "bench/results/ds_resume.json" in new and "3.25" not in new  # only its headline figures
+    assert "| `speedup_ttfs` | 1.95 |" in new
     assert "old" not in new and "No result file `bench/results/bench_x.json`" in new
     (tmp_path / "bad-quick.json").write_text(json.dumps({"schema": "ckptbridge-bench/1"}))
     with pytest.raises(SystemExit, match="not a valid result file"):  # a broken harness file is refused
