@@ -50,6 +50,12 @@ import numpy as np
 
 GLOBAL_BATCH, D_IN, HIDDEN, D_OUT = 24, 16, 30, 10
 RDZV_CONF = "last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=2,join_timeout=120"
+# How often an agent checks its worker. Not faster than the watchdog isolates a dead rank's node
+# (detection + isolation ~0.6 s): an agent that sees its SIGKILLed worker first rejoins the next
+# rendezvous round at once, often as its group rank 0, and when the watchdog then stops it the
+# round's rank assignment is never written (the others wait 60 s in torch's
+# _assign_worker_ranks, DistStoreError).
+MONITOR_INTERVAL = 2.0
 # Each round's rank-0 worker serves the workers' store: with torch's shared agent store (the
 # default), agents keep the address of the first round's rank-0 node, so a restart without that
 # node waits for a store that is gone (torch 2.13). Gloo talks over loopback.
@@ -196,6 +202,9 @@ def train(root: str, steps: int, *, fault: Fault | None = None, events: str | No
 
 
 class _NoWatchdog(contextlib.nullcontext):
+    def __enter__(self) -> _NoWatchdog:
+        return self
+
     def step(self, step: int) -> None:
         pass
 
@@ -221,7 +230,7 @@ def agent_command(port: int, job: str, root: str, steps: int, *, nodes: int = 4,
     """The torchrun command of one node."""
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes - 1}:{nodes}", "--nproc-per-node=1",
            "--max-restarts=3", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={job}",
-           "--local-addr=127.0.0.1", f"--rdzv-conf=is_host=0,{RDZV_CONF}", "--monitor-interval=0.1",
+           "--local-addr=127.0.0.1", f"--rdzv-conf=is_host=0,{RDZV_CONF}", f"--monitor-interval={MONITOR_INTERVAL}",
            os.path.abspath(__file__), "train", root, "--steps", str(steps)]
     if fault is not None:
         cmd += ["--fault-rank", str(fault.rank), "--fault-step", str(fault.step), "--fault-signal", fault.signal,

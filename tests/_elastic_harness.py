@@ -60,7 +60,7 @@ def agent(port: int, job: str, root: str, steps: int, fault: Fault | None, event
     conf = dict(item.split("=") for item in example.RDZV_CONF.split(","))
     config = LaunchConfig(min_nodes=3, max_nodes=4, nproc_per_node=1, run_id=job, rdzv_backend="c10d",
                           rdzv_endpoint=f"127.0.0.1:{port}", rdzv_configs={"is_host": False, **conf},
-                          max_restarts=3, monitor_interval=0.1, start_method="fork", local_addr="127.0.0.1")
+                          max_restarts=3, monitor_interval=example.MONITOR_INTERVAL, start_method="fork", local_addr="127.0.0.1")
     elastic_launch(config, _train)(root, steps, fault, events, keep_all, broken)
     sys.stdout.flush()
     sys.stderr.flush()
