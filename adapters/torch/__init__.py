@@ -453,25 +453,17 @@ def optimizer_states(optimizer: torch.optim.Optimizer, module: torch.nn.Module) 
     """``{param name: {"exp_avg": t, "exp_avg_sq": t, "step": n}}`` from a torch optimizer."""
     import torch
 
-    names = {id(p): n for n, p in module.named_parameters()}
     out: dict[str, dict[str, Any]] = {}
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            st = optimizer.state.get(p)
-            if not st:
-                continue
-            name = names.get(id(p))
-            if name is None:
-                raise TensorNotFoundError(f"an optimizer parameter of shape {tuple(p.shape)} is not in the module")
-            entry: dict[str, Any] = {}
-            for k, v in st.items():
-                if isinstance(v, torch.Tensor) and v.ndim > 0:
-                    entry[k] = v
-                elif isinstance(v, torch.Tensor):
-                    entry[k] = v.item()
-                elif isinstance(v, (int, float)):
-                    entry[k] = v
-            out[name] = entry
+    for name, st in named_optimizer_state(optimizer, module):
+        entry: dict[str, Any] = {}
+        for k, v in st.items():
+            if isinstance(v, torch.Tensor) and v.ndim > 0:
+                entry[k] = v
+            elif isinstance(v, torch.Tensor):
+                entry[k] = v.item()
+            elif isinstance(v, (int, float)):
+                entry[k] = v
+        out[name] = entry
     return out
 
 
@@ -602,4 +594,5 @@ def save(
 # ---------------------------------------------------------------- training state for the Checkpointer
 
 from ._train_state import load_train_state as load_train_state  # noqa: E402
+from ._train_state import named_optimizer_state  # noqa: E402
 from ._train_state import train_state as train_state  # noqa: E402

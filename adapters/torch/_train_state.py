@@ -15,6 +15,7 @@ new world size, reads back only the bytes of its new shards::
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from ckptbridge.plugin import Checkpoint, TensorNotFoundError
@@ -32,8 +33,15 @@ def train_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer | None
     state: dict[str, Any] = {"model": dict(module.state_dict(keep_vars=True))}
     if optimizer is None:
         return state
+    state["optim"] = {name: {k: v for k, v in st.items() if isinstance(v, torch.Tensor)}
+                      for name, st in named_optimizer_state(optimizer, module)}
+    return state
+
+
+def named_optimizer_state(optimizer: torch.optim.Optimizer, module: torch.nn.Module) -> Iterator[tuple[str, Any]]:
+    """``(parameter name in module, its optimizer state)`` for every parameter that has state;
+    a parameter the module does not hold is a :class:`~ckptbridge.TensorNotFoundError`."""
     names = {id(p): n for n, p in module.named_parameters()}
-    optim: dict[str, dict[str, Any]] = {}
     for group in optimizer.param_groups:
         for p in group["params"]:
             st = optimizer.state.get(p)
@@ -42,9 +50,7 @@ def train_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer | None
             name = names.get(id(p))
             if name is None:
                 raise TensorNotFoundError(f"an optimizer parameter of shape {tuple(p.shape)} is not in the module")
-            optim[name] = {k: v for k, v in st.items() if isinstance(v, torch.Tensor)}
-    state["optim"] = optim
-    return state
+            yield name, st
 
 
 def load_train_state(source: str | os.PathLike[str] | Checkpoint, module: torch.nn.Module,
