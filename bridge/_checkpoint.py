@@ -26,7 +26,7 @@ from ._errors import CheckpointError, TensorNotFoundError
 from ._html import checkpoint_html, tensor_html
 from ._model import Box, LogicalTensor, TensorState
 from ._plan import normalize_index
-from ._read import FileCache, ReadStats, read_state
+from ._read import FileCache, ReadStats, read_state, read_states
 from ._rules import Rule, apply_rules, rule_from_json, rules_to_json
 
 
@@ -137,12 +137,18 @@ class Checkpoint(Mapping[str, TensorView]):
         return view.read(box, dtype)
 
     def state_dict(self, state: str | None = None, dtype: str | None = None) -> dict[str, np.ndarray]:
-        """All tensors of one state as numpy arrays (reads everything: for small models)."""
-        out = {}
-        for name, t in self.index.tensors.items():
-            if state is None or state in t.states:
-                out[name] = TensorView(self, t, state).read(dtype=dtype)
-        return out
+        """All tensors of one state (default: the weights) as numpy arrays, cast to ``dtype``.
+
+        Reads everything, for small models; the copies run in rounds of many tensors (one
+        concurrent fetch per object for a checkpoint behind a URL)::
+
+            weights = ckptbridge.open("s3://bucket/run/ckpt").state_dict()
+            moments = ckpt.state_dict("exp_avg")
+        """
+        views = [TensorView(self, t, state) for t in self.index.tensors.values()
+                 if state is None or state in t.states]
+        arrays = read_states([(v._state, v._label()) for v in views], self.files, dtype)
+        return {v.name: a for v, a in zip(views, arrays)}
 
     def states(self) -> tuple[str, ...]:
         """Every state name present in any tensor."""

@@ -129,7 +129,7 @@ class FileCache:
             from ._remote_read import execute_remote
 
             op = CopyOp(Fragment(Box.full(box.stop), region), box, Box.full(box.shape))
-            return execute_remote([(op, out)], self, region.file, lambda _item: 0)
+            return execute_remote([(op, out, region.file)], self, lambda _item: 0)
         dtype = _dtypes.to_numpy(region.dtype)
         buf = self.buffer(region.file)
         start = region.offset + sum(o * s for o, s in zip(box.offset, region.strides)) * dtype.itemsize
@@ -260,23 +260,28 @@ def execute_many(items: Sequence[tuple[CopyOp, np.ndarray]], files: FileCache, l
     requests share is fetched and decoded once) get all their ops in one
     call; the others are copied here, on a thread pool when there are several.
     """
+    return _execute([(op, out, label) for op, out in items], files)
+
+
+def _execute(items: Sequence[tuple[CopyOp, np.ndarray, str]], files: FileCache) -> int:
+    """:func:`execute_many` with a label (the tensor named in errors) per op."""
     many: dict[Any, list[tuple[Any, Box, np.ndarray]]] = {}
     rest = []
-    for op, out in items:
+    for op, out, label in items:
         where: tuple[Any, ...] = (*op.dst.slices(), Ellipsis)
         dst = out[where]
         cls = type(op.fragment.location)
         if hasattr(cls, "read_many"):
             many.setdefault(cls, []).append((op.fragment.location, op.src, dst))
         else:
-            rest.append((op, dst))
+            rest.append((op, dst, label))
     total = sum(cls.read_many(group, files) for cls, group in many.items())
-    return total + _execute_each(rest, files, label)
+    return total + _execute_each(rest, files)
 
 
-def _execute_each(items: Sequence[tuple[CopyOp, np.ndarray]], files: FileCache, label: str) -> int:
-    def one(item: tuple[CopyOp, np.ndarray]) -> int:
-        op, dst = item
+def _execute_each(items: Sequence[tuple[CopyOp, np.ndarray, str]], files: FileCache) -> int:
+    def one(item: tuple[CopyOp, np.ndarray, str]) -> int:
+        op, dst, label = item
         frag = op.fragment
         loc = frag.location
         if (files.verify and frag.checksum and op.src.shape == frag.box.shape and isinstance(loc, FileRegion)
@@ -284,11 +289,11 @@ def _execute_each(items: Sequence[tuple[CopyOp, np.ndarray]], files: FileCache, 
             return files.copy_verified(frag, dst, label)
         return loc.read_into(op.src, dst, files)
 
-    if any("://" in getattr(op.fragment.location, "file", "") for op, _ in items):
+    if any("://" in getattr(op.fragment.location, "file", "") for op, _, _ in items):
         from ._remote_read import execute_remote
 
-        return execute_remote(items, files, label, one)
-    if len(items) <= 1 or sum(op.src.size for op, _ in items) < (1 << 16):
+        return execute_remote(items, files, one)
+    if len(items) <= 1 or sum(op.src.size for op, _, _ in items) < (1 << 16):
         return sum(one(item) for item in items)
     with ThreadPoolExecutor(min(files.max_workers, len(items))) as pool:
         return sum(pool.map(one, items))
@@ -340,3 +345,26 @@ def read_state(
         raise ValueError(f"{name}: out has shape {out.shape}, request is {box.shape}")
     execute(plan(state.fragments, box, name), out, files, name)
     return out
+
+
+def read_states(states: Sequence[tuple[TensorState, str]], files: FileCache, dtype: str | None = None,
+                batch_bytes: int = 256 << 20) -> list[np.ndarray]:
+    """Several tensor states read whole, in rounds of about ``batch_bytes`` of output: each
+    round's copies run together (one concurrent fetch per object behind a URL, one thread pool
+    locally), so many small tensors cost one round trip, not one each. ``states`` pairs each
+    state with the label its errors name::
+
+        w, m = read_states([(w_state, "ckpt: w"), (m_state, "ckpt: w.exp_avg")], files)
+    """
+    outs = [np.empty(st.shape, dtype=_dtypes.to_numpy(dtype or st.dtype)) for st, _ in states]
+    batch: list[tuple[CopyOp, np.ndarray, str]] = []
+    size = 0
+    for (st, label), out in zip(states, outs):
+        batch.extend((op, out, label) for op in plan(st.fragments, Box.full(st.shape), label))
+        size += out.nbytes
+        if size >= batch_bytes:
+            _execute(batch, files)
+            batch, size = [], 0
+    if batch:
+        _execute(batch, files)
+    return outs

@@ -124,25 +124,25 @@ def is_remote(op: CopyOp) -> bool:
     return isinstance(loc, FileRegion) and "://" in loc.file
 
 
-def execute_remote(items: Sequence[tuple[CopyOp, np.ndarray]], files: Any, label: str,
-                   one: Callable[[tuple[CopyOp, np.ndarray]], int]) -> int:
-    """Run ``(op, dst)`` pairs, fetching the remote ones' runs per object in one round (objects
-    concurrently); ``dst`` is the op's destination view."""
-    by_file: dict[str, list[tuple[CopyOp, np.ndarray]]] = {}
+def execute_remote(items: Sequence[tuple[CopyOp, np.ndarray, str]], files: Any,
+                   one: Callable[[tuple[CopyOp, np.ndarray, str]], int]) -> int:
+    """Run ``(op, dst, label)`` triples, fetching the remote ones' runs per object in one round
+    (objects concurrently); ``dst`` is the op's destination view, ``label`` names its tensor."""
+    by_file: dict[str, list[tuple[CopyOp, np.ndarray, str]]] = {}
     total = 0
-    for op, dst in items:
+    for op, dst, label in items:
         if op.src.size == 0:
             continue
         if is_remote(op):
-            by_file.setdefault(op.fragment.location.file, []).append((op, dst))
+            by_file.setdefault(op.fragment.location.file, []).append((op, dst, label))
         else:
-            total += one((op, dst))
+            total += one((op, dst, label))
 
-    def run_file(item: tuple[str, list[tuple[CopyOp, np.ndarray]]]) -> int:
+    def run_file(item: tuple[str, list[tuple[CopyOp, np.ndarray, str]]]) -> int:
         file, fops = item
         store = _storage.remote(file)
         size = files.remote_size(file)
-        plans = [_Op(op, dst, files, size, label) for op, dst in fops]
+        plans = [_Op(op, dst, files, size, label) for op, dst, label in fops]
         got = store.fetch(file, [s for p in plans for s in p.spans], stats=files.stats)
         n = 0
         for p in plans:
@@ -151,7 +151,7 @@ def execute_remote(items: Sequence[tuple[CopyOp, np.ndarray]], files: Any, label
             n += nbytes
         return n
 
-    groups = list(by_file.items())
+    groups: list[tuple[str, list[tuple[CopyOp, np.ndarray, str]]]] = list(by_file.items())
     if len(groups) <= 1:
         return total + sum(run_file(g) for g in groups)
     with ThreadPoolExecutor(min(files.max_workers, len(groups))) as pool:
