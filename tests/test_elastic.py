@@ -111,7 +111,10 @@ def check_trial(t: Trial, ref: Trial) -> dict[str, float]:
     assert {got[s][1] for s in range(start, STEPS)} == {3}
     # the restart: three ranks, from the newest complete step before the fault, each reading its shards
     assert sorted(e["rank"] for e in resumed) == [0, 1, 2] and {e["world"] for e in resumed} == {3}, resumed
-    assert {e["step"] for e in resumed} == {start - 1} and start - 1 < f.step, (resumed, f)
+    # the fault is armed ``delay`` seconds into step f.step; a step shorter than that (a quiet
+    # machine) commits f.step before the signal lands, so resuming from f.step itself is right.
+    # That it is the newest step the first attempt committed is checked below (world sizes)
+    assert {e["step"] for e in resumed} == {start - 1} and start - 1 <= f.step, (resumed, f)
     assert {e["rank"]: e["bytes"] for e in resumed} == {r: _shard_bytes(3, r) for r in range(3)}, resumed
     assert sorted((e["rank"], e["world"]) for e in t.of("done")) == [(0, 3), (1, 3), (2, 3)]
     # no partial step reported complete
