@@ -14,13 +14,16 @@ resumed at another world size / stage two ways, alternating rep by rep:
 
 Time to first step = from launching the first command to the end of the first optimizer
 step (``tools/ds_train.py`` records the epoch time; the conversion's wall time included for
-``universal``). Also reported: the load alone (``engine.load_checkpoint`` vs ``load_engine``),
+``universal``). Also the time to the resumed state (launch to the end of the load, the first
+step's compute excluded: it is the same work on both paths and dominates on a CPU). Also
+reported: the load alone (``engine.load_checkpoint`` vs ``load_engine``),
 peak RSS of each command's whole process tree (psutil), and whether the first losses are
 equal. Writes ``bench/results/ds_resume.json``::
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/bench_ds_resume.py --reps 3
     .venv/bin/python bench/bench_ds_resume.py --ckpt RUN/ckpt --src-ws 2 --dst-ws 4 --dst-stage 3
     .venv/bin/python bench/bench_ds_resume.py --big /tmp/big --dst-ws 1   # make_big_state.py's ZeRO-2 state
+    .venv/bin/python bench/bench_ds_resume.py --d-model 2048 --n-layer 6 --reps 2 --name ds_resume_4g
 
 With ``--big`` the resumed model is ``make_big_state.py``'s (its ``--worker resume``: the same
 engine config, one step on random tokens), so the state can be as large as the generator's.
@@ -101,7 +104,8 @@ def run_universal(ckpt: str, tag: str, scratch: str, a: argparse.Namespace) -> d
     res = measure(_resume_cmd(a, out, "universal", root), env=_env(), timeout=7200)
     meta = _meta(out)
     shutil.rmtree(root, ignore_errors=True)
-    return {"ttfs_s": meta["timing"]["first_step_done_at"] - t0, "convert_s": conv["wall_s"],
+    return {"ttfs_s": meta["timing"]["first_step_done_at"] - t0, "ready_s": meta["timing"]["load_done_at"] - t0,
+            "convert_s": conv["wall_s"],
             "resume_ttfs_s": meta["timing"]["first_step_done_at"] - t1, "load_s": meta["timing"]["load_s"],
             "peak_tree_rss_mb": max(conv["peak_tree_rss_mb"], res["peak_tree_rss_mb"]),
             "convert_peak_tree_rss_mb": conv["peak_tree_rss_mb"], "resume_peak_tree_rss_mb": res["peak_tree_rss_mb"],
@@ -114,8 +118,8 @@ def run_native(ckpt: str, scratch: str, a: argparse.Namespace) -> dict:
     t0 = time.time()
     res = measure(_resume_cmd(a, out, "native", ckpt), env=_env(), timeout=7200)
     meta = _meta(out)
-    return {"ttfs_s": meta["timing"]["first_step_done_at"] - t0, "load_s": meta["timing"]["load_s"],
-            "bytes_read_per_rank": meta["timing"].get("bytes_read"), "peak_tree_rss_mb": res["peak_tree_rss_mb"],
+    return {"ttfs_s": meta["timing"]["first_step_done_at"] - t0, "ready_s": meta["timing"]["load_done_at"] - t0,
+            "load_s": meta["timing"]["load_s"], "bytes_read_per_rank": meta["timing"].get("bytes_read"), "peak_tree_rss_mb": res["peak_tree_rss_mb"],
             "loss": meta["losses"][0]}
 
 
@@ -140,6 +144,8 @@ def main() -> None:
     ap.add_argument("--big", default=None, help="use the DeepSpeed state of bench/make_big_state.py in this "
                     "directory (its model; --big-fmt ds2 or ds3) instead of tools/ds_train.py's")
     ap.add_argument("--big-fmt", dest="big_fmt", default="ds2")
+    ap.add_argument("--name", default=None, help="result file stem (default: ds_resume, or ds_resume_big "
+                    "with --big), e.g. ds_resume_4g for a bigger --d-model/--n-layer")
     a = ap.parse_args()
 
     a.big_info = None
@@ -165,7 +171,7 @@ def main() -> None:
             runs[mode].append(r)
             print(f"rep {rep} {mode:9s} time to first step {r['ttfs_s']:7.2f}s  load {r['load_s']:6.2f}s  "
                   f"peak tree {r['peak_tree_rss_mb']:7.0f} MB  loss {r['loss']:.6f}", flush=True)
-    med = {m: {k: statistics.median(r[k] for r in rs) for k in ("ttfs_s", "load_s", "peak_tree_rss_mb")}
+    med = {m: {k: statistics.median(r[k] for r in rs) for k in ("ttfs_s", "ready_s", "load_s", "peak_tree_rss_mb")}
            for m, rs in runs.items()}
     med["universal"]["convert_s"] = statistics.median(r["convert_s"] for r in runs["universal"])
     same = all(u["loss"] == n["loss"] for u, n in zip(runs["universal"], runs["native"]))
@@ -176,16 +182,20 @@ def main() -> None:
           f"(load_checkpoint {u['load_s']:.2f}s), peak tree {u['peak_tree_rss_mb']:.0f} MB")
     print(f"native:    time to first step {n['ttfs_s']:.2f}s (load_engine {n['load_s']:.2f}s), "
           f"peak tree {n['peak_tree_rss_mb']:.0f} MB")
+    print(f"time to resumed state (launch to end of load, first step excluded): universal {u['ready_s']:.2f}s, "
+          f"native {n['ready_s']:.2f}s: {u['ready_s'] / n['ready_s']:.2f}x")
     print(f"speed-up, time to first step: {u['ttfs_s'] / n['ttfs_s']:.2f}x; "
           f"conversion + load vs load: {(u['convert_s'] + u['load_s']) / n['load_s']:.1f}x; "
           f"first losses equal: {same}")
-    path = save_result("ds_resume_big" if a.big else "ds_resume", {
+    path = save_result(a.name or ("ds_resume_big" if a.big else "ds_resume"), {
                                      "checkpoint": os.path.join(ckpt, tag), "rank_file_bytes": nbytes,
                                      "big": a.big_info,
                                      "src": {"ws": a.src_ws, "stage": a.src_stage}, "dst": {"ws": a.dst_ws,
                                      "stage": a.dst_stage}, "dtype": a.dtype, "d_model": a.d_model,
                                      "n_layer": a.n_layer, "reps": a.reps, "median": med, "runs": runs,
                                      "speedup_ttfs": u["ttfs_s"] / n["ttfs_s"],
+                                     "speedup_ready": u["ready_s"] / n["ready_s"],
+                                     "first_step_s": n["ttfs_s"] - n["ready_s"],
                                      "speedup_convert_plus_load": (u["convert_s"] + u["load_s"]) / n["load_s"],
                                      "first_losses_equal": same})
     print(f"# wrote {path}")

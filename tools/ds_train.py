@@ -261,7 +261,8 @@ def main() -> None:
         got = [None] * ws
         dist.all_gather_object(got, loaded.bytes_read)
         timing["bytes_read"] = got
-    timing["load_s"] = time.time() - t_load
+    timing["load_done_at"] = time.time()
+    timing["load_s"] = timing["load_done_at"] - t_load
     if args.resume_universal or args.resume_native:
         start = engine.global_steps
         if args.dump_loaded:
