@@ -39,6 +39,7 @@ import tempfile
 import time
 import urllib.request
 import zlib
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -132,39 +133,40 @@ def main() -> None:
             times: dict[str, list[float]] = {"ckptbridge": [], "ckptbridge-one-get": [], "ckptbridge-per-tensor": [],
                                              "ckptbridge-threads": [], "s3fs-cat": []}
             pool = ThreadPoolExecutor(len(names))
-            fetched_full = 0
-            for _ in range(args.reps):
+            fetched, fetched_full = [0], 0
+
+            def timed(row: str, read: Callable[[], list[np.ndarray]]) -> None:
+                """Time ``read()`` (open included); its arrays must hold the source file's values."""
                 t0 = time.perf_counter()
+                arrays = read()
+                times[row].append(time.perf_counter() - t0)
+                sums[row] = zlib.crc32(b"".join(np.ascontiguousarray(a).tobytes() for a in arrays))
+                if sums[row] != sums["source"]:
+                    raise SystemExit(f"{row} read other values than the source file holds")
+
+            def whole() -> list[np.ndarray]:
                 ck = ckptbridge.open(url)
                 ck.stats.reset()
                 sd = ck.state_dict()
-                times["ckptbridge"].append(time.perf_counter() - t0)
-                fetched_full = ck.stats.bytes_fetched
-                sums["ckptbridge"] = zlib.crc32(b"".join(np.ascontiguousarray(sd[n]).tobytes() for n in names))
-                del sd
+                fetched[0] = ck.stats.bytes_fetched
+                return [sd[n] for n in names]
+
+            def per_tensor() -> list[np.ndarray]:
+                ck = ckptbridge.open(url)
+                return [ck[n].read() for n in names]
+
+            def threads() -> list[np.ndarray]:
+                ck = ckptbridge.open(url)
+                return list(pool.map(lambda n: ck[n].read(), names))
+
+            for _ in range(args.reps):
+                timed("ckptbridge", whole)
+                fetched_full = fetched[0]
                 storage.configure("s3://", part_bytes=1 << 40)
-                t0 = time.perf_counter()
-                ck = ckptbridge.open(url)
-                sd = ck.state_dict()
-                times["ckptbridge-one-get"].append(time.perf_counter() - t0)
+                timed("ckptbridge-one-get", whole)
                 storage.configure("s3://", part_bytes=ckptbridge.RemotePolicy.part_bytes)
-                if zlib.crc32(b"".join(np.ascontiguousarray(sd[n]).tobytes() for n in names)) != sums["source"]:
-                    raise SystemExit("ckptbridge (one GET) read other values than the source file holds")
-                del sd
-                t0 = time.perf_counter()
-                ck = ckptbridge.open(url)
-                arrays = [ck[n].read() for n in names]
-                times["ckptbridge-per-tensor"].append(time.perf_counter() - t0)
-                if zlib.crc32(b"".join(np.ascontiguousarray(a).tobytes() for a in arrays)) != sums["source"]:
-                    raise SystemExit("ckptbridge (per tensor) read other values than the source file holds")
-                del arrays
-                t0 = time.perf_counter()
-                ck = ckptbridge.open(url)
-                arrays = list(pool.map(lambda n, ck=ck: ck[n].read(), names))
-                times["ckptbridge-threads"].append(time.perf_counter() - t0)
-                if zlib.crc32(b"".join(np.ascontiguousarray(a).tobytes() for a in arrays)) != sums["source"]:
-                    raise SystemExit("ckptbridge (threads) read other values than the source file holds")
-                del arrays
+                timed("ckptbridge-per-tensor", per_tensor)
+                timed("ckptbridge-threads", threads)
                 fs.invalidate_cache()
                 t0 = time.perf_counter()
                 blobs = fs.cat(data)
@@ -175,8 +177,6 @@ def main() -> None:
             storage.unconfigure()
             proc.terminate()
             proc.wait(10)
-    if sums["ckptbridge"] != sums["source"]:
-        raise SystemExit("ckptbridge read other values than the source file holds")
 
     med = {k: statistics.median(v) for k, v in times.items()}
     result = {
