@@ -143,10 +143,8 @@ _TORCH_RDZV_ERRORS = ("DistStoreError", "RendezvousTimeoutError", "RendezvousClo
 def _torch_rendezvous_failed(t: Trial) -> str:
     """The torch elastic error in an agent's log when torch's rendezvous itself failed, else ""."""
     for line in t.logs.splitlines():
-        if "torch" in line or "Error" in line:
-            for err in _TORCH_RDZV_ERRORS:
-                if err in line:
-                    return line.strip()[:200]
+        if any(err in line for err in _TORCH_RDZV_ERRORS):
+            return line.strip()[:200]
     return ""
 
 
