@@ -297,6 +297,11 @@ def main() -> None:
         with open(os.path.join(args.out, "meta.json"), "w") as fh:
             json.dump(meta, fh, indent=1)
     dist.barrier()
+    # tear the gloo group down here, not in destructors at interpreter exit (seen once in CI: a
+    # rank aborting with "terminate called without an active exception" after its last barrier)
+    import torch.distributed
+
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
