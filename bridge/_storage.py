@@ -805,6 +805,12 @@ def _config_for(url: str) -> tuple[dict[str, Any], RemotePolicy]:
         return _CONFIG[best] if best is not None else ({}, RemotePolicy())
 
 
+def options(url: str) -> dict[str, Any]:
+    """The fsspec options configured for ``url`` (a copy; ``{}`` when none), for adapters that hand
+    the same endpoint and credentials to another client (e.g. TensorStore's kvstore drivers)."""
+    return copy.deepcopy(_config_for(url)[0])
+
+
 def get(path: str) -> LocalStorage | FsspecStorage:
     """The storage that holds ``path`` (local files, or a configured fsspec file system)."""
     if not is_url(path):

@@ -26,6 +26,12 @@ A Flax/optax train state (``params`` + ``ScaleByAdamState`` ``mu``/``nu``/
     ckpt = ckptbridge.open("ckpts/1000/state")        # or the manager root
     ckpt["Dense_0/kernel"].state("exp_avg")[:, :8]
 
+In place at a URL too (``gs://``, ``s3://``): chunk bytes through the storage layer (only
+the ranges needed), the OCDBT index through TensorStore's ``gcs``/``s3`` drivers, set up
+from the same storage options (credentials from the environment, see :mod:`._kvstore`)::
+
+    ckptbridge.open("gs://bucket/run/checkpoints")    # latest step of a CheckpointManager
+
 Writing (:func:`write`, registered as ``reshard --to orbax``) produces a
 ``StandardCheckpointer`` directory (OCDBT + Zarr, streamed chunk by chunk)
 that ``orbax.checkpoint`` restores onto any mesh::

@@ -24,6 +24,10 @@ Where the chunk bytes live:
   ``(data file, offset, length)``; :func:`ocdbt_values` reads it once per item
   with ``tensorstore.ocdbt.dump`` (metadata only).
 
+Behind a URL (``s3://``, ``gs://``, any fsspec protocol) the same regions are fetched by the
+storage layer (ranged, concurrent; zstd chunks one round per object per batch), and the OCDBT
+B+tree is read by TensorStore's own kvstore driver for the URL (:mod:`._kvstore`).
+
 Anything else (compression, filters, missing chunks, big-endian data, an
 unexpected codec or index) returns ``None`` and the array is read through
 TensorStore instead (:mod:`._tensorstore`)::
@@ -55,8 +59,11 @@ from ckptbridge.plugin import (
     TruncatedError,
     c_strides,
     require,
+    storage,
 )
 from ckptbridge.plugin import dtypes as _dtypes
+
+from ._kvstore import kvstore
 
 _MISSING = (1 << 64) - 1
 _HAVE_ZSTD = importlib.util.find_spec("zstandard") is not None
@@ -104,9 +111,10 @@ class ZstdChunk:
         for item in items:
             if item[1].size:
                 groups.setdefault((item[0].file, item[0].offset), []).append(item)
+        fetched = _fetch_remote([g[0][0] for g in groups.values()])
         if len(groups) <= 1:
-            return sum(_decode_group(g, files) for g in groups.values())
-        return sum(_pool().map(lambda g: _decode_group(g, files), list(groups.values())))
+            return sum(_decode_group(g, files, fetched) for g in groups.values())
+        return sum(_pool().map(lambda g: _decode_group(g, files, fetched), list(groups.values())))
 
     def describe(self) -> str:
         return f"{self.file}@{self.offset} (zstd, {self.length} bytes)"
@@ -167,21 +175,42 @@ def _close(fds: dict[str, int]) -> None:
     fds.clear()
 
 
-def _decode_group(group: Sequence[tuple[ZstdChunk, Box, np.ndarray]], files: Any) -> int:
+def _fetch_remote(chunks: Sequence[ZstdChunk]) -> dict[tuple[str, int], bytes]:
+    """The compressed bytes of the chunks stored behind URLs: one concurrent round per object."""
+    spans: dict[str, list[tuple[int, int]]] = {}
+    for c in chunks:
+        if storage.is_url(c.file):
+            spans.setdefault(c.file, []).append((c.offset, c.length))
+    out: dict[tuple[str, int], bytes] = {}
+    for url, want in spans.items():
+        for (start, _), data in zip(want, storage.remote(url).read_ranges(url, want), strict=True):
+            out[(url, start)] = data
+    return out
+
+
+def _decode_group(group: Sequence[tuple[ZstdChunk, Box, np.ndarray]], files: Any,
+                  fetched: Mapping[tuple[str, int], bytes]) -> int:
     import zstandard
 
     loc = group[0][0]
     dt = _dtypes.to_numpy(loc.dtype)
     n = int(np.prod(loc.chunk))
-    src = _scratch("src", loc.length)
-    view, pos = memoryview(src), 0  # type: ignore[arg-type]
-    fd = _fd(files, loc.file)
-    while pos < loc.length:
-        got = os.preadv(fd, [view[pos:]], loc.offset + pos)
-        if got <= 0:
-            raise TruncatedError(f"{loc.file}: needs bytes up to {loc.offset + loc.length} but the file ends at "
-                                 f"{loc.offset + pos} (truncated or still being written)")
-        pos += got
+    data = fetched.get((loc.file, loc.offset))
+    if data is not None:
+        if len(data) != loc.length:
+            raise TruncatedError(f"{loc.file}: needs bytes up to {loc.offset + loc.length} but the object ends "
+                                 f"at {loc.offset + len(data)} (truncated or still being written)")
+        view = memoryview(data)
+    else:
+        src = _scratch("src", loc.length)
+        view, pos = memoryview(src), 0  # type: ignore[arg-type]
+        fd = _fd(files, loc.file)
+        while pos < loc.length:
+            got = os.preadv(fd, [view[pos:]], loc.offset + pos)
+            if got <= 0:
+                raise TruncatedError(f"{loc.file}: needs bytes up to {loc.offset + loc.length} but the file ends "
+                                     f"at {loc.offset + pos} (truncated or still being written)")
+            pos += got
     first, box, out = group[0]
     whole = (len(group) == 1 and box.shape == loc.chunk and first.start == 0 and first.strides == c_strides(loc.chunk)
              and out.dtype == dt and out.flags.c_contiguous)
@@ -220,7 +249,7 @@ def ocdbt_values(item: str) -> dict[bytes, tuple[str, int, int]] | None:
     ts = require("tensorstore", "jax", "Orbax checkpoints")
     from tensorstore import ocdbt
 
-    base = ts.KvStore.open(f"file://{os.path.abspath(item)}/").result()
+    base = ts.KvStore.open(kvstore(item)).result()
     try:
         manifest = ocdbt.dump(base).result()
     except (ValueError, RuntimeError):
@@ -258,8 +287,8 @@ def _location(item: str, ref: str) -> tuple[str, int, int] | None:
     if len(parts) != 5 or parts[0] != "value":
         return None
     _, prefix, rel, off, length = parts
-    path = os.path.normpath(os.path.join(item, prefix + rel))
-    if not path.startswith(os.path.abspath(item) + os.sep):
+    path = storage.inside(storage.abspath(item), prefix + rel)
+    if path is None:
         return None  # a reference out of the checkpoint: leave it to TensorStore
     return path, int(off), int(length)
 
@@ -390,9 +419,9 @@ def _value(item: str, param: str, key: str, values: Mapping[bytes, tuple[str, in
            ) -> tuple[str, int, int] | None:
     if values is not None:
         return values.get(f"{param}/{key}".encode())
-    path = os.path.join(item, param, *key.split("/"))
+    path = storage.join(item, param, *key.split("/"))
     try:
-        return path, 0, os.path.getsize(path)
+        return path, 0, storage.getsize(path)
     except OSError:
         return None
 
@@ -417,10 +446,14 @@ def _inner_fragments(path: str, off: int, length: int, origin: Sequence[int], ch
     index_bytes = 16 * n + (4 if layout.crc else 0)
     if length < index_bytes:
         return None
-    fd = files.get(path)
-    if fd is None:
-        fd = files[path] = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-    raw = os.pread(fd, 16 * n, off + (length - index_bytes if layout.index_at_end else 0))
+    at = off + (length - index_bytes if layout.index_at_end else 0)
+    if storage.is_url(path):
+        raw = storage.read_bytes(path, at, 16 * n)
+    else:
+        fd = files.get(path)
+        if fd is None:
+            fd = files[path] = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        raw = os.pread(fd, 16 * n, at)
     if len(raw) != 16 * n:
         return None
     entries = struct.unpack(f"<{2 * n}Q", raw)

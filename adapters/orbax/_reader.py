@@ -23,12 +23,14 @@ from ckptbridge.plugin import (
     TensorState,
     read_state,
     require,
+    storage,
     weight_state_for,
 )
 from ckptbridge.plugin import dtypes as _dtypes
 
 from ..flax import group_train_state
 from ._direct import ocdbt_values, raw_fragments
+from ._kvstore import kvstore
 from ._tensorstore import OCDBT_CACHE, TensorStoreRegion
 
 PYTREE_METADATA = "_METADATA"
@@ -44,32 +46,32 @@ _TMP_MARK = ".orbax-checkpoint-tmp"
 
 
 def _is_item_dir(path: str) -> bool:
-    if not os.path.isdir(path):
+    if not storage.isdir(path):
         return False
-    if os.path.isfile(os.path.join(path, PYTREE_METADATA)):
+    if storage.isfile(storage.join(path, PYTREE_METADATA)):
         return True
-    if os.path.isfile(os.path.join(path, OCDBT_MANIFEST)):
+    if storage.isfile(storage.join(path, OCDBT_MANIFEST)):
         return True
     try:  # an old Orbax item without _METADATA: per-array Zarr directories
-        names = sorted(os.listdir(path))[:256]
+        names = sorted(storage.listdir(path))[:256]
     except OSError:
         return False
-    return any(os.path.isfile(os.path.join(path, n, m)) for n in names for m in (".zarray", "zarr.json"))
+    return any(storage.isfile(storage.join(path, n, m)) for n in names for m in (".zarray", "zarr.json"))
 
 
 def _item_dirs(step_dir: str) -> list[str]:
     try:
-        names = sorted(os.listdir(step_dir))
+        names = sorted(storage.listdir(step_dir))
     except OSError:
         return []
-    return [n for n in names if not n.startswith(".") and _is_item_dir(os.path.join(step_dir, n))]
+    return [n for n in names if not n.startswith(".") and _is_item_dir(storage.join(step_dir, n))]
 
 
 def _is_step_dir(path: str) -> bool:
     """A CheckpointManager step directory: item directories inside, and ``_CHECKPOINT_METADATA``
     or (Orbax before 0.4.3 wrote none) a step number as its name."""
-    named = os.path.isfile(os.path.join(path, CHECKPOINT_METADATA)) or \
-        _step_number(os.path.basename(os.path.normpath(path))) is not None
+    named = storage.isfile(storage.join(path, CHECKPOINT_METADATA)) or \
+        _step_number(storage.basename(path)) is not None
     return named and bool(_item_dirs(path))
 
 
@@ -81,14 +83,14 @@ def _step_number(name: str) -> int | None:
 def _steps(root: str) -> dict[int, str]:
     out = {}
     try:
-        names = os.listdir(root)
+        names = storage.listdir(root)
     except OSError:
         return {}
     for n in names:
         step = _step_number(n)
-        full = os.path.join(root, n)
-        if step is not None and os.path.isdir(full) and (
-            os.path.isfile(os.path.join(full, CHECKPOINT_METADATA)) or _is_item_dir(full) or _item_dirs(full)
+        full = storage.join(root, n)
+        if step is not None and storage.isdir(full) and (
+            storage.isfile(storage.join(full, CHECKPOINT_METADATA)) or _is_item_dir(full) or _item_dirs(full)
         ):
             out[step] = full
     return out
@@ -97,7 +99,7 @@ def _steps(root: str) -> dict[int, str]:
 def detect(path: str) -> bool:
     """True for an Orbax PyTree directory, a CheckpointManager step directory or its root."""
     try:
-        if not os.path.isdir(path):
+        if not storage.isdir(path):
             return False
         if _is_item_dir(path):
             return True
@@ -113,8 +115,7 @@ def detect(path: str) -> bool:
 
 def _read_json(path: str) -> Any:
     try:
-        with open(path) as fh:
-            return json.load(fh)
+        return json.loads(storage.read_text(path))
     except FileNotFoundError:
         raise MissingShardError(f"{path}: missing") from None
     except (ValueError, UnicodeDecodeError) as err:
@@ -123,8 +124,8 @@ def _read_json(path: str) -> Any:
 
 def _tree_entries(item: str) -> tuple[list[tuple[tuple[str, ...], str, bool]], dict[str, Any]]:
     """(key path, value type, skip) per leaf from ``_METADATA``, and its top-level options."""
-    meta_path = os.path.join(item, PYTREE_METADATA)
-    if not os.path.exists(meta_path):
+    meta_path = storage.join(item, PYTREE_METADATA)
+    if not storage.exists(meta_path):
         return _listed_entries(item), {}
     meta = _read_json(meta_path)
     tree = meta.get("tree_metadata") if isinstance(meta, dict) else None
@@ -149,18 +150,18 @@ def _listed_entries(item: str) -> list[tuple[tuple[str, ...], str, bool]]:
     """Arrays of an item without ``_METADATA`` (old Orbax): every Zarr array found, named by
     its parameter name split on ``.`` (Orbax joins key paths with ``.``)."""
     params: list[str] = []
-    if os.path.isfile(os.path.join(item, OCDBT_MANIFEST)):
+    if storage.isfile(storage.join(item, OCDBT_MANIFEST)):
         ts = require("tensorstore", "jax", "Orbax checkpoints")
 
-        kv = ts.KvStore.open({"driver": "ocdbt", "base": f"file://{os.path.abspath(item)}/"}).result()
+        kv = ts.KvStore.open({"driver": "ocdbt", "base": kvstore(item)}).result()
         for key in kv.list().result():
             k = key.decode(errors="replace")
             for suffix in ("/.zarray", "/zarr.json"):
                 if k.endswith(suffix):
                     params.append(k[: -len(suffix)])
     else:
-        for name in sorted(os.listdir(item)):
-            if any(os.path.isfile(os.path.join(item, name, m)) for m in (".zarray", "zarr.json")):
+        for name in sorted(storage.listdir(item)):
+            if any(storage.isfile(storage.join(item, name, m)) for m in (".zarray", "zarr.json")):
                 params.append(name)
     if not params:
         raise FormatError(f"{item}: no {PYTREE_METADATA} and no Zarr arrays (not an Orbax PyTree checkpoint)")
@@ -205,8 +206,8 @@ class _ItemReader:
     """Metadata of the arrays of one PyTree item directory."""
 
     def __init__(self, item: str) -> None:
-        self.item = os.path.abspath(item)
-        self.ocdbt = os.path.isfile(os.path.join(self.item, OCDBT_MANIFEST))
+        self.item = storage.abspath(item)
+        self.ocdbt = storage.isfile(storage.join(self.item, OCDBT_MANIFEST))
         self._kv: Any = None
         self._keys: set[str] | None = None
         self._values: Any = False  # OCDBT value locations, read on first need (None: not walkable)
@@ -215,14 +216,13 @@ class _ItemReader:
         ts = require("tensorstore", "jax", "Orbax checkpoints")
 
         if self._kv is None:
-            self._kv = ts.KvStore.open({"driver": "ocdbt", "base": f"file://{self.item}/"}).result()
+            self._kv = ts.KvStore.open({"driver": "ocdbt", "base": kvstore(self.item)}).result()
         return self._kv
 
     def kv_spec(self, param: str) -> dict[str, Any]:
         if self.ocdbt:
-            return {"driver": "ocdbt", "base": f"file://{self.item}/", "path": f"{param}/",
-                    "cache_pool": OCDBT_CACHE}
-        return {"driver": "file", "path": os.path.join(self.item, param) + "/"}
+            return {"driver": "ocdbt", "base": kvstore(self.item), "path": f"{param}/", "cache_pool": OCDBT_CACHE}
+        return kvstore(storage.join(self.item, param))
 
     def zarr_meta(self, param: str) -> tuple[dict[str, Any], str]:
         """(Zarr metadata, driver) of array ``param``."""
@@ -231,8 +231,8 @@ class _ItemReader:
                 got = self._kvstore().read(f"{param}/{key}".encode()).result()
                 raw = got.value if got.state == "value" else None
             else:
-                p = os.path.join(self.item, param, key)
-                raw = open(p, "rb").read() if os.path.isfile(p) else None  # noqa: SIM115
+                p = storage.join(self.item, param, key)
+                raw = storage.read_bytes(p) if storage.isfile(p) else None
             if raw is not None:
                 try:
                     return json.loads(raw), driver
@@ -251,14 +251,14 @@ class _ItemReader:
         except (KeyError, TypeError, ValueError):
             raise FormatError(f"{where}: Zarr metadata without a shape") from None
         dtype = _zarr_dtype(meta, where)
-        spec = {"driver": driver, "kvstore": self.kv_spec(param),
-                "recheck_cached_data": False, "recheck_cached_metadata": False}
         chunks = _zarr_chunks(meta, shape)
         boxes = _chunk_boxes(shape, chunks)
         if len(boxes) > 1 or boxes[0].shape == chunks:  # uncompressed chunks: straight from the files
             raw = raw_fragments(self.item, param, meta, driver, shape, dtype, chunks, self._ocdbt_values)
             if raw is not None:
                 return TensorState(dtype, shape, raw)
+        spec = {"driver": driver, "kvstore": self.kv_spec(param),
+                "recheck_cached_data": False, "recheck_cached_metadata": False}
         whole = TensorStoreRegion.whole(spec, dtype, shape, f"{self.item}/{param}")
         frags = []
         for box in boxes:
@@ -290,8 +290,8 @@ def _read_item(item: str, prefix: str) -> tuple[dict[str, TensorState], dict[str
             tensors[name] = reader.state(name, param)
         elif vtype == "string":
             if strings is None:
-                sp = os.path.join(item, STRINGS)
-                strings = _read_json(sp) if os.path.exists(sp) else {}
+                sp = storage.join(item, STRINGS)
+                strings = _read_json(sp) if storage.exists(sp) else {}
             other[name] = strings.get(param)
     opts: dict[str, Any] = {k: meta.get(k) for k in ("use_ocdbt", "use_zarr3") if k in meta}
     layout = _saved_shardings(item, prefix, {".".join(k): "/".join(k) for k, _, _ in entries})
@@ -304,8 +304,8 @@ def _saved_shardings(item: str, prefix: str, names: Mapping[str, str]) -> dict[s
     """The mesh and PartitionSpec each array was saved with (Orbax's ``_sharding`` file), for inspection."""
     import base64
 
-    path = os.path.join(item, "_sharding")
-    if not os.path.isfile(path) or os.path.getsize(path) > (64 << 20):
+    path = storage.join(item, "_sharding")
+    if not storage.isfile(path) or storage.getsize(path) > (64 << 20):
         return {}
     try:
         data = _read_json(path)
@@ -331,7 +331,7 @@ def _resolve(path: str, step: int | None) -> tuple[str, int | None]:
     if _is_item_dir(path) or _is_step_dir(path):
         if step is not None:
             raise FormatError(f"{path}: step={step} given, but this is a single checkpoint, not a manager root")
-        return path, _step_number(os.path.basename(os.path.normpath(path)))
+        return path, _step_number(storage.basename(path))
     steps = _steps(path)
     if not steps:
         raise FormatError(f"{path}: not an Orbax checkpoint (no {PYTREE_METADATA}, no step directories)")
@@ -371,18 +371,18 @@ def _index(path: str, step: int | None = None, layout: str = "auto") -> Checkpoi
     extra: dict[str, Any] = {}
     options: dict[str, Any] = {}
     for item in items:
-        item_dir = os.path.join(target, item) if item else target
+        item_dir = storage.join(target, item) if item else target
         prefix = "" if len(items) == 1 else f"{item}/"
         item_tensors, other, opts = _read_item(item_dir, prefix)
         raw.update(item_tensors)
         extra.update(other)
         options[item or "."] = opts
-    for name in sorted(os.listdir(target)) if not _is_item_dir(target) else ():
-        full = os.path.join(target, name)
-        if name not in items and os.path.isdir(full):  # JSON items (metrics, config ...)
-            for fn in sorted(os.listdir(full)):
-                fp = os.path.join(full, fn)
-                if fn != "commit_success.txt" and os.path.isfile(fp) and os.path.getsize(fp) < (1 << 20):
+    for name in sorted(storage.listdir(target)) if not _is_item_dir(target) else ():
+        full = storage.join(target, name)
+        if name not in items and storage.isdir(full):  # JSON items (metrics, config ...)
+            for fn in sorted(storage.listdir(full)):
+                fp = storage.join(full, fn)
+                if fn != "commit_success.txt" and storage.isfile(fp) and storage.getsize(fp) < (1 << 20):
                     try:
                         extra.setdefault(name, {})[fn] = _read_json(fp)
                     except (FormatError, MissingShardError):
