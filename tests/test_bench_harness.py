@@ -110,3 +110,22 @@ def test_readme_standalone_results(quick_result: dict, tmp_path) -> None:
     (tmp_path / "bad-quick.json").write_text(json.dumps({"schema": "ckptbridge-bench/1"}))
     with pytest.raises(SystemExit, match="not a valid result file"):  # a broken harness file is refused
         readme.load_results(str(tmp_path))
+
+
+def test_bench_async_runs_and_reports_its_baselines(tmp_path) -> None:
+    """bench_async at a tiny size (no timing asserted): each case measures its own loop without
+    checkpoints in the same process, and the report's ratios are computed against it."""
+    out = tmp_path / "out"
+    cmd = [sys.executable, os.path.join(BENCH, "bench_async.py"), "--gib", "0.02", "--steps", "4",
+           "--regimes", "disk", "--frameworks", "jax", "--cases", "ckptbridge", "--reps", "1",
+           "--scratch", str(tmp_path / "scratch"), "--out", str(out), "--name", "t"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    doc = json.loads((out / "t.json").read_text())
+    cases = doc["regimes"]["disk"]["jax"]
+    assert set(cases) == {"none", "ckptbridge"}
+    ours = cases["ckptbridge"]
+    assert ours["saves"] == 2 and len(ours["stalls"]) == 2 and ours["saves_written"] == 2
+    assert ours["plain_loop_seconds"] > 0 and ours["step_mad"] >= 0 and ours["bytes_written"] > 0
+    md = (out / "t.md").read_text()
+    assert "same loop without checkpoints" in md and "| jax | ckptbridge |" in md

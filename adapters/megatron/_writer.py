@@ -325,6 +325,7 @@ def _write(ckpt: Any, tmp: str, tp: int | None, pp: int | None, dp: int | None,
                 else:
                     state_dict["optimizer"] = _adam_state(groups_src, order, values, step, mixed)
             torch.save(state_dict, os.path.join(rank_dir, "model_optim_rng.pt"))
+            del state_dict, model, values  # one rank's tensors in memory at a time, not two
     with open(os.path.join(tmp, TRACKER), "w") as fh:
         fh.write(str(it))
 

@@ -63,10 +63,10 @@ from .._errors import CheckpointError, IncompleteCheckpointError, MissingShardEr
 from .._open import open as open_checkpoint
 from .._safetensors import FileSpec, _lower_priority
 from .._universal import MARKER, Piece, commit_universal, plan_rank, write_rank
-from .host import BufferSet
+from .host import BufferSet, available_memory
 from .leaves import Capture, Leaf, flatten, leaves_of, pinner, provider_for, providers
 from .persist import check_target, persist
-from .policy import SavePolicy, admit, flush_in_background
+from .policy import SavePolicy, admit, flush_in_background, sets_that_fit
 from .restore import RestoreResult, restore_into
 from .steps import (
     clean_incomplete,
@@ -234,8 +234,10 @@ class Checkpointer:
         on virtual machines that return freed memory to the host).
         """
         leaves, _ = leaves_of(state)
-        for b in self._buffers:
-            b.lay_out(self._plan(leaves), pinner(leaves))
+        plan = self._plan(leaves)
+        self._fit_sets(sum(p.box.size * _dtypes.itemsize(p.dtype) for _, group, _ in plan for p in group))
+        for b in list(self._buffers):
+            b.lay_out(plan, pinner(leaves))
             for leaf in leaves:
                 leaf.copy(b.get(leaf))
 
@@ -470,6 +472,7 @@ class Checkpointer:
                      pin: Callable[[Any], Callable[[], None]] | None) -> None:
         """Lay out and pre-fault the idle buffer sets for a layout just seen, in the background,
         so that the saves using them next do not pay for fresh memory."""
+        self._fit_sets(laid.nbytes())
         with self._lock:
             spares = [b for b in self._buffers
                       if b is not laid and not b.busy.is_set() and b.ready.is_set() and b.layout != laid.layout]
@@ -488,6 +491,21 @@ class Checkpointer:
 
         for b in spares:
             self._chores.submit(warm, b)
+
+    def _fit_sets(self, set_bytes: int) -> None:
+        """Keep only the host buffer sets the available memory holds (idle, never-used ones go)."""
+        keep = sets_that_fit(available_memory(), set_bytes, len(self._buffers))
+        with self._lock:
+            extra = len(self._buffers) - keep
+            spare = [b for b in self._buffers if not b.busy.is_set() and b.ready.is_set() and b.step is None][:extra]
+            if not spare:
+                return
+            for b in spare:
+                self._buffers.remove(b)
+                b.release()
+        log.warning("host memory holds %d set(s) of host buffers of %.2f GiB, not %d (SavePolicy.host_buffers): "
+                    "keeping %d; saves that find them busy wait, skip or coalesce as the policy says",
+                    keep, set_bytes / (1 << 30), keep + len(spare), len(self._buffers))
 
     def _copy_all(self, leaves: list[Leaf], buffers: BufferSet) -> None:
         """Copy leaves into their host buffers: every transfer started first, then the copies

@@ -69,6 +69,10 @@ class BufferSet:
                 with contextlib.suppress(ValueError):
                     np.frombuffer(image, np.uint8)[:: mmap.PAGESIZE] = 0
 
+    def nbytes(self) -> int:
+        """Bytes of the images of the current layout."""
+        return sum(len(image) for image in self.images.values())
+
     def release(self) -> None:
         """Unpin the images (before they are dropped or the checkpointer closes)."""
         for undo in self.unpin:
@@ -90,6 +94,18 @@ class BufferSet:
             full = out.setdefault(leaf.name, np.empty(leaf.global_shape, _dtypes.to_numpy(leaf.dtype)))
             full[leaf.box.slices()] = self.arrays[leaf.buffer_key]
         return out | dict(self.extra)
+
+
+def available_memory() -> int | None:
+    """``MemAvailable`` of ``/proc/meminfo`` in bytes (Linux), else None."""
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14 (not among Python's mmap constants before 3.13)

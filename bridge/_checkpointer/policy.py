@@ -18,7 +18,11 @@ The flush (checksum and write) runs at a lower CPU priority than training
 (``"auto"``, default) at the lower one unless training is already waiting for
 the disk (a save blocked by ``"wait"``, another save queued behind the flush,
 or ``Checkpointer.wait``): then the flush is the bottleneck, and niceness would
-only stretch the loop::
+only stretch the loop.
+
+``host_buffers`` is an upper bound: when the first save shows a set's size, only the sets the
+available memory holds (leaving 1 GiB to everything else) are kept, with a warning, so that a
+state of more than a third of the machine's memory is not pushed out by its own spare set::
 
     Checkpointer("ckpts", policy=SavePolicy(on_busy="coalesce", host_buffers=2))
 """
@@ -75,6 +79,15 @@ def admit(policy: SavePolicy, free: bool, queued: bool) -> Admission:
     if policy.on_busy == "coalesce" and queued:
         return "replace"
     return "wait"
+
+
+def sets_that_fit(available: int | None, set_bytes: int, wanted: int, reserve: int = 1 << 30) -> int:
+    """How many host buffer sets of ``set_bytes`` to keep (pure), 1 to ``wanted``: as many as the
+    memory ``available`` holds (the first set counted as not yet resident) while leaving
+    ``reserve`` bytes to everything else; all of them when the available memory is unknown."""
+    if available is None or set_bytes <= 0:
+        return wanted
+    return max(1, min(wanted, (available - reserve) // set_bytes))
 
 
 def flush_in_background(policy: SavePolicy, backlog: bool) -> bool:
