@@ -149,6 +149,20 @@ def evict(path: str) -> int:
     return n
 
 
+def cache(inputs: str, rels: Sequence[str]) -> int:
+    """Read every file of ``rels`` (files or directories under ``inputs``) once, so that the page
+    cache holds them when the case starts; return the bytes read."""
+    n = 0
+    for rel in rels:
+        top = os.path.join(inputs, rel)
+        paths = [top] if os.path.isfile(top) else [os.path.join(r, f) for r, _, fs in os.walk(top) for f in fs]
+        for p in paths:
+            with open(p, "rb", buffering=0) as fh:
+                while chunk := fh.read(8 << 20):
+                    n += len(chunk)
+    return n
+
+
 def run_once(suite: Suite, case: Case, size_name: str, inputs: str, scratch: str) -> dict[str, Any]:
     shutil.rmtree(scratch, ignore_errors=True)
     os.makedirs(scratch)
@@ -240,7 +254,9 @@ def run_suite(suite: Suite, size_name: str, *, work_root: str, reps: int | None 
                     rec["status"], rec["reason"] = "skipped", why
                 log(f"[{suite.name}/{size_name}] {c.name}: skipped: {why}")
                 continue
+            cached = cache(inputs, c.reads) if inputs else 0
             run = run_once(suite, c, size_name, inputs, scratch)
+            run["inputs_cached_bytes"] = cached
             if "skip" in run:
                 rec["status"], rec["reason"] = "skipped", run["skip"]
                 log(f"[{suite.name}/{size_name}] {c.name}: skipped: {run['skip']}")

@@ -56,6 +56,10 @@ class Case:
     * ``sizes``: run only at these sizes (default: all).
     * ``check``: ``check(ctx)`` in the suite module, run after the region (outside the clock):
       raise if the tool's output is wrong or missing (some tools exit 0 on failure).
+    * ``reads``: the inputs the case reads (paths relative to the inputs directory). They are
+      read once before each of its runs with warm inputs, so that every tool of a group starts
+      with them in the page cache (an input written with ``O_DIRECT`` is otherwise cold for the
+      first tool that reads it and cached for the next); the extra cold-inputs run evicts them.
     * a case that cannot run here raises :class:`Skip` (recorded as skipped, with the reason).
     """
 
@@ -72,6 +76,7 @@ class Case:
     sizes: tuple[str, ...] | None = None
     note: str = ""
     check: str | None = None
+    reads: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if (self.fn is None) == (self.cmd is None):
