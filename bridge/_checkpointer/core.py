@@ -503,9 +503,9 @@ class Checkpointer:
             for b in spare:
                 self._buffers.remove(b)
                 b.release()
-        log.warning("host memory holds %d set(s) of host buffers of %.2f GiB, not %d (SavePolicy.host_buffers): "
-                    "keeping %d; saves that find them busy wait, skip or coalesce as the policy says",
-                    keep, set_bytes / (1 << 30), keep + len(spare), len(self._buffers))
+        log.warning("host memory holds %d set(s) of host buffers of %.2f GiB: keeping %d of "
+                    "SavePolicy.host_buffers=%d; saves that find them busy wait, skip or coalesce as the policy says",
+                    keep, set_bytes / (1 << 30), len(self._buffers), self.policy.host_buffers)
 
     def _copy_all(self, leaves: list[Leaf], buffers: BufferSet) -> None:
         """Copy leaves into their host buffers: every transfer started first, then the copies
