@@ -20,7 +20,8 @@ import ml_dtypes
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from jax.sharding import Mesh, NamedSharding
+from _orbax_layouts import LAYOUTS, mesh, save_layouts
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ckptbridge as cbopen
@@ -30,20 +31,6 @@ from ckptbridge.adapters.orbax import TensorStoreRegion, ZstdChunk
 from ckptbridge.plugin import FileRegion
 
 pytestmark = pytest.mark.filterwarnings("ignore")
-
-LAYOUTS = {  # name -> (use_ocdbt, use_zarr3, use_compression)
-    "ocdbt-zarr2-zstd": (True, False, True),   # StandardCheckpointer's defaults
-    "ocdbt-zarr3-zstd": (True, True, True),
-    "ocdbt-zarr2-raw": (True, False, False),
-    "ocdbt-zarr3-raw": (True, True, False),
-    "dir-zarr2-raw": (False, False, False),
-    "dir-zarr3-raw": (False, True, False),
-}
-
-
-def mesh(shape, names):
-    return Mesh(np.array(jax.devices()[: int(np.prod(shape))]).reshape(shape), names)
-
 
 def _ref():
     rng = np.random.default_rng(7)
@@ -60,10 +47,7 @@ def saved(tmp_path_factory):
     tree = {"w": jax.device_put(ref["w"], NamedSharding(m, P("x", "y"))),
             "h": jax.device_put(ref["h"], NamedSharding(m, P(None, "y"))),
             "b": jax.device_put(ref["b"], NamedSharding(m, P()))}
-    for name, (ocdbt, zarr3, compress) in LAYOUTS.items():
-        handler = ocp.PyTreeCheckpointHandler(use_ocdbt=ocdbt, use_zarr3=zarr3, use_compression=compress)
-        with ocp.Checkpointer(handler) as ck:
-            ck.save(str(root / name), args=ocp.args.PyTreeSave(tree))
+    save_layouts(root, tree)
     return str(root), ref
 
 

@@ -20,8 +20,9 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+from _orbax_layouts import mesh, save_layouts
 from _servers import S3_KEY, S3_SECRET, gcs_server, make_bucket, s3_options, s3_server
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ckptbridge
@@ -31,15 +32,7 @@ from ckptbridge.plugin import storage
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
-LAYOUTS = {  # name -> (use_ocdbt, use_zarr3, use_compression)
-    "ocdbt-zarr2-zstd": (True, False, True),   # StandardCheckpointer's defaults
-    "ocdbt-zarr3-raw": (True, True, False),
-    "dir-zarr2-raw": (False, False, False),
-}
-
-
-def _mesh(shape, names):
-    return Mesh(np.array(jax.devices()[: int(np.prod(shape))]).reshape(shape), names)
+LAYOUTS = ("ocdbt-zarr2-zstd", "ocdbt-zarr3-raw", "dir-zarr2-raw")  # Orbax's default, and both raw kinds
 
 
 def _ref() -> dict[str, np.ndarray]:
@@ -52,14 +45,11 @@ def _ref() -> dict[str, np.ndarray]:
 def saved(tmp_path_factory):
     """Local Orbax checkpoints: one per layout, and a CheckpointManager root with steps 1 and 2."""
     root = tmp_path_factory.mktemp("orbax_remote")
-    m = _mesh((2, 4), ("x", "y"))
+    m = mesh((2, 4), ("x", "y"))
     ref = _ref()
     tree = {"w": jax.device_put(ref["w"], NamedSharding(m, P("x", "y"))),
             "b": jax.device_put(ref["b"], NamedSharding(m, P()))}
-    for name, (ocdbt, zarr3, compress) in LAYOUTS.items():
-        handler = ocp.PyTreeCheckpointHandler(use_ocdbt=ocdbt, use_zarr3=zarr3, use_compression=compress)
-        with ocp.Checkpointer(handler) as ck:
-            ck.save(str(root / name), args=ocp.args.PyTreeSave(tree))
+    save_layouts(root, tree, LAYOUTS)
     with ocp.CheckpointManager(str(root / "manager")) as mgr:
         for step in (1, 2):
             mgr.save(step, args=ocp.args.StandardSave(jax.tree.map(lambda a, s=step: a * s, tree)))
@@ -70,22 +60,15 @@ def saved(tmp_path_factory):
 @pytest.fixture(scope="module")
 def s3_env():
     """moto's S3 server with bucket ``obkt``; credentials in the environment, as TensorStore reads them."""
-    old = {k: os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}
-    os.environ.update(AWS_ACCESS_KEY_ID=S3_KEY, AWS_SECRET_ACCESS_KEY=S3_SECRET)
-    try:
-        with s3_server() as ep:
-            make_bucket(ep, "obkt")
-            storage.configure("s3://obkt/", **s3_options(ep))
-            try:
-                yield ep
-            finally:
-                storage.unconfigure("s3://obkt/")
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    with pytest.MonkeyPatch.context() as mp, s3_server() as ep:
+        mp.setenv("AWS_ACCESS_KEY_ID", S3_KEY)
+        mp.setenv("AWS_SECRET_ACCESS_KEY", S3_SECRET)
+        make_bucket(ep, "obkt")
+        storage.configure("s3://obkt/", **s3_options(ep))
+        try:
+            yield ep
+        finally:
+            storage.unconfigure("s3://obkt/")
 
 
 def _upload(local: str, url: str) -> None:
@@ -100,7 +83,7 @@ def _same(a: ckptbridge.Checkpoint, b: ckptbridge.Checkpoint) -> None:
 
 
 def _target():
-    m = _mesh((4, 2), ("a", "b"))
+    m = mesh((4, 2), ("a", "b"))
     return {"w": jax.ShapeDtypeStruct((64, 256), np.float32, sharding=NamedSharding(m, P(None, ("a", "b")))),
             "b": jax.ShapeDtypeStruct((512,), np.float32, sharding=NamedSharding(m, P(("a", "b"))))}
 
@@ -149,14 +132,12 @@ def test_manager_root_at_s3_latest_and_earlier_step(saved, s3_env):
     _same(latest, ckptbridge.open(os.path.join(root, "manager")))
 
 
-def test_orbax_at_gcs_equals_the_local_read(saved):
+def test_orbax_at_gcs_equals_the_local_read(saved, monkeypatch):
     """fake-gcs-server: fsspec (gcsfs) for the chunks, TensorStore's gcs driver for the OCDBT index
     (its endpoint from TENSORSTORE_GCS_HTTP_URL, which must agree with the storage option)."""
     import fsspec
 
     root, ref = saved
-    keys = ("TENSORSTORE_GCS_HTTP_URL", "GOOGLE_AUTH_TOKEN_FOR_TESTING")
-    old = {k: os.environ.get(k) for k in keys}
     with gcs_server() as ep:
         opts = {"endpoint_url": ep, "token": "anon"}
         fsspec.filesystem("gs", **opts, skip_instance_cache=True).mkdir("ogbkt")
@@ -164,20 +145,16 @@ def test_orbax_at_gcs_equals_the_local_read(saved):
         try:
             url = "gs://ogbkt/ck"
             _upload(os.path.join(root, "ocdbt-zarr2-zstd"), url)
-            os.environ.pop("TENSORSTORE_GCS_HTTP_URL", None)
+            monkeypatch.delenv("TENSORSTORE_GCS_HTTP_URL", raising=False)
             with pytest.raises(OptionError, match="TENSORSTORE_GCS_HTTP_URL"):  # would read another server
                 ckptbridge.open(url)
-            os.environ.update(TENSORSTORE_GCS_HTTP_URL=ep, GOOGLE_AUTH_TOKEN_FOR_TESTING="emulator")
+            monkeypatch.setenv("TENSORSTORE_GCS_HTTP_URL", ep)
+            monkeypatch.setenv("GOOGLE_AUTH_TOKEN_FOR_TESTING", "emulator")
             _same(ckptbridge.open(url), ckptbridge.open(os.path.join(root, "ocdbt-zarr2-zstd")))
             got = cbjax.load(url, _target())
             np.testing.assert_array_equal(np.asarray(got["w"]), ref["w"])
         finally:
             storage.unconfigure("gs://ogbkt/")
-            for k, v in old.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
 
 
 def test_deleted_chunk_at_s3_names_the_object(saved, s3_env):
