@@ -39,6 +39,11 @@ _RELEASE_BYTES = 4 << 20
 _CHUNK_BYTES = 4 << 20
 _MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22 if os.uname().sysname == "Linux" else None)
 _PREAD_BYTES = 1 << 16  # contiguous copies at least this big use preadv instead of the map
+# The kernel maps a whole page-cache folio (up to a 2 MiB huge page) on a fault, so even a small
+# copy out of a map can leave megabytes mapped; such copies are counted at that size, and once
+# this much is mapped every map of the cache is dropped from the process (the pages stay cached).
+_FOLIO_BYTES = 2 << 20
+_MAPPED_BUDGET = 32 << 20
 
 
 class ReadStats:
@@ -91,6 +96,7 @@ class FileCache:
         self._maps: dict[str, mmap.mmap | bytes] = {}
         self._fds: dict[str, int] = {}
         self._sizes: dict[str, int] = {}
+        self._mapped = 0  # bytes small copies may have left mapped since the maps were last dropped
         weakref.finalize(self, _close_all, self._fds)  # a cache dropped without close() leaks no fds
         self.stats = ReadStats()
         self.verify = verify
@@ -153,6 +159,8 @@ class FileCache:
             copyto(out, view)  # tiled when the view is transposed
             if nbytes >= _RELEASE_BYTES:
                 self._release(buf, start, end)
+            else:
+                self._count_mapped(start, end)
         self.stats.add(region.file, nbytes)
         return nbytes
 
@@ -220,6 +228,21 @@ class FileCache:
             # the size of what the caller holds, so streaming a model never looks like loading it
             lo = start - start % mmap.PAGESIZE
             buf.madvise(mmap.MADV_DONTNEED, lo, min(end, len(buf)) - lo)
+
+    def _count_mapped(self, start: int, end: int) -> None:
+        """Count what a small copy out of a map may have left mapped (whole folios); past
+        ``_MAPPED_BUDGET``, drop every map's pages from this process, so that many small tensors
+        read one by one (biases, norms) never add up to a mapped checkpoint."""
+        span = -(-end // _FOLIO_BYTES) * _FOLIO_BYTES - start // _FOLIO_BYTES * _FOLIO_BYTES
+        with self._lock:
+            self._mapped += span
+            if self._mapped < _MAPPED_BUDGET:
+                return
+            self._mapped = 0
+            maps = [b for b in self._maps.values() if isinstance(b, mmap.mmap) and len(b)]
+        for buf in maps:  # another thread copying from one of them faults its pages back in
+            with contextlib.suppress(OSError, ValueError):
+                buf.madvise(mmap.MADV_DONTNEED)
 
     def close(self) -> None:
         with self._lock:
