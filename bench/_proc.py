@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-RESULTS = os.path.join(HERE, "results")
+RESULTS = os.environ.get("CB_BENCH_RESULTS") or os.path.join(HERE, "results")  # tests send smoke runs elsewhere
 
 
 def measure(cmd: Sequence[str], env: Mapping[str, str] | None = None, timeout: float | None = None,
@@ -81,7 +81,8 @@ def last_json(stdout: str) -> dict[str, Any]:
 
 
 def save_result(name: str, data: Mapping[str, Any]) -> str:
-    """Write ``data`` (plus the machine) to ``bench/results/<name>.json``; return the path."""
+    """Write ``data`` (plus the machine) to ``bench/results/<name>.json`` (``$CB_BENCH_RESULTS/`` when
+    set); return the path."""
     os.makedirs(RESULTS, exist_ok=True)
     path = os.path.join(RESULTS, f"{name}.json")
     full = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform(),

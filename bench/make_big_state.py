@@ -184,7 +184,8 @@ def worker_resume(out: str, a: argparse.Namespace) -> None:
         from ckptbridge.adapters.deepspeed import load_engine
 
         timing["bytes_read"] = load_engine(engine, a.native).bytes_read
-    timing["load_s"] = time.time() - t0
+    timing["load_done_at"] = time.time()
+    timing["load_s"] = timing["load_done_at"] - t0
     g = torch.Generator().manual_seed(7 + rank)
     tokens = torch.randint(0, a.vocab, (1, min(16, a.ctx) + 1), generator=g)
     logits = engine(tokens[:, :-1])

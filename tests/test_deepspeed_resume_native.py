@@ -130,3 +130,22 @@ def test_mismatched_model_names_the_tensor(runs_dir: str, tmp_path):  # noqa: F8
     msg = str(err.value)
     assert "ShapeMismatchError" in msg and "tensor 'blocks.0.qkv.weight' has shape (180, 60)" in msg
     assert "the engine's parameter (192, 64)" in msg and "s2_bf16_w2/ckpt/global_step3" in msg
+
+
+def test_only_what_no_read_fills_is_zeroed() -> None:
+    """Moment buffers are allocated uncleared (zeroing 6 GB of fresh memory cost as long as reading it);
+    the partition's padding, which no read fills, is zeroed, and nothing a read filled is touched."""
+    import torch
+
+    from ckptbridge.adapters.deepspeed._resume import _zero_gaps
+
+    buf = torch.full((20,), float("nan"))
+    filled = [(12, 4), (2, 3), (4, 2)]  # unsorted and overlapping, as fragments may come
+    for start, numel in filled:
+        buf[start:start + numel] = 1.0
+    _zero_gaps(buf, filled)
+    want = [0.0, 0.0, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0]
+    assert buf.tolist() == want
+    empty = torch.full((3,), float("nan"))
+    _zero_gaps(empty, [])
+    assert empty.tolist() == [0.0, 0.0, 0.0]

@@ -5,7 +5,8 @@ It makes a tiny state (2 layers of width 64) in the three layouts with the real 
 checks that ckptbridge opens each with every parameter, shape and state the generator
 promises, that the values are what the libraries made (bf16 weights = fp32 master in a
 fresh DeepSpeed engine; random Adam moments; DCP's AdamW state after one step), and that
-``convert`` writes a checkpoint that verifies.
+``convert`` writes a checkpoint that verifies; and that ``bench_ds_resume.py --big`` resumes the
+ZeRO-2 state on one rank both ways with equal first losses.
 """
 
 from __future__ import annotations
@@ -65,3 +66,14 @@ def test_generator_makes_all_layouts(tmp_path):
     dst = str(tmp_path / "universal")
     ckptbridge.convert(info["formats"]["ds3"]["path"], dst)
     assert ckptbridge.verify(dst) == []
+
+    # bench_ds_resume.py --big resumes this state at a new DP degree both ways (its timings are
+    # the generator's resume worker's): the first losses agree
+    results = tmp_path / "results"
+    subprocess.run([sys.executable, os.path.join(BENCH, "bench_ds_resume.py"), "--big", out, "--dst-ws", "1",
+                    "--reps", "1", "--workdir", str(tmp_path / "resume")], check=True, timeout=1800,
+                   env={**os.environ, "OMP_NUM_THREADS": "1", "CB_BENCH_RESULTS": str(results)})
+    with open(results / "ds_resume_big.json") as fh:
+        res = json.load(fh)
+    assert res["first_losses_equal"] and res["src"] == {"ws": 2, "stage": 2} and res["dst"]["ws"] == 1
+    assert 0 < res["median"]["native"]["ready_s"] <= res["median"]["native"]["ttfs_s"]
