@@ -36,7 +36,7 @@ from ._model import Box, FileRegion, Fragment, TensorState, c_strides
 from ._plan import CopyOp, plan
 
 _RELEASE_BYTES = 4 << 20
-_CHUNK_BYTES = 4 << 20
+_CHUNK_BYTES = 1 << 20  # verified copies go by chunks this big: the checksum reads each from the CPU cache
 _MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22 if os.uname().sysname == "Linux" else None)
 _PREAD_BYTES = 1 << 16  # contiguous copies at least this big use preadv instead of the map
 # The kernel maps a whole page-cache folio (up to a 2 MiB huge page) on a fault, so even a small
@@ -157,10 +157,7 @@ class FileCache:
             if nbytes >= _RELEASE_BYTES:
                 self._populate(buf, start, end)
             copyto(out, view)  # tiled when the view is transposed
-            if nbytes >= _RELEASE_BYTES:
-                self._release(buf, start, end)
-            else:
-                self._count_mapped(start, end)
+            self._release(buf, start, end)
         self.stats.add(region.file, nbytes)
         return nbytes
 
@@ -179,12 +176,18 @@ class FileCache:
         same = flat.dtype == dtype
         dst: np.ndarray | None = flat.view(np.uint8) if same else None
         crc, step = 0, _CHUNK_BYTES - _CHUNK_BYTES % dtype.itemsize
+        read = dst is not None and src.size >= _PREAD_BYTES  # no page faults, nothing mapped
         for lo in range(0, src.size, step):
             piece = src[lo : lo + step]
-            crc = crc32(piece, crc)
-            if dst is not None:
+            if read and dst is not None:
+                into = dst[lo : lo + piece.size]
+                self._pread(loc.file, into, loc.offset + lo)
+                crc = crc32(into, crc)  # still in the CPU cache
+            elif dst is not None:
+                crc = crc32(piece, crc)
                 dst[lo : lo + piece.size] = piece
             else:
+                crc = crc32(piece, crc)
                 i = lo // dtype.itemsize
                 np.copyto(flat[i : i + piece.size // dtype.itemsize], piece.view(dtype), casting="unsafe")
         if not out.flags.c_contiguous:
@@ -195,11 +198,13 @@ class FileCache:
                 f"{loc.file}: {label} at {frag.box.offset}: checksum {got} != recorded {frag.checksum}; "
                 "the data is corrupted (restore the file, or open with verify=False to read it anyway)"
             )
-        self._release(buf, loc.offset, end)
+        if not read:
+            self._release(buf, loc.offset, end)
         self.stats.add(loc.file, src.size)
         return src.size
 
     def _pread(self, path: str, out: np.ndarray, start: int) -> None:
+        """Fill the contiguous ``out`` with the file's bytes from ``start`` (read calls)."""
         with self._lock:
             fd = self._fds.get(path)
             if fd is None:
@@ -223,11 +228,17 @@ class FileCache:
             buf.madvise(_MADV_POPULATE_READ, lo, end - lo)
 
     def _release(self, buf: mmap.mmap | bytes, start: int, end: int) -> None:
-        if end - start >= _RELEASE_BYTES and isinstance(buf, mmap.mmap):
-            # the pages stay in the page cache; dropping them from this process keeps RSS near
-            # the size of what the caller holds, so streaming a model never looks like loading it
-            lo = start - start % mmap.PAGESIZE
-            buf.madvise(mmap.MADV_DONTNEED, lo, min(end, len(buf)) - lo)
+        """Drop what a copy out of the map ``[start, end)`` left mapped in this process: a big
+        range at once, small ones counted (:meth:`_count_mapped`). The pages stay in the page
+        cache; dropping them from this process keeps RSS near the size of what the caller holds,
+        so streaming a model never looks like loading it."""
+        if not isinstance(buf, mmap.mmap):
+            return
+        if end - start < _RELEASE_BYTES:
+            self._count_mapped(start, end)
+            return
+        lo = start - start % mmap.PAGESIZE
+        buf.madvise(mmap.MADV_DONTNEED, lo, min(end, len(buf)) - lo)
 
     def _count_mapped(self, start: int, end: int) -> None:
         """Count what a small copy out of a map may have left mapped (whole folios); past
