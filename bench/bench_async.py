@@ -34,14 +34,20 @@ The same clock for every tool, each case in a fresh process:
   the median step of the loop without checkpoints (this is where a wait in an optimizer hook
   or a guarded step shows up, and background work competing for the cores too). Not clipped
   at zero: a step a little faster than the median counts as such, so that step noise averages
-  out in the median instead of adding up (the steps' median absolute deviation is printed);
+  out in the median instead of adding up (the steps' median absolute deviation is printed).
+  ckptbridge's stall is split into the time training waited for its snapshot (in ``save`` and
+  in guards, the checkpointer's own ``SaveStats.stall_seconds``) and the rest, the next step
+  slowed while the flush runs; beside it, what a bare ``O_DIRECT`` write of the same bytes in
+  the checkpointer's pattern costs the steps it overlaps (measured with the loaded disk);
 - **bytes written**: ``/proc/self/io`` ``write_bytes`` over the loop.
 
 Warm-up: every tool (or none, ``--warmup 0``) saves the state ``--warmup`` times and waits
 for it to finish before the clock starts; no tool gets anything else outside the clock.
 Machine facts measured in the same run: cores, memory, one host memcpy of the state, the
 disk's raw write speed (best of a buffered fsync'd write and O_DIRECT with 1 and 3 streams of
-8 MiB writes and 3 of 16 MiB, the checkpointer's pattern, each write from its own pages).
+8 MiB writes and 3 of 16 MiB, the checkpointer's pattern, each write from its own pages, into a
+new file and over a file already written: the checkpointer overwrites the files of the step its
+retention drops, and on this VM's disk, mounted with ``discard``, that is ~1.7x faster).
 The bounds the issue sets are printed beside each ckptbridge figure: stall / memcpy, loop
 time / the peer's, loop time / max(the same process's loop without checkpoints, bytes written
 / raw disk). Each case process also measures the raw disk the same way while its own train step
@@ -163,7 +169,7 @@ def run_case(spec: dict[str, Any]) -> dict[str, Any]:
     out["plain_loop_seconds"] = time.perf_counter() - t_plain
     step_base = statistics.median(plain)
     out["step_seconds"] = step_base
-    out["loaded_disk_gbps"] = _loaded_disk(root, state(), train_step)
+    out["loaded_disk_gbps"], out["raw_write_step_cost"] = _loaded_disk(root, state(), train_step, step_base)
     out["step_mad"] = statistics.median(abs(p - step_base) for p in plain)  # the step-to-step noise
 
     save, finish, ck = _saver(spec, state, handle)
@@ -196,6 +202,7 @@ def run_case(spec: dict[str, Any]) -> dict[str, Any]:
         timed = [s for s in ck.stats if s.step >= spec["warmup"]]
         out["flush_gbps"] = statistics.median(s.flush_gbps for s in timed) if timed else None
         out["dropped"] = [s for s in ck.dropped if s >= spec["warmup"]]
+        out["waits"] = [s.stall_seconds for s in timed]  # in save and in guards: training waiting for its snapshot
         out["saves_written"] = len(timed)
         ck.close()
     last = max((e.path for e in os.scandir(root)), key=os.path.getmtime, default=None)  # the newest save
@@ -266,9 +273,12 @@ def _saver(spec: dict[str, Any], state: Any, handle: Any) -> tuple[Any, Any, Any
     return save_ours, ck.wait, ck
 
 
-# O_DIRECT write patterns tried for the raw disk speed: (streams, MiB per write); the checkpointer
-# writes 16 MiB pieces, 3 at a time
-_DIRECT_MODES = {"direct1": (1, 8), "direct3": (3, 8), "direct3x16": (3, 16)}
+# O_DIRECT write patterns tried for the raw disk speed: (streams, MiB per write, into a file whose
+# blocks are already written); the checkpointer writes 16 MiB pieces, 3 at a time, and overwrites
+# the files of the step its retention drops (a new file on a disk mounted with ``discard``, as
+# here, is blocks the virtual disk must allocate again)
+_DIRECT_MODES = {"direct1": (1, 8, False), "direct3": (3, 8, False), "direct3x16": (3, 16, False),
+                 "rewrite3x16": (3, 16, True)}
 
 
 def _raw_pool(arrays: Any) -> Any:
@@ -300,20 +310,28 @@ def _leaves(tree: Any) -> list[Any]:
 
 def _modes_for(nbytes: int) -> list[str]:
     """The ``_DIRECT_MODES`` that write at least one whole piece of ``nbytes``."""
-    return [m for m, (_, mib) in _DIRECT_MODES.items() if mib << 20 <= nbytes]
+    return [m for m, (_, mib, _) in _DIRECT_MODES.items() if mib << 20 <= nbytes]
 
 
 def _direct_write(path: str, nbytes: int, mode: str, pool: Any) -> float:
     """Write ``nbytes`` (rounded down to whole writes) from ``pool`` (:func:`_raw_pool`, cycled if
     smaller) in the ``_DIRECT_MODES`` pattern ``mode`` with ``O_DIRECT``, fsync, delete; returns
-    GB/s: the disk's raw speed, no page cache."""
+    GB/s: the disk's raw speed, no page cache. A rewrite mode first writes the file, untimed."""
+    streams, mib, rewrite = _DIRECT_MODES[mode]
+    offs = list(range(0, nbytes - nbytes % (mib << 20), mib << 20))
+    if rewrite:
+        _direct_pass(path, offs, mib << 20, streams, pool, os.O_CREAT | os.O_TRUNC)
+    t = time.perf_counter()
+    _direct_pass(path, offs, mib << 20, streams, pool, 0 if rewrite else os.O_CREAT | os.O_TRUNC)
+    seconds = time.perf_counter() - t
+    os.remove(path)
+    return len(offs) * (mib << 20) / seconds / 1e9
+
+
+def _direct_pass(path: str, offs: list[int], chunk: int, streams: int, pool: Any, flags: int) -> None:
     import threading
 
-    streams, mib = _DIRECT_MODES[mode]
-    chunk = mib << 20
-    t = time.perf_counter()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
-    offs = list(range(0, nbytes - nbytes % chunk, chunk))
+    fd = os.open(path, os.O_WRONLY | os.O_DIRECT | flags, 0o644)
     view = memoryview(pool)
 
     def run(k: int) -> None:
@@ -328,27 +346,28 @@ def _direct_write(path: str, nbytes: int, mode: str, pool: Any) -> float:
         th.join()
     os.fsync(fd)
     os.close(fd)
-    seconds = time.perf_counter() - t
-    os.remove(path)
-    return len(offs) * chunk / seconds / 1e9
 
 
-def _loaded_disk(root: str, state: Any, train_step: Any) -> float:
+def _loaded_disk(root: str, state: Any, train_step: Any, step_base: float) -> tuple[float, float | None]:
     """The raw disk speed (best of the ``O_DIRECT`` patterns, as in :func:`_facts`) writing this
-    process's ``state`` while its train step runs: on a VM the virtual disk shares the CPUs the
-    step keeps busy."""
+    process's ``state`` while its train step runs (on a VM the virtual disk shares the CPUs the
+    step keeps busy), and what the checkpointer's pattern (``direct3x16``) costs the steps it
+    overlaps: the sum of their times minus ``step_base`` each (None: the state is smaller)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    pool, best = _raw_pool(state), 0.0
+    pool, best, cost = _raw_pool(state), 0.0, None
     nbytes = len(pool)
     with ThreadPoolExecutor(1) as ex:
         for mode in _modes_for(nbytes):
             fut = ex.submit(_direct_write, os.path.join(root, "raw-loaded"), nbytes, mode, pool)
+            steps = []
             while not fut.done():
-                train_step()
+                steps.append(_timed(train_step))
             best = max(best, fut.result())
+            if mode == "direct3x16":
+                cost = sum(steps) - step_base * len(steps)
     pool.close()
-    return best
+    return best, cost
 
 
 def _facts(spec: dict[str, Any]) -> dict[str, Any]:
@@ -433,6 +452,12 @@ def _aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
             out[key] = statistics.median(values)
     stalls = [s for r in ok for s in r["stalls"]]
     out["stall_median"] = statistics.median(stalls) if stalls else 0.0
+    waits = [s for r in ok for s in r.get("waits", [])]
+    if waits:
+        out["wait_median"] = statistics.median(waits)
+    costs = [r["raw_write_step_cost"] for r in ok if r.get("raw_write_step_cost") is not None]
+    if costs:
+        out["raw_write_step_cost"] = statistics.median(costs)
     out["loop_range"] = [min(r["loop_seconds"] for r in ok), max(r["loop_seconds"] for r in ok)]
     out["reps"] = runs
     return out
@@ -493,7 +518,12 @@ def _table(res: dict[str, Any], args: argparse.Namespace) -> str:
             if "loop_seconds" not in ours:
                 continue
             noise = cases.get("none", {})
-            bits = [f"stall {ours['stall_median'] / memcpy:.2f}x one memcpy (target <= 1.5x)",
+            bits = [f"stall {ours['stall_median'] / memcpy:.2f}x one memcpy (target <= 1.5x)"
+                    + (f" = {ours['wait_median']:.3f} s waiting for the snapshot ({ours['wait_median'] / memcpy:.2f}x)"
+                       f" + {ours['stall_median'] - ours['wait_median']:.3f} s the next step slowed while the flush "
+                       "runs" if "wait_median" in ours else "")
+                    + (f" (a raw O_DIRECT write of the same bytes, 3 x 16 MiB, costs the steps it overlaps "
+                       f"{ours['raw_write_step_cost']:.3f} s in all)" if "raw_write_step_cost" in ours else ""),
                     f"loop {_bound_ratio(ours, disk):.2f}x max(same loop without checkpoints "
                     f"{ours['plain_loop_seconds']:.2f} s, {ours['bytes_written'] / 1e9:.2f} GB / raw disk = "
                     f"{ours['bytes_written'] / 1e9 / disk:.2f} s) (target <= 1.05x"

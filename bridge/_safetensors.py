@@ -128,12 +128,16 @@ class FileSpec:
     ``image``: a page-aligned buffer already holding the entries' bytes where the
     file keeps them (see :func:`file_layout`); the file is then written straight
     from it (its header filled in), and the entries' ``data`` is not used.
+    ``reuse``: an old local file, no longer wanted, to move to ``path`` and overwrite
+    in place (its blocks are already allocated: no allocation, and no discard of freed
+    blocks, on the disk's side); a fresh file when it is gone.
     """
 
     path: str
     entries: list[Entry]
     metadata: Mapping[str, str] | None = None
     image: mmap.mmap | None = None
+    reuse: str | None = None
 
 
 def file_layout(entries: Sequence[Entry], metadata: Mapping[str, str] | None = None) -> tuple[bytes, list[int], int]:
@@ -201,7 +205,7 @@ def write_files(files: Sequence[FileSpec], on_entry: Callable[[Entry], None] | N
             buf, start, part = futures[k].result()
             writer.check()
             if t.file not in outs:
-                outs[t.file] = _new_file(files[t.file].path)
+                outs[t.file] = _new_file(files[t.file].path, files[t.file].reuse)
             writer.put(outs[t.file].chunk(buf, start, t.nbytes), written[k])
             if isinstance(t.item, Entry):
                 crc = part if t.first else crc32_combine(crc, part, t.nbytes)
@@ -412,9 +416,10 @@ def _pwrite_all(fd: int, buf: mmap.mmap, lo: int, hi: int, at: int, path: str = 
         raise WriteError(f"{path}: writing bytes {at}-{at + hi - lo}: {err.strerror}", err.errno) from err
 
 
-def _new_file(path: str) -> Any:
-    """A new local file (O_DIRECT where possible), or a streamed upload for a URL."""
-    return _storage.remote(path).writer(path) if _storage.is_url(path) else _NewFile(path)
+def _new_file(path: str, reuse: str | None = None) -> Any:
+    """A new local file (O_DIRECT where possible; ``reuse``: see :class:`FileSpec`), or a
+    streamed upload for a URL."""
+    return _storage.remote(path).writer(path) if _storage.is_url(path) else _NewFile(path, reuse)
 
 
 class _NewFile:
@@ -426,11 +431,21 @@ class _NewFile:
     aligned blocks straight from the buffer (``O_DIRECT``, where the file
     system allows; on virtual machines the page cache's fresh pages cost more
     than the disk). Elsewhere it falls back to ordinary buffered writes.
+
+    ``reuse``: an old file renamed to ``path`` and overwritten, then cut to the new length
+    (when it is gone, a new file is created as usual).
     """
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, reuse: str | None = None) -> None:
         self.path, self.pos, self.carry = path, 0, b""
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+        self.reused = False
+        if reuse is not None:
+            try:
+                os.rename(reuse, path)
+                self.reused = True
+            except OSError:  # taken by another writer, or removed: a new file
+                pass
+        flags = os.O_WRONLY | (0 if self.reused else os.O_CREAT | os.O_EXCL) | getattr(os, "O_CLOEXEC", 0)
         direct = getattr(os, "O_DIRECT", 0)
         self.fd = -1
         if direct:
@@ -487,7 +502,7 @@ class _NewFile:
                     _pwrite_all(self.fd, block, 0, _ALIGN, self.pos - len(self.carry), self.path)
                 finally:
                     _POOL.give(block)
-            if self.direct:
+            if self.direct or self.reused:
                 os.ftruncate(self.fd, self.pos)
             os.fsync(self.fd)
         finally:

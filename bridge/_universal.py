@@ -152,18 +152,20 @@ def write_rank(
     token: str = "",
     images: Mapping[str, Any] | None = None,
     background: bool = False,
+    reuse: Mapping[str, str] | None = None,
 ) -> str:
     """Write this rank's pieces into the staging dir and its partial manifest; returns the staging dir.
 
     ``images``: page-aligned buffers, by relative file path, that already hold
     those files' bytes as :func:`plan_rank` and ``file_layout`` place them
     (the Checkpointer snapshots into them); such files are written without a copy.
-    ``background``: write at a lower CPU priority (see ``write_files``).
+    ``background``: write at a lower CPU priority (see ``write_files``). ``reuse``: old files
+    to overwrite in place, by relative file path (see ``FileSpec.reuse``).
     """
     stage = staging_path(path, token)
     _storage.makedirs(_storage.join(stage, "data"))
     plan = plan_rank(path, pieces, rank, max_file_bytes, token)
-    specs = [dataclasses.replace(spec, image=images[rel]) if images and rel in images else spec
+    specs = [dataclasses.replace(spec, image=(images or {}).get(rel), reuse=(reuse or {}).get(rel))
              for rel, _, spec in plan]
     piece_of = {id(e): p for _, group, spec in plan for e, p in zip(spec.entries, group)}
     written = write_files(specs, on_entry=(lambda e: on_piece(piece_of[id(e)])) if on_piece else None,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -313,3 +315,53 @@ def test_host_images_are_page_locked_for_cuda_tensors_and_unlocked_after(tmp_pat
     assert pinned == {}
     c = ckptbridge.open(step_dir(str(tmp_path / "ck"), 3))
     np.testing.assert_array_equal(c["extra"].read(), np.ones(5, np.float32))
+
+
+def _safetensors_length(path):
+    with open(path, "rb") as fh:
+        n = int.from_bytes(fh.read(8), "little")
+        header = json.loads(fh.read(n))
+    return 8 + n + max(e["data_offsets"][1] for k, e in header.items() if k != "__metadata__")
+
+
+def _data_file(root, step):
+    (name,) = os.listdir(os.path.join(step_dir(root, step), "data"))
+    return os.path.join(step_dir(root, step), "data", name)
+
+
+def test_a_dropped_steps_file_is_overwritten_by_the_next_save_unless_a_reader_holds_it(tmp_path):
+    root = str(tmp_path / "ck")
+    sizes = [(64, 64), (64, 64), (32, 64), (96, 64), (96, 64)]  # the state shrinks, then grows
+    states, inodes, kept = {}, {}, {}
+    with contextlib.ExitStack() as stack, Checkpointer(root, keep_last=1) as ck:
+        for step, shape in enumerate(sizes, 1):
+            if step == 4:  # a reader of step 3 keeps its file open while step 3 is dropped
+                reader = stack.enter_context(open(_data_file(root, 3), "rb"))
+                held = reader.read()
+            states[step] = {"w": np.random.default_rng(step).standard_normal(shape).astype(np.float32)}
+            ck.save(step, states[step])
+            ck.wait()
+            ck._chores.submit(lambda: None).result()  # retention (run after each commit) is done
+            inodes[step] = os.stat(_data_file(root, step)).st_ino
+            pool = os.path.join(root, ".reuse")
+            kept[step] = len(os.listdir(pool)) if os.path.isdir(pool) else 0
+            with ckptbridge.open(step_dir(root, step)) as restored:  # closed: its file may be reused
+                np.testing.assert_array_equal(restored["w"].read(), states[step]["w"])
+            assert ckptbridge.verify(step_dir(root, step)) == []
+            assert os.path.getsize(_data_file(root, step)) == _safetensors_length(_data_file(root, step))
+        assert committed_steps(root) == [5]
+        assert reader.seek(0) == 0 and reader.read() == held  # the reader kept its bytes
+    assert inodes[3] == inodes[1] and inodes[4] == inodes[2]  # overwritten in place, shorter, then longer
+    assert kept == {1: 0, 2: 1, 3: 1, 4: 0, 5: 1}  # step 3's file was open when it was dropped: deleted
+    assert not os.path.exists(os.path.join(root, ".reuse"))  # close() drops the spare files
+
+
+def test_reuse_files_off_deletes_dropped_steps(tmp_path):
+    root = str(tmp_path / "ck")
+    with Checkpointer(root, keep_last=1, policy=ckptbridge.SavePolicy(reuse_files=False)) as ck:
+        for step in (1, 2, 3):
+            ck.save(step, {"w": np.full((64, 64), step, np.float32)})
+            ck.wait()
+            ck._chores.submit(lambda: None).result()
+            assert committed_steps(root) == [step]
+            assert not os.path.exists(os.path.join(root, ".reuse"))

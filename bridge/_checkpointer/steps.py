@@ -3,6 +3,8 @@
 ``root/step_<N>`` is a universal directory; it counts only once its commit
 marker exists. Staging directories (``step_<N>.partial.<job>``) of crashed
 writers are removed; those of live writers (another job sharing the root) stay.
+The data files of a step that retention drops may be kept in ``root/.reuse``
+for the next save to overwrite (:func:`retire_checkpoint`).
 """
 
 from __future__ import annotations
@@ -54,6 +56,66 @@ def remove_checkpoint(path: str) -> None:
     with contextlib.suppress(FileNotFoundError):
         os.remove(os.path.join(path, MARKER))
     shutil.rmtree(path, ignore_errors=True)
+
+
+def reuse_dir(root: str) -> str:
+    """Where dropped steps' data files wait to be overwritten by the next save."""
+    return os.path.join(root, ".reuse")
+
+
+def retire_checkpoint(path: str, pool: str) -> list[str]:
+    """Uncommit a checkpoint (marker first, as :func:`remove_checkpoint`, which deletes
+    the rest later) and move its data files into ``pool`` (by file name, replacing older
+    ones) for the next save to overwrite in place. A file some process still has open or
+    mapped (a reader of the old step) stays, to be deleted as ever, so that its reader
+    keeps the old bytes; the same where that cannot be told (not Linux, leases refused).
+    Returns the files moved."""
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(os.path.join(path, MARKER))
+    data, kept = os.path.join(path, "data"), []
+    with contextlib.suppress(OSError):
+        names = os.listdir(data)
+        os.makedirs(pool, exist_ok=True)
+        for name in names:
+            if _move_if_unopened(os.path.join(data, name), os.path.join(pool, name)):
+                kept.append(name)
+    return kept
+
+
+def _move_if_unopened(src: str, dst: str) -> bool:
+    """Move ``src`` to ``dst`` if no other open file (of any process of this host) refers to
+    it: a Linux write lease is granted only then, and it makes anyone who opens the file
+    meanwhile wait until the move is done."""
+    try:
+        import fcntl
+
+        lease, wrlck, unlck = fcntl.F_SETLEASE, fcntl.F_WRLCK, fcntl.F_UNLCK
+    except (ImportError, AttributeError):
+        return False
+    try:
+        fd = os.open(src, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.fcntl(fd, lease, wrlck)
+    except OSError:  # open elsewhere (EAGAIN), or leases not allowed here
+        os.close(fd)
+        return False
+    try:
+        os.replace(src, dst)
+        return True
+    except OSError:
+        return False
+    finally:
+        with contextlib.suppress(OSError):
+            fcntl.fcntl(fd, lease, unlck)
+        os.close(fd)
+
+
+def reusable(pool: str, rels: Sequence[str]) -> dict[str, str]:
+    """The files of ``pool`` a save writing the data files ``rels`` may overwrite, by relative path."""
+    return {rel: os.path.join(pool, os.path.basename(rel)) for rel in rels
+            if os.path.exists(os.path.join(pool, os.path.basename(rel)))}
 
 
 def clean_incomplete(root: str, before: int | None, timeout: float) -> None:
