@@ -32,6 +32,7 @@ import numpy as np
 from . import _dtypes, _storage
 from ._crc import crc32, crc32_combine
 from ._errors import FormatError, MissingShardError, TruncatedError, WriteError
+from ._hostmem import aligned_buffer
 
 _MAX_HEADER = 100 << 20
 
@@ -334,7 +335,7 @@ class _Pool:
                 best = min(fits, key=len)
                 self.kept.remove(best)
                 return best
-        return mmap.mmap(-1, max(nbytes, 1))
+        return aligned_buffer(nbytes)
 
     def give(self, buf: mmap.mmap) -> None:
         with self.lock:

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from .. import _dtypes
+from .._hostmem import aligned_buffer
 from .._safetensors import FileSpec, file_layout
 from .._universal import Piece
 from .leaves import Leaf, buffer_key
@@ -51,7 +52,7 @@ class BufferSet:
             self.images, self.arrays = {}, {}  # drop the old layout's buffers
             for rel, group, spec in plan:
                 _, offsets, size = file_layout(spec.entries, spec.metadata)
-                image = self.images[rel] = mmap.mmap(-1, max(size, 1))
+                image = self.images[rel] = aligned_buffer(size)
                 for p, at in zip(group, offsets):
                     arr = np.frombuffer(image, _dtypes.to_numpy(p.dtype), count=p.box.size, offset=at)
                     self.arrays[buffer_key(p.tensor, p.box)] = arr.reshape(p.box.shape)
