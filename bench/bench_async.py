@@ -285,17 +285,16 @@ def _raw_pool(arrays: Any) -> Any:
     """A page-aligned copy of ``arrays``' bytes (numpy-convertible leaves of a state tree), the
     source of the raw disk writes: the data a checkpoint writes, never a block written over and
     over (this VM's virtual disk takes a repeated 1 MiB pattern up to ~1.25x faster than
-    non-repeating random data, so a repeated block overstates the disk). Private memory advised
-    ``MADV_HUGEPAGE``, as the checkpointer's buffers: shared anonymous memory writes up to 1.7x
-    slower here, which would understate the disk."""
-    import mmap
-
+    non-repeating random data, so a repeated block overstates the disk). The checkpointer's own
+    kind of buffer (huge pages): shared anonymous memory writes up to 1.7x slower here, which
+    would understate the disk."""
     import numpy as np
+
+    from ckptbridge._hostmem import aligned_buffer
 
     leaves = [np.asarray(a.detach() if hasattr(a, "detach") else a).reshape(-1).view(np.uint8)
               for a in _leaves(arrays)]
-    pool = mmap.mmap(-1, max(1, sum(a.size for a in leaves)), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    pool.madvise(mmap.MADV_HUGEPAGE)
+    pool = aligned_buffer(sum(a.size for a in leaves))
     out, at = np.frombuffer(pool, np.uint8), 0
     for a in leaves:
         out[at : at + a.size] = a

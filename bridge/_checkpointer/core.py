@@ -74,8 +74,8 @@ from .steps import (
     record_owner,
     remove_checkpoint,
     retire_checkpoint,
-    reusable,
     reuse_dir,
+    reuse_paths,
     step_dir,
     steps_to_drop,
 )
@@ -583,7 +583,7 @@ class Checkpointer:
         stage = staging_path(dst, self.token)
         os.makedirs(stage, exist_ok=True)
         record_owner(stage, self.rank)
-        reuse = reusable(reuse_dir(self.root), list(job.buffers.images)) if self.policy.reuse_files else None
+        reuse = reuse_paths(reuse_dir(self.root), list(job.buffers.images)) if self.policy.reuse_files else None
         write_rank(dst, pieces, self.rank, token=self.token, images=job.buffers.images, background=background,
                    reuse=reuse)
         committed = False

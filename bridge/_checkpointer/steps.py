@@ -63,26 +63,23 @@ def reuse_dir(root: str) -> str:
     return os.path.join(root, ".reuse")
 
 
-def retire_checkpoint(path: str, pool: str) -> list[str]:
+def retire_checkpoint(path: str, pool: str) -> None:
     """Uncommit a checkpoint (marker first, as :func:`remove_checkpoint`, which deletes
     the rest later) and move its data files into ``pool`` (by file name, replacing older
     ones) for the next save to overwrite in place. A file some process still has open or
     mapped (a reader of the old step) stays, to be deleted as ever, so that its reader
-    keeps the old bytes; the same where that cannot be told (not Linux, leases refused).
-    Returns the files moved."""
+    keeps the old bytes; the same where that cannot be told (not Linux, leases refused)."""
     with contextlib.suppress(FileNotFoundError):
         os.remove(os.path.join(path, MARKER))
-    data, kept = os.path.join(path, "data"), []
+    data = os.path.join(path, "data")
     with contextlib.suppress(OSError):
         names = os.listdir(data)
         os.makedirs(pool, exist_ok=True)
         for name in names:
-            if _move_if_unopened(os.path.join(data, name), os.path.join(pool, name)):
-                kept.append(name)
-    return kept
+            _move_if_unopened(os.path.join(data, name), os.path.join(pool, name))
 
 
-def _move_if_unopened(src: str, dst: str) -> bool:
+def _move_if_unopened(src: str, dst: str) -> None:
     """Move ``src`` to ``dst`` if no other open file (of any process of this host) refers to
     it: a Linux write lease is granted only then, and it makes anyone who opens the file
     meanwhile wait until the move is done."""
@@ -91,31 +88,30 @@ def _move_if_unopened(src: str, dst: str) -> bool:
 
         lease, wrlck, unlck = fcntl.F_SETLEASE, fcntl.F_WRLCK, fcntl.F_UNLCK
     except (ImportError, AttributeError):
-        return False
+        return
     try:
         fd = os.open(src, os.O_RDONLY)
     except OSError:
-        return False
+        return
     try:
         fcntl.fcntl(fd, lease, wrlck)
     except OSError:  # open elsewhere (EAGAIN), or leases not allowed here
         os.close(fd)
-        return False
+        return
     try:
         os.replace(src, dst)
-        return True
-    except OSError:
-        return False
+    except OSError:  # the file stays, to be deleted with its step
+        pass
     finally:
         with contextlib.suppress(OSError):
             fcntl.fcntl(fd, lease, unlck)
         os.close(fd)
 
 
-def reusable(pool: str, rels: Sequence[str]) -> dict[str, str]:
-    """The files of ``pool`` a save writing the data files ``rels`` may overwrite, by relative path."""
-    return {rel: os.path.join(pool, os.path.basename(rel)) for rel in rels
-            if os.path.exists(os.path.join(pool, os.path.basename(rel)))}
+def reuse_paths(pool: str, rels: Sequence[str]) -> dict[str, str]:
+    """Where in ``pool`` a kept file for each of the data files ``rels`` would be, by relative
+    path (the writer takes it if it is there, else makes a new file)."""
+    return {rel: os.path.join(pool, os.path.basename(rel)) for rel in rels}
 
 
 def clean_incomplete(root: str, before: int | None, timeout: float) -> None:
