@@ -8,14 +8,18 @@ least loaded rank, so the result is the one-process result with other file
 names) with its ``manifest.r<rank>.json``; rank 0 then merges and commits
 (``write_rank`` / ``commit_universal``, the universal format's rule 10).
 
-Ranks agree through a small key-value store: the launcher's own
-(``torch.distributed``'s TCP store, found through the ``ckptbridge.stores``
-entry-point group, when torch is installed and ``MASTER_ADDR``/``MASTER_PORT``
-are set, as torchrun does), else files in a coordination directory beside the
-stage (``DST.partial.<job>.coord``, or ``DST/.coord/<job>/`` at a URL) named by
-the launcher's job id (``CKPTBRIDGE_JOB_ID``, ``SLURM_JOB_ID`` + step + restart
-count, ``TORCHELASTIC_RUN_ID`` ...). There are no collectives; the core never
-imports torch. The protocol::
+Ranks agree through a small key-value store. For a local (or mounted) ``DST``
+with a job id from the launcher (``CKPTBRIDGE_JOB_ID``, ``SLURM_JOB_ID`` + step +
+restart count, ``TORCHELASTIC_RUN_ID`` + restart count, as ``torchrun
+--standalone`` or ``--rdzv-id`` sets it ...) that is files in a coordination
+directory beside the stage (``DST.partial.<job>.coord``): every rank writes
+under ``DST``, so the directory is shared by all of them, and a poll is one
+``open``. Otherwise (a URL, where each poll is a request, or no job id) the
+launcher's own store: ``torch.distributed``'s TCP store, found through the
+``ckptbridge.stores`` entry-point group, when torch is installed and
+``MASTER_ADDR``/``MASTER_PORT`` are set; failing that, files under
+``DST/.coord/<job>/``. There are no collectives; the core never imports torch.
+The protocol::
 
     rank 0: check DST, publish  start = ok:<token> | fail:<why>
     all:    write my share into the stage, publish wrote/<rank> = ok | fail:<why>
@@ -120,6 +124,11 @@ def world_from_env(dst: str, timeout: float = DEFAULT_TIMEOUT,
     rank, size = rank_from_env(env)
     if size <= 1:
         return None
+    job = job_id(env)
+    if job and not _storage.is_url(dst):
+        # every rank writes its share under dst, so files beside it are shared by all of them: no
+        # launcher store needed (torch's costs each rank an import of torch, ~1 s of a conversion)
+        return World(rank, size, FileStore(coordination_dir(dst, job)), job, timeout)
     for ep in importlib.metadata.entry_points(group=STORE_GROUP):
         try:
             make = ep.load()
@@ -127,8 +136,7 @@ def world_from_env(dst: str, timeout: float = DEFAULT_TIMEOUT,
             continue
         store = make(rank, size, timeout)
         if store is not None:
-            return World(rank, size, store, job_id(env), timeout)
-    job = job_id(env)
+            return World(rank, size, store, job, timeout)
     if not job:
         raise OptionError(
             f"{dst}: {size} ranks but no shared store (torch.distributed with MASTER_ADDR/MASTER_PORT) and "
@@ -267,8 +275,11 @@ def run(world: World, dst: str, overwrite: bool,
         try:
             return _run(world, dst, overwrite, write, commit, seen)
         except _Terminated:
-            if world.rank == 0 and "token" in seen and not _storage.is_url(dst):
-                shutil.rmtree(staging_path(dst, seen["token"]), ignore_errors=True)
+            if world.rank == 0 and not _storage.is_url(dst):
+                if "token" in seen:
+                    shutil.rmtree(staging_path(dst, seen["token"]), ignore_errors=True)
+                if isinstance(world.store, FileStore):
+                    world.store.remove_all()
             raise
 
 

@@ -13,6 +13,7 @@ import glob
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -28,9 +29,16 @@ DS = os.path.join(FIX, "migration", "ds_zero2_w2", "ckpt")  # a real DeepSpeed Z
 ENV = dict(os.environ, OMP_NUM_THREADS="1")
 
 
-def torchrun(n: int, *args: str, **popen: object) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
-           "-m", "ckptbridge", *args]
+def torchrun(n: int, *args: str, store: bool = False, **popen: object) -> subprocess.Popen:
+    """``torchrun --standalone`` (a run id: ranks agree through files), or with ``store`` a static
+    rendezvous on a free port and no run id (ranks agree through torchrun's TCP store)."""
+    how = ["--standalone"]
+    if store:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        how = ["--nnodes=1", "--node-rank=0", "--master-addr=127.0.0.1", f"--master-port={port}"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", *how, f"--nproc-per-node={n}", "-m", "ckptbridge", *args]
     return subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
 
 
@@ -83,13 +91,25 @@ def one_process(tmp_path_factory):
 
 
 @pytest.mark.heavy
-@pytest.mark.parametrize("n", [2, 3])
-def test_torchrun_matches_one_process(tmp_path, one_process, n):
+@pytest.mark.parametrize("n,store", [(2, False), (3, False), (2, True)], ids=["files-2", "files-3", "tcp-store-2"])
+def test_torchrun_matches_one_process(tmp_path, one_process, n, store, monkeypatch):
     out = str(tmp_path / "u")
-    rc, stdout, stderr = finish(torchrun(n, "convert", DS, out))
+    from ckptbridge.adapters.torch import _store
+
+    made = tmp_path / "made"  # which store the ranks used: the TCP store's factory leaves a mark
+    monkeypatch.setitem(ENV, "PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path), ENV.get("PYTHONPATH")])))
+    (tmp_path / "sitecustomize.py").write_text(
+        "import ckptbridge.adapters.torch._store as s\n"
+        "f = s.store\n"
+        f"def store(*a):\n    open({str(made)!r}, 'a').write('x')\n    return f(*a)\n"
+        "s.store = store\n")
+    assert _store.store  # the factory the entry point names
+    rc, stdout, stderr = finish(torchrun(n, "convert", DS, out, store=store))
     assert rc == 0, stderr[-3000:]
     assert f"wrote {out} ({n} processes)" in stdout
     assert_same_as_one_process(one_process, out, n)
+    # with a run id every rank coordinated through files, and never asked for the TCP store
+    assert (made.exists() and len(made.read_text()) == n) == store
 
 
 @pytest.mark.heavy
@@ -158,6 +178,7 @@ def test_torchrun_rank_killed_mid_conversion_commits_nothing_and_rerun_succeeds(
     rc, _, stderr = finish(job)
     assert rc != 0
     _nothing_committed(str(tmp_path), out)
+    assert not glob.glob(out + ".partial*")  # rank 0, torn down, removed the stage and coordination files
     rc, _, stderr = finish(torchrun(2, "convert", big_source, out))
     assert rc == 0, stderr[-3000:]
     one = str(tmp_path / "one")
