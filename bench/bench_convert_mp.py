@@ -6,7 +6,8 @@ over ``--reps``:
 
 * ``n1``: ``python -m ckptbridge convert SRC DST`` (one process);
 * ``torchrun-nN``: ``torchrun --standalone --nproc-per-node N -m ckptbridge convert SRC DST``
-  (ranks agree through torchrun's TCP store; launcher start-up inside the clock);
+  (its run id lets the ranks agree through files beside the stage; launcher start-up inside the
+  clock);
 * ``env-nN``: N processes with ``RANK``/``WORLD_SIZE``/``CKPTBRIDGE_JOB_ID`` as ``srun`` would
   start them (ranks agree through files in the staging directory);
 * ``launch-n1`` / ``launch-torchrun-nN``: ``ckptbridge --help`` alone, directly and under torchrun
