@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import pickle
+import struct
 import zipfile
 
 import numpy as np
@@ -117,3 +118,59 @@ def test_archive_offsets_point_at_storage_bytes(tmp_path):
     with zipfile.ZipFile(tmp_path / "a.pt") as zf:
         name = next(n for n in zf.namelist() if n.endswith(f"data/{key}"))
         assert zf.read(name) == (tmp_path / "a.pt").read_bytes()[off : off + length]
+
+
+def test_save_torch_writes_what_torch_save_would(tmp_path, monkeypatch):
+    """``save_torch`` (torch-free) against ``torch.save`` of the same objects: named classes
+    (``Global``/``Reduce``/``Object``), tensors given as arrays, as callables and as pieces, each
+    data record 64-byte aligned also when zipfile adds zip64 fields to a record's header."""
+    import signal
+
+    from ckptbridge.adapters.torchfile import Global, Object, Reduce, Tensor, save_torch
+
+    a = np.arange(24, dtype=np.float32).reshape(4, 6)
+    obj = {
+        "args": Object(Global("argparse", "Namespace"),
+                       {"params_dtype": Global("torch", "bfloat16"), "exit_signal": Reduce(Global("signal", "Signals"),
+                                                                                            (15,)), "lr": 0.5}),
+        "keys": {(Global("torch", "float16"), Global("torch", "float32")): 1},
+        "w": Tensor(a, "float32"),
+        "lazy": Tensor(lambda: a * 2, "float32", (4, 6)),
+        "pieces": Tensor(lambda: (a[i] * 3 for i in range(4)), "float32", (4, 6)),
+        "bf16": Tensor(lambda: np.full((3,), 0x3F80, np.uint16), "bfloat16", (3,)),
+        "step": Tensor(np.array(7.0, np.float32), "float32"),
+    }
+    t = torch.from_numpy(a)
+    want = {"args": argparse.Namespace(params_dtype=torch.bfloat16, exit_signal=signal.SIGTERM, lr=0.5),
+            "keys": {(torch.float16, torch.float32): 1}, "w": t, "lazy": t * 2, "pieces": t * 3,
+            "bf16": torch.ones(3, dtype=torch.bfloat16), "step": torch.tensor(7.0)}
+    monkeypatch.setattr(zipfile, "ZIP64_LIMIT", 40)  # records over 38 bytes get zip64 header fields
+    assert save_torch(obj, str(tmp_path / "ours.pt")) == 3 * a.nbytes + 6 + 4
+    monkeypatch.undo()
+    torch.serialization.add_safe_globals([argparse.Namespace, signal.Signals])
+    got = torch.load(tmp_path / "ours.pt", weights_only=True)
+    assert vars(got.pop("args")) == vars(want.pop("args")) and got.pop("keys") == want.pop("keys")
+    assert got.keys() == want.keys()
+    for k, v in want.items():
+        assert got[k].dtype == v.dtype and torch.equal(got[k], v), k
+    with zipfile.ZipFile(tmp_path / "ours.pt") as zf:
+        infos = [i for i in zf.infolist() if "/data/" in i.filename]
+        raw = (tmp_path / "ours.pt").read_bytes()
+        zip64 = []
+        for i in infos:  # the local header: its name and extra field lengths, then the data
+            name_len, extra_len = struct.unpack("<HH", raw[i.header_offset + 26:i.header_offset + 30])
+            extra = raw[i.header_offset + 30 + name_len:i.header_offset + 30 + name_len + extra_len]
+            zip64.append(extra[-20:-16] == struct.pack("<HH", 1, 16))
+            start = i.header_offset + 30 + name_len + extra_len
+            assert start % 64 == 0 and raw[start:start + i.file_size] == zf.read(i), i.filename
+        assert zip64 == [True, True, True, False, False]  # the three 96-byte records have zip64 fields
+    assert torch.equal(torch.load(tmp_path / "ours.pt", weights_only=True, mmap=True)["lazy"], t * 2)
+
+
+def test_save_torch_names_a_tensor_of_the_wrong_size(tmp_path):
+    from ckptbridge.adapters.torchfile import Tensor, save_torch
+
+    with pytest.raises(ckptbridge.FormatError, match=r"tensor 0 has shape \(5,\), expected \(4,\)"):
+        save_torch({"w": Tensor(lambda: np.zeros(5, np.float32), "float32", (4,))}, str(tmp_path / "a.pt"))
+    with pytest.raises(ckptbridge.FormatError, match="data/0 got 20 bytes, expected 16"):
+        save_torch({"w": Tensor(lambda: iter([np.zeros(5, np.float32)]), "float32", (4,))}, str(tmp_path / "b.pt"))

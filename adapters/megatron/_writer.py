@@ -38,12 +38,13 @@ import json
 import math
 import os
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from ckptbridge.adapters.torchfile import Global, Object, Reduce, Tensor, save_torch
 from ckptbridge.plugin import (
     Box,
     Checkpoint,
@@ -54,7 +55,6 @@ from ckptbridge.plugin import (
     TensorView,
     WriteOptions,
     fuse,
-    require,
     staged_dir,
     storage,
 )
@@ -111,24 +111,23 @@ def _target_args(src: Mapping[str, Any], tp: int, pp: int, dp: int | None, dist_
     return args
 
 
-def _to_namespace(args: Mapping[str, Any]) -> Any:
-    """An ``argparse.Namespace`` Megatron can unpickle: torch dtypes restored, library enums dropped."""
-    import argparse
-    import signal
-
-    import torch
-
-    out = {}
+def _to_namespace(args: Mapping[str, Any]) -> Object:
+    """The ``argparse.Namespace`` Megatron unpickles: torch dtypes restored, library enums dropped."""
+    out: dict[str, Any] = {}
     for k, v in args.items():
-        if isinstance(v, str) and v.startswith("torch.") and isinstance(getattr(torch, v[6:], None), torch.dtype):
-            out[k] = getattr(torch, v[6:])
+        if isinstance(v, str) and v.startswith("torch.") and v[6:] in _TORCH_DTYPES:
+            out[k] = Global("torch", v[6:])
         elif isinstance(v, Mapping) and "__class__" in v:
             if v["__class__"] == "signal.Signals":
-                out[k] = signal.Signals(int(v["value"]))
+                out[k] = Reduce(Global("signal", "Signals"), (int(v["value"]),))
             # megatron enums (AttnBackend, ModelType) are not needed by the loader: left out
         else:
             out[k] = v
-    return argparse.Namespace(**out)
+    return Object(Global("argparse", "Namespace"), out)
+
+
+_TORCH_DTYPES = frozenset({"float32", "float64", "float16", "bfloat16", "int64", "int32", "int16", "int8",
+                           "uint8", "bool", "float", "half", "double", "long", "int"})
 
 
 def _default_groups(args: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -197,14 +196,6 @@ def _np(dtype: str) -> np.dtype:
     return _dtypes.to_numpy(dtype)
 
 
-def _torch(arr: np.ndarray, dtype: str) -> Any:
-    import torch
-
-    if dtype == "bfloat16":
-        return torch.from_numpy(np.ascontiguousarray(arr).view(np.uint16).copy()).view(torch.bfloat16)
-    return torch.from_numpy(np.ascontiguousarray(arr).copy())
-
-
 @dataclass(frozen=True)
 class MegatronWriteOptions(WriteOptions):
     """Writing a legacy Megatron-LM checkpoint for a new layout (uniform stages, no virtual pipeline).
@@ -236,7 +227,6 @@ class MegatronWriteOptions(WriteOptions):
 
 def write(ckpt: Any, dst: str, options: MegatronWriteOptions | None = None) -> str:
     """Write ``ckpt`` (any format with Megatron args in ``extra``) as a legacy Megatron checkpoint."""
-    require("torch", "torch", "writing Megatron checkpoints")
     o = options or MegatronWriteOptions()
     dst = os.path.abspath(os.fspath(dst))
     with staged_dir(dst, overwrite=o.overwrite) as stage:
@@ -247,8 +237,6 @@ def write(ckpt: Any, dst: str, options: MegatronWriteOptions | None = None) -> s
 def _write(ckpt: Any, tmp: str, tp: int | None, pp: int | None, dp: int | None,
            distributed_optimizer: bool | None, iteration: int | None, args_file: str | None,
            optimizer: bool = True) -> None:
-    import torch
-
     info = _source_info(ckpt, args_file)
     src_args = dict(info["args"])
     tp = int(tp or src_args.get("tensor_model_parallel_size") or 1)
@@ -291,20 +279,14 @@ def _write(ckpt: Any, tmp: str, tp: int | None, pp: int | None, dp: int | None,
     for p in range(pp):
         offset = layers[p].start
         for t in range(tp):
-            params = local_params(cfg, args, names, shapes, t, p)
             model: OrderedDict[str, Any] = OrderedDict()
-            values: dict[str, dict[str, Any]] = {}
-            for name, local, boxes in params:
+            values: dict[str, dict[str, Tensor]] = {}  # read when the file is written, one at a time
+            for name, local, boxes in local_params(cfg, args, names, shapes, t, p):
                 m = LAYER_RE.match(name)
                 local_name = f"decoder.layers.{int(m.group(1)) - offset}.{m.group(2)}" if m else name
-                per_state = {}
-                for key, state, dtype in _states(src, name, mixed, have_opt):
-                    parts = [src.read(name, state, b, dtype) for b in boxes]
-                    per_state[key] = _torch(np.concatenate(parts, 0) if len(parts) > 1 else parts[0], dtype)
-                    if tuple(per_state[key].shape) != local:
-                        raise FormatError(f"{name}: local shard {tuple(per_state[key].shape)} != {local}")
-                values[local_name] = per_state
-                model[local_name] = per_state["weights"]
+                values[local_name] = {key: Tensor(_reader(src, name, state, tuple(boxes), dtype, local), dtype, local)
+                                      for key, state, dtype in _states(src, name, mixed, have_opt)}
+                model[local_name] = values[local_name]["weights"]
                 if local_name.endswith(".weight") and _has_extra_state(local_name):
                     model[local_name[: -len("weight")] + "_extra_state"] = None
             state_dict: dict[str, Any] = {
@@ -313,7 +295,7 @@ def _write(ckpt: Any, tmp: str, tp: int | None, pp: int | None, dp: int | None,
             }
             if info.get("opt_param_scheduler") is not None:
                 state_dict["opt_param_scheduler"] = dict(info["opt_param_scheduler"])
-            local_list = [(ln, tuple(v["weights"].shape)) for ln, v in values.items()]
+            local_list = [(ln, v["weights"].dims()) for ln, v in values.items()]
             rank_dir = os.path.join(it_dir, rank_dir_name(t, p, pp))
             os.makedirs(rank_dir)
             if have_opt:
@@ -324,10 +306,22 @@ def _write(ckpt: Any, tmp: str, tp: int | None, pp: int | None, dp: int | None,
                     _write_distrib_optim(rank_dir, cfg, args, p, local_list, values, weight_dtype)
                 else:
                     state_dict["optimizer"] = _adam_state(groups_src, order, values, step, mixed)
-            torch.save(state_dict, os.path.join(rank_dir, "model_optim_rng.pt"))
-            del state_dict, model, values  # one rank's tensors in memory at a time, not two
+            save_torch(state_dict, os.path.join(rank_dir, "model_optim_rng.pt"))
     with open(os.path.join(tmp, TRACKER), "w") as fh:
         fh.write(str(it))
+
+
+def _reader(src: _Source, name: str, state: str, boxes: tuple[Box, ...], dtype: str,
+            local: tuple[int, ...]) -> Callable[[], np.ndarray]:
+    """This rank's slice of one state of ``name`` (its boxes stacked on dim 0), read when called."""
+    def read() -> np.ndarray:
+        parts = [src.read(name, state, b, dtype) for b in boxes]
+        out = np.concatenate(parts, 0) if len(parts) > 1 else parts[0]
+        if tuple(out.shape) != local:
+            raise FormatError(f"{name} ({state}): local shard {tuple(out.shape)} != {local}")
+        return out.view(np.uint16) if dtype == "bfloat16" else out
+
+    return read
 
 
 def _fused_names(tensors: Mapping[str, Any]) -> list[str]:
@@ -361,10 +355,8 @@ def _states(src: _Source, name: str, mixed: bool, have_opt: bool) -> list[tuple[
     return out
 
 
-def _adam_state(groups: list[dict[str, Any]], order: list[list[str]], values: Mapping[str, Mapping[str, Any]],
+def _adam_state(groups: list[dict[str, Any]], order: list[list[str]], values: Mapping[str, Mapping[str, Tensor]],
                 step: Any, mixed: bool) -> dict[str, Any]:
-    import torch
-
     state: dict[int, Any] = {}
     param_groups = []
     idx = 0
@@ -374,7 +366,8 @@ def _adam_state(groups: list[dict[str, Any]], order: list[list[str]], values: Ma
         gm = []
         for n in names:
             v = values[n]
-            state[idx] = {"step": torch.tensor(float(step)), "exp_avg": v["exp_avg"], "exp_avg_sq": v["exp_avg_sq"]}
+            state[idx] = {"step": Tensor(np.array(float(step), np.float32), "float32"),
+                          "exp_avg": v["exp_avg"], "exp_avg_sq": v["exp_avg_sq"]}
             ids.append(idx)
             idx += 1
             if mixed:
@@ -386,22 +379,34 @@ def _adam_state(groups: list[dict[str, Any]], order: list[list[str]], values: Ma
 
 
 def _write_distrib_optim(rank_dir: str, cfg: MegatronConfig, args: Mapping[str, Any], pp: int,
-                         local_list: list[tuple[str, tuple[int, ...]]], values: Mapping[str, Mapping[str, Any]],
+                         local_list: list[tuple[str, tuple[int, ...]]], values: Mapping[str, Mapping[str, Tensor]],
                          weight_dtype: str) -> None:
-    import torch
-
+    """``distrib_optim.pt``: the rank's coalesced fp32 buffers (master, exp_avg, exp_avg_sq), each
+    written piece by piece as the parameters' slots come (one parameter's state in memory at a time)."""
     shared = ("embedding.word_embeddings.weight", "output_layer.weight") if cfg.tied and cfg.pp > 1 else ()
     num = sum(math.prod(s) for _, s in local_list)
     slots, sizes = buffer_layout(local_list, ddp_bucket_size(args, pp, 0, num), shared)
     total = sum(sizes)
-    bufs = {k: torch.zeros(total, dtype=torch.float32) for k in ("param", "exp_avg", "exp_avg_sq")}
-    for s in slots:
-        v = values[s.name]
-        n = math.prod(s.shape)
-        master = v.get("fp32_master", v["weights"])
-        for key, src in (("param", master), ("exp_avg", v["exp_avg"]), ("exp_avg_sq", v["exp_avg_sq"])):
-            bufs[key][s.start:s.start + n] = src.reshape(-1).to(torch.float32)
-    pdt = getattr(torch, weight_dtype)
-    gdt = torch.float32 if (weight_dtype == "float32" or args.get("accumulate_allreduce_grads_in_fp32")) else pdt
-    torch.save({"buckets_coalesced": True, 0: {(pdt, gdt): {**bufs, "numel_unpadded": total}}},
+    ordered = sorted(slots, key=lambda s: s.start)
+
+    def pieces(key: str) -> Iterator[np.ndarray]:
+        at = 0
+        for s in ordered:
+            v = values[s.name]
+            src = v["fp32_master"] if key == "param" and "fp32_master" in v else v["weights" if key == "param" else key]
+            if s.start < at:
+                raise FormatError(f"{rank_dir}: buffer slots of {s.name} overlap the previous parameter's")
+            if s.start > at:
+                yield np.zeros(s.start - at, np.float32)
+            data = src.array() if callable(src.array) else src.array
+            yield np.asarray(data, np.float32).reshape(-1)
+            at = s.start + math.prod(s.shape)
+        if total > at:
+            yield np.zeros(total - at, np.float32)
+
+    bufs = {k: Tensor(lambda k=k: pieces(k), "float32", (total,)) for k in ("param", "exp_avg", "exp_avg_sq")}
+    pdt = Global("torch", weight_dtype)
+    gdt = Global("torch", "float32") if (weight_dtype == "float32" or args.get("accumulate_allreduce_grads_in_fp32")) \
+        else pdt
+    save_torch({"buckets_coalesced": True, 0: {(pdt, gdt): {**bufs, "numel_unpadded": total}}},
                os.path.join(rank_dir, "distrib_optim.pt"))

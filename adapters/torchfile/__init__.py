@@ -39,7 +39,7 @@ from ._archive import (
     unpickled_to_json,
 )
 from ._legacy import is_legacy_torch, open_legacy
-from ._save import Size, Tensor, save_torch
+from ._save import Global, Object, Reduce, Size, Tensor, save_torch
 from ._unpickle import (
     Opaque,
     SafeUnpickler,
@@ -180,7 +180,10 @@ FORMAT = Format("torch", detect=detect, index=index, priority=90,
 
 __all__ = [
     "FORMAT",
+    "Global",
+    "Object",
     "Opaque",
+    "Reduce",
     "SafeUnpickler",
     "Size",
     "StorageRef",

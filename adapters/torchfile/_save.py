@@ -5,11 +5,15 @@ protocol-2 pickle whose tensors are ``torch._utils._rebuild_tensor_v2`` calls on
 persistent storage ids), one ``<name>/data/<key>`` record per storage, aligned to
 64 bytes as torch aligns them, and ``version``/``byteorder`` records. We emit the
 pickle opcodes directly (only dict/list/tuple/str/int/float/bool/None, tensors,
-``torch.Size`` and ``OrderedDict``), so nothing is imported and tensor bytes are
-streamed from numpy arrays into the zip without extra copies::
+``torch.Size``, ``OrderedDict``, and the named classes of :class:`Global`,
+:class:`Reduce` and :class:`Object`), so nothing is imported and tensor bytes are
+streamed from numpy arrays into the zip without extra copies; a tensor given as a
+callable is read only when its record is written (one tensor in memory at a time),
+or piece by piece when the callable yields pieces::
 
-    save_torch({"param": Tensor(np_array), "cat_dim": 0}, "fp32.pt")
+    save_torch({"param": Tensor(np_array, "float32"), "cat_dim": 0}, "fp32.pt")
     torch.load("fp32.pt", weights_only=True)   # -> {'param': tensor(...), 'cat_dim': 0}
+    save_torch({"args": Object(Global("argparse", "Namespace"), {"dtype": Global("torch", "bfloat16")})}, "a.pt")
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import os
 import struct
 import zipfile
 from collections import OrderedDict
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,8 +42,10 @@ _ALIGN = 64
 class Tensor:
     """A numpy array to be pickled as a contiguous torch tensor (``dtype`` names the torch dtype).
 
-    ``array`` may also be a zero-argument callable returning the array, with ``shape``
-    given: it is called only when the bytes are written (one tensor in memory at a time).
+    ``array`` may also be a zero-argument callable, with ``shape`` given: it is called only
+    when the bytes are written, and returns the array (one tensor in memory at a time) or an
+    iterable of arrays whose elements, one after another in C order, are the tensor's (a
+    tensor larger than memory, written piece by piece).
     """
 
     array: Any
@@ -54,6 +61,32 @@ class Size:
     """A ``torch.Size``."""
 
     dims: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Global:
+    """A module-level name, pickled by reference: ``Global("torch", "bfloat16")`` is ``torch.bfloat16``."""
+
+    module: str
+    name: str
+
+
+@dataclass(frozen=True)
+class Reduce:
+    """``func(*args)`` at load time, as pickle writes an enum member:
+    ``Reduce(Global("signal", "Signals"), (15,))`` is ``signal.SIGTERM``."""
+
+    func: Global
+    args: tuple[Any, ...]
+
+
+@dataclass(frozen=True)
+class Object:
+    """An instance of a plain class with ``state`` as its ``__dict__``, as pickle protocol 2 writes
+    one (``cls.__new__(cls)``, then BUILD): ``Object(Global("argparse", "Namespace"), {"lr": 0.1})``."""
+
+    cls: Global
+    state: dict[str, Any]
 
 
 class _Pickler:
@@ -91,6 +124,17 @@ class _Pickler:
             self.glob("torch", "Size")
             self.dump(tuple(obj.dims))
             o.append(b"\x85R")  # TUPLE1, REDUCE
+        elif isinstance(obj, Global):
+            self.glob(obj.module, obj.name)
+        elif isinstance(obj, Reduce):
+            self.glob(obj.func.module, obj.func.name)
+            self.dump(tuple(obj.args))
+            o.append(b"R")
+        elif isinstance(obj, Object):
+            self.glob(obj.cls.module, obj.cls.name)
+            o.append(b")\x81")  # EMPTY_TUPLE, NEWOBJ
+            self.dump(dict(obj.state))
+            o.append(b"b")  # BUILD
         elif isinstance(obj, (tuple, list)):
             o.append(b"(" if isinstance(obj, tuple) else b"]")
             if isinstance(obj, list) and obj:
@@ -149,31 +193,50 @@ def save_torch(obj: Any, path: str) -> int:
     prefix = os.path.splitext(os.path.basename(path))[0] or "archive"
     nbytes = 0
     with open(path, "wb") as raw, zipfile.ZipFile(raw, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
-        _record(zf, raw, f"{prefix}/data.pkl", b"".join(p.out))
-        _record(zf, raw, f"{prefix}/.format_version", b"1")
-        _record(zf, raw, f"{prefix}/.storage_alignment", b"64")
-        _record(zf, raw, f"{prefix}/byteorder", b"little")
+        _record(zf, raw, f"{prefix}/data.pkl", [b"".join(p.out)])
+        _record(zf, raw, f"{prefix}/.format_version", [b"1"])
+        _record(zf, raw, f"{prefix}/.storage_alignment", [b"64"])
+        _record(zf, raw, f"{prefix}/byteorder", [b"little"])
         for i, t in enumerate(p.storages):
-            arr = np.asarray(t.array() if callable(t.array) else t.array)
-            if not arr.flags.c_contiguous:
-                arr = arr.copy(order="C")
-            if tuple(arr.shape) != t.dims():
-                raise FormatError(f"{path}: tensor {i} has shape {arr.shape}, expected {t.dims()}")
-            data = memoryview(arr.reshape(-1).view(np.uint8)) if arr.size else b""  # type: ignore[arg-type]
-            _record(zf, raw, f"{prefix}/data/{i}", data)
-            nbytes += arr.nbytes
-        _record(zf, raw, f"{prefix}/version", b"3\n")
-        _record(zf, raw, f"{prefix}/.data/serialization_id", b"0" * 40)
+            got = t.array() if callable(t.array) else t.array
+            if isinstance(got, np.ndarray) or not callable(t.array):  # one array: the tensor's shape
+                got = np.asarray(got)
+                if tuple(got.shape) != t.dims():
+                    raise FormatError(f"{path}: tensor {i} has shape {got.shape}, expected {t.dims()}")
+                got = [got]
+            size = int(np.prod(t.dims(), dtype=np.int64)) * (2 if t.dtype == "bfloat16" else np.dtype(t.dtype).itemsize)
+            _record(zf, raw, f"{prefix}/data/{i}", _raw_bytes(got), size)
+            nbytes += size
+        _record(zf, raw, f"{prefix}/version", [b"3\n"])
+        _record(zf, raw, f"{prefix}/.data/serialization_id", [b"0" * 40])
     return nbytes
 
 
-def _record(zf: zipfile.ZipFile, raw: Any, name: str, data: Any) -> None:
+def _raw_bytes(arrays: Iterable[Any]) -> Iterator[memoryview]:
+    """The bytes of each array in turn, C order, without copying a contiguous one."""
+    for a in arrays:
+        arr = np.ascontiguousarray(a)
+        if arr.size:
+            yield memoryview(arr.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
+
+
+def _record(zf: zipfile.ZipFile, raw: Any, name: str, pieces: Any, size: int | None = None) -> None:
+    """One stored record, its data 64-byte aligned, written piece by piece (``size``: its bytes,
+    given when the pieces come from a generator; checked)."""
+    if size is None:
+        pieces = list(pieces)
+        size = sum(len(x) for x in pieces)
     info = zipfile.ZipInfo(name, date_time=(1980, 1, 1, 0, 0, 0))
     info.compress_type = zipfile.ZIP_STORED
-    size = len(data) if not isinstance(data, memoryview) else data.nbytes
-    header = 30 + len(name.encode())
-    extra_min = 4 + (20 if size >= 0xFFFFFFFF else 0)  # our "FB" padding field (+ zip64 sizes)
-    start = raw.tell() + header + extra_min
+    info.file_size = size
+    zip64 = size * 1.05 > zipfile.ZIP64_LIMIT  # zipfile's own rule: its header then holds 20 more bytes
+    start = raw.tell() + 30 + len(name.encode()) + 4 + (20 if zip64 else 0)  # header, our "FB" field
     pad = (-start) % _ALIGN
     info.extra = b"FB" + struct.pack("<H", pad) + b"Z" * pad
-    zf.writestr(info, data)
+    wrote = 0
+    with zf.open(info, "w", force_zip64=zip64) as dest:
+        for piece in pieces:
+            dest.write(piece)
+            wrote += len(piece)
+    if wrote != size:
+        raise FormatError(f"{zf.filename}: record {name} got {wrote} bytes, expected {size}")
