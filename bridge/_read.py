@@ -32,6 +32,7 @@ from . import _dtypes
 from ._copy import copyto
 from ._crc import crc32
 from ._errors import CorruptionError, MissingShardError, TruncatedError
+from ._hostmem import fresh_array
 from ._model import Box, FileRegion, Fragment, TensorState, c_strides
 from ._plan import CopyOp, plan
 
@@ -351,7 +352,7 @@ def read_boxes(
     """
     np_dtype = _dtypes.to_numpy(dtype or state.dtype)
     if out is None:
-        outs = [np.empty(b.shape, dtype=np_dtype) for b in boxes]
+        outs = [fresh_array(b.shape, np_dtype) for b in boxes]
     else:
         outs = list(out)
         bad = [(o.shape, b.shape) for o, b in zip(outs, boxes) if o.shape != b.shape]
@@ -374,7 +375,7 @@ def read_state(
     box = Box.full(state.shape) if box is None else box
     np_dtype = _dtypes.to_numpy(dtype or state.dtype)
     if out is None:
-        out = np.empty(box.shape, dtype=np_dtype)
+        out = fresh_array(box.shape, np_dtype)
     elif out.shape != box.shape:
         raise ValueError(f"{name}: out has shape {out.shape}, request is {box.shape}")
     execute(plan(state.fragments, box, name), out, files, name)
@@ -390,7 +391,7 @@ def read_states(states: Sequence[tuple[TensorState, str]], files: FileCache, dty
 
         w, m = read_states([(w_state, "ckpt: w"), (m_state, "ckpt: w.exp_avg")], files)
     """
-    outs = [np.empty(st.shape, dtype=_dtypes.to_numpy(dtype or st.dtype)) for st, _ in states]
+    outs = [fresh_array(st.shape, _dtypes.to_numpy(dtype or st.dtype)) for st, _ in states]
     batch: list[tuple[CopyOp, np.ndarray, str]] = []
     size = 0
     for (st, label), out in zip(states, outs):

@@ -10,7 +10,8 @@ private ``ckptbridge._*`` module. It holds
   for ZeRO-style flat slices, ``contiguous_fragment``);
 * the view an adapter returns: :class:`CheckpointIndex` (``Checkpoint`` adds the reader);
 * the rule language and its fragment transforms (``concat``, ``crop``, ``split`` ...);
-* reading: :class:`FileCache`, :func:`read_state`, :func:`read_boxes`;
+* reading: :class:`FileCache`, :func:`read_state`, :func:`read_boxes`, and :func:`fresh_array`
+  (a destination array for data written once);
 * storage: ``storage`` (``ckptbridge._storage``), the path API every adapter opens files
   through, so that checkpoints behind URLs (``s3://``, ``gs://``, ``hf://`` ... through fsspec)
   read like local ones: ``storage.isfile``, ``isdir``, ``listdir``, ``getsize``, ``open_read``,
@@ -72,6 +73,7 @@ from ._errors import (
     WriteError,
 )
 from ._formats import Format, OpenOptions, WriteOptions, get_format, register_format, require
+from ._hostmem import fresh_array
 from ._jobstore import BoundedCaller, JobStore, StoreTimeout, poll_keys, register_job_store, retry
 from ._jsonable import jsonable
 from ._model import (
@@ -227,6 +229,7 @@ __all__ = [
     "dtypes",
     "flat_range_boxes",
     "flat_range_fragments",
+    "fresh_array",
     "fsync_tree",
     "fuse",
     "get_format",

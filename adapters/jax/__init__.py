@@ -44,6 +44,7 @@ from ckptbridge.plugin import (
     TensorState,
     check_destination,
     commit_universal,
+    fresh_array,
     read_boxes,
     rules_to_json,
     staging_path,
@@ -55,7 +56,6 @@ from ckptbridge.plugin import open_checkpoint as open_checkpoint
 
 __all__ = ["box_of_index", "flatten", "host_buffer", "load", "load_arrays", "save", "tree_pieces"]
 
-_PAGE = 4096
 
 
 # ------------------------------------------------------------------ helpers
@@ -85,12 +85,9 @@ def box_of_index(index: Sequence[Any] | None, shape: Sequence[int]) -> Box:
 def host_buffer(shape: Sequence[int], dtype: str) -> np.ndarray:
     """An uninitialised page-aligned host array. JAX's CPU client adopts 64-byte-aligned
     numpy arrays as device buffers without copying, so data read into one lands in the
-    device array itself; on accelerators it is the staging buffer of the transfer."""
-    dt = _dtypes.to_numpy(dtype)
-    n = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
-    raw = np.empty(n + _PAGE, dtype=np.uint8)
-    start = (-raw.ctypes.data) % _PAGE
-    return raw[start:start + n].view(dt).reshape(tuple(shape))
+    device array itself; on accelerators it is the staging buffer of the transfer
+    (``ckptbridge.plugin.fresh_array``: no huge pages where their first touch is slow)."""
+    return fresh_array(shape, _dtypes.to_numpy(dtype))
 
 
 def _key_str(key: Any) -> str:
