@@ -38,15 +38,20 @@ import numpy as np
 _HUGE = 2 << 20  # smaller buffers cannot hold a huge page
 
 
-def aligned_buffer(nbytes: int) -> mmap.mmap:
-    """A zeroed, page-aligned, process-private buffer of ``nbytes`` (at least 1)."""
+def _private(nbytes: int, advice: int | None) -> mmap.mmap:
+    """A zeroed, page-aligned, process-private mapping of ``nbytes`` (at least 1), given
+    ``advice`` (``madvise``) where it is 2 MiB or more and the kernel takes it."""
     flags = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
     buf = mmap.mmap(-1, max(nbytes, 1), flags=flags) if flags else mmap.mmap(-1, max(nbytes, 1))
-    advice = getattr(mmap, "MADV_HUGEPAGE", None)
     if advice is not None and nbytes >= _HUGE:
-        with contextlib.suppress(OSError):  # transparent huge pages off: ordinary pages
+        with contextlib.suppress(OSError):  # transparent huge pages off: the advice is moot
             buf.madvise(advice)
     return buf
+
+
+def aligned_buffer(nbytes: int) -> mmap.mmap:
+    """A zeroed, page-aligned, process-private buffer of ``nbytes`` (at least 1), on huge pages."""
+    return _private(nbytes, getattr(mmap, "MADV_HUGEPAGE", None))
 
 
 _REPORTING = "/sys/module/page_reporting/parameters/page_reporting_order"
@@ -69,11 +74,7 @@ def fresh_array(shape: Sequence[int], dtype: Any) -> np.ndarray:
     n = int(np.prod(tuple(shape), dtype=np.int64)) * dt.itemsize
     advice = getattr(mmap, "MADV_NOHUGEPAGE", None)
     if n >= _HUGE and advice is not None and huge_first_touch_is_slow():
-        flags = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
-        buf = mmap.mmap(-1, n, flags=flags)
-        with contextlib.suppress(OSError):
-            buf.madvise(advice)
-        return np.frombuffer(buf, dtype=dt).reshape(tuple(shape))
+        return np.frombuffer(_private(n, advice), dtype=dt).reshape(tuple(shape))
     raw = np.empty(n + mmap.PAGESIZE, dtype=np.uint8)
     start = (-raw.ctypes.data) % mmap.PAGESIZE
     return raw[start:start + n].view(dt).reshape(tuple(shape))

@@ -44,7 +44,14 @@ from typing import Any
 
 import numpy as np
 
-from ckptbridge.adapters.torchfile import Global, Object, Reduce, Tensor, save_torch
+from ckptbridge.adapters.torchfile import (
+    TORCH_DTYPE_NAMES,
+    Global,
+    Object,
+    Reduce,
+    Tensor,
+    save_torch,
+)
 from ckptbridge.plugin import (
     Box,
     Checkpoint,
@@ -115,7 +122,7 @@ def _to_namespace(args: Mapping[str, Any]) -> Object:
     """The ``argparse.Namespace`` Megatron unpickles: torch dtypes restored, library enums dropped."""
     out: dict[str, Any] = {}
     for k, v in args.items():
-        if isinstance(v, str) and v.startswith("torch.") and v[6:] in _TORCH_DTYPES:
+        if isinstance(v, str) and v.startswith("torch.") and v[6:] in TORCH_DTYPE_NAMES:
             out[k] = Global("torch", v[6:])
         elif isinstance(v, Mapping) and "__class__" in v:
             if v["__class__"] == "signal.Signals":
@@ -124,10 +131,6 @@ def _to_namespace(args: Mapping[str, Any]) -> Object:
         else:
             out[k] = v
     return Object(Global("argparse", "Namespace"), out)
-
-
-_TORCH_DTYPES = frozenset({"float32", "float64", "float16", "bfloat16", "int64", "int32", "int16", "int8",
-                           "uint8", "bool", "float", "half", "double", "long", "int"})
 
 
 def _default_groups(args: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -393,13 +396,12 @@ def _write_distrib_optim(rank_dir: str, cfg: MegatronConfig, args: Mapping[str, 
         at = 0
         for s in ordered:
             v = values[s.name]
-            src = v["fp32_master"] if key == "param" and "fp32_master" in v else v["weights" if key == "param" else key]
+            src = v.get("fp32_master", v["weights"]) if key == "param" else v[key]
             if s.start < at:
                 raise FormatError(f"{rank_dir}: buffer slots of {s.name} overlap the previous parameter's")
             if s.start > at:
                 yield np.zeros(s.start - at, np.float32)
-            data = src.array() if callable(src.array) else src.array
-            yield np.asarray(data, np.float32).reshape(-1)
+            yield np.asarray(src.array(), np.float32).reshape(-1)  # every value is read when called
             at = s.start + math.prod(s.shape)
         if total > at:
             yield np.zeros(total - at, np.float32)

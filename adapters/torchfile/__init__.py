@@ -41,6 +41,7 @@ from ._archive import (
 from ._legacy import is_legacy_torch, open_legacy
 from ._save import Global, Object, Reduce, Size, Tensor, save_torch
 from ._unpickle import (
+    TORCH_DTYPE_NAMES,
     Opaque,
     SafeUnpickler,
     StorageRef,
@@ -180,6 +181,7 @@ FORMAT = Format("torch", detect=detect, index=index, priority=90,
 
 __all__ = [
     "FORMAT",
+    "TORCH_DTYPE_NAMES",
     "Global",
     "Object",
     "Opaque",

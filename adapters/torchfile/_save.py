@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from ckptbridge.plugin import FormatError
+from ckptbridge.plugin import FormatError, dtypes
 
 _STORAGE = {
     "float32": "FloatStorage", "float64": "DoubleStorage", "float16": "HalfStorage",
@@ -204,7 +204,7 @@ def save_torch(obj: Any, path: str) -> int:
                 if tuple(got.shape) != t.dims():
                     raise FormatError(f"{path}: tensor {i} has shape {got.shape}, expected {t.dims()}")
                 got = [got]
-            size = int(np.prod(t.dims(), dtype=np.int64)) * (2 if t.dtype == "bfloat16" else np.dtype(t.dtype).itemsize)
+            size = int(np.prod(t.dims(), dtype=np.int64)) * dtypes.itemsize(t.dtype)
             _record(zf, raw, f"{prefix}/data/{i}", _raw_bytes(got), size)
             nbytes += size
         _record(zf, raw, f"{prefix}/version", [b"3\n"])

@@ -189,6 +189,7 @@ _TORCH_DTYPES = {
     "complex128": "complex128", "float8_e4m3fn": "float8_e4m3fn", "float8_e5m2": "float8_e5m2",
     "uint16": "uint16", "uint32": "uint32", "uint64": "uint64",
 }
+TORCH_DTYPE_NAMES = frozenset(_TORCH_DTYPES)  # the names ``torch.<name>`` a pickle may use for a dtype
 
 
 @dataclass(frozen=True)
