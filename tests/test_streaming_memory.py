@@ -38,7 +38,7 @@ MIB = 1 << 20
 FIXED_MIB = 6 * 16 + 16
 SOURCE_MIB = 256
 
-_HARNESS = r"""
+_MEASURE = r"""
 import json, sys
 import ckptbridge
 
@@ -51,18 +51,37 @@ def status():
                 out[key] = int(value.split()[0]) / 1024  # MiB
     return out
 
+def measure(work):  # work() from a fresh peak: the baseline, the peak, and the bytes work() returns held
+    with open("/proc/self/clear_refs", "w") as fh:  # reset VmHWM to the current RSS
+        fh.write("5")
+    base = status()["VmRSS"]
+    held = work()
+    print(json.dumps({"base": base, "peak": status()["VmHWM"], "held": sum(a.nbytes for a in held)}))
+"""
+
+_HARNESS = _MEASURE + r"""
 src, dst, warm, hold = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4] == "hold"
 ckptbridge.convert(warm, dst + ".warm")          # imports, thread pools, buffers: not the conversion's cost
-held = []
-with open("/proc/self/clear_refs", "w") as fh:  # reset VmHWM to the current RSS
-    fh.write("5")
-base = status()["VmRSS"]
-if hold:  # negative control: a converter that materialises the source first
-    c = ckptbridge.open(src)
-    held = [c[n].read() for n in c]
-ckptbridge.convert(src, dst)
-print(json.dumps({"base": base, "peak": status()["VmHWM"], "held": sum(a.nbytes for a in held)}))
+
+def work():
+    held = []
+    if hold:  # negative control: a converter that materialises the source first
+        c = ckptbridge.open(src)
+        held = [c[n].read() for n in c]
+    ckptbridge.convert(src, dst)
+    return held
+
+measure(work)
 """
+
+
+def _measured(harness: str, *args: object) -> tuple[float, dict]:
+    """Run ``harness`` in a fresh interpreter: (MiB its measured work grew above baseline, its record)."""
+    out = subprocess.run([sys.executable, "-c", harness, *map(str, args)], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rec = json.loads(out.stdout.strip().splitlines()[-1])
+    return rec["peak"] - rec["base"], rec
 
 
 def _source(path, n: int, rows: int) -> int:
@@ -80,11 +99,7 @@ def _peak_above_baseline(tmp_path, src, hold: bool = False) -> tuple[float, dict
     if not warm.exists():
         torch.save({"w": torch.ones(4, 4)}, warm)
     dst = tmp_path / ("held" if hold else "u")
-    out = subprocess.run([sys.executable, "-c", _HARNESS, str(src), str(dst), str(warm), "hold" if hold else "stream"],
-                         capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    rec = json.loads(out.stdout.strip().splitlines()[-1])
-    return rec["peak"] - rec["base"], rec
+    return _measured(_HARNESS, src, dst, warm, "hold" if hold else "stream")
 
 
 def _bound_mib(largest: int) -> float:
@@ -116,19 +131,7 @@ def test_convert_peak_memory_is_bounded_by_the_largest_tensor(tmp_path, fmt: str
           f"holding the source: {held:.0f} MiB")
 
 
-_MEGATRON_HARNESS = r"""
-import json, sys
-import ckptbridge
-
-def status():
-    out = {}
-    with open("/proc/self/status") as fh:
-        for line in fh:
-            key, _, value = line.partition(":")
-            if key in ("VmRSS", "VmHWM"):
-                out[key] = int(value.split()[0]) / 1024  # MiB
-    return out
-
+_MEGATRON_HARNESS = _MEASURE + r"""
 src, rules_file, args_file, dst, hold = sys.argv[1:6]
 rules = json.load(open(rules_file))  # the JSON form of the rules
 def write(out):
@@ -138,11 +141,7 @@ def write(out):
     return held
 write(dst + ".warm")  # imports and first-use costs, not the writer's
 import shutil; shutil.rmtree(dst + ".warm")
-with open("/proc/self/clear_refs", "w") as fh:
-    fh.write("5")
-base = status()["VmRSS"]
-held = write(dst)
-print(json.dumps({"base": base, "peak": status()["VmHWM"], "held": sum(a.nbytes for a in held)}))
+measure(lambda: write(dst))
 """
 
 
@@ -170,12 +169,7 @@ def test_reshard_to_megatron_streams_each_rank_file(tmp_path) -> None:
     bound = _bound_mib(largest)
 
     def run(hold: str) -> tuple[float, dict]:
-        out = subprocess.run([sys.executable, "-c", _MEGATRON_HARNESS, str(src), str(tmp_path / "rules.json"),
-                              str(tmp_path / "args.json"), str(tmp_path / hold), hold],
-                             capture_output=True, text=True, timeout=300)
-        assert out.returncode == 0, out.stderr[-3000:]
-        rec = json.loads(out.stdout.strip().splitlines()[-1])
-        return rec["peak"] - rec["base"], rec
+        return _measured(_MEGATRON_HARNESS, src, tmp_path / "rules.json", tmp_path / "args.json", tmp_path / hold, hold)
 
     grown, rec = run("stream")
     rank_file = tmp_path / "stream" / "iter_0000000" / "mp_rank_00" / "model_optim_rng.pt"
