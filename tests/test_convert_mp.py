@@ -13,7 +13,6 @@ import glob
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ import time
 import numpy as np
 import psutil
 import pytest
+from _dist import free_port
 
 import ckptbridge
 
@@ -34,10 +34,7 @@ def torchrun(n: int, *args: str, store: bool = False, **popen: object) -> subpro
     rendezvous on a free port and no run id (ranks agree through torchrun's TCP store)."""
     how = ["--standalone"]
     if store:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        how = ["--nnodes=1", "--node-rank=0", "--master-addr=127.0.0.1", f"--master-port={port}"]
+        how = ["--nnodes=1", "--node-rank=0", "--master-addr=127.0.0.1", f"--master-port={free_port()}"]
     cmd = [sys.executable, "-m", "torch.distributed.run", *how, f"--nproc-per-node={n}", "-m", "ckptbridge", *args]
     return subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
 
