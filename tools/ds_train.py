@@ -24,6 +24,7 @@ Writes ``<out>/ckpt/<tag>/`` (DeepSpeed's checkpoint, unless ``--no_save``) and
 import argparse
 import json
 import os
+import sys
 import time
 
 import torch
@@ -297,11 +298,13 @@ def main() -> None:
         with open(os.path.join(args.out, "meta.json"), "w") as fh:
             json.dump(meta, fh, indent=1)
     dist.barrier()
-    # tear the gloo group down here, not in destructors at interpreter exit (seen once in CI: a
-    # rank aborting with "terminate called without an active exception" after its last barrier)
-    import torch.distributed
-
-    torch.distributed.destroy_process_group()
+    # Every output is written and closed by now. Leave without the interpreter's teardown: in about
+    # one run in ten a native destructor there (a thread of the torch/DeepSpeed stack, no Python frame)
+    # aborts rank 0 ("terminate called without an active exception", or SIGSEGV), with
+    # destroy_process_group() before it or not, which fails the launch after all its work is done.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
