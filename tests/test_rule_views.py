@@ -168,13 +168,11 @@ def test_split_join_round_trip_coalesces_back(tmp_path) -> None:
 
 def test_llama3_8b_attention_shapes_open_fast_with_few_fragments(tmp_path) -> None:
     """Real Llama-3-8B query shapes (32 heads x 128, embed 4096, bf16): the interleave is one view
-    per source fragment (it was 8,192 fragments and 3.8 s before), and reading matches numpy."""
-    import time
-
+    per source fragment (it was 8,192 fragments and 3.8 s before), and reading matches numpy.
+    The fragment count is the guard, not a wall-clock bound."""
     q = _rope_query(str(tmp_path), 32, 128, 4096, "bfloat16")
-    t0 = time.perf_counter()
     mapped = split_dim(transpose(interleave(q, 0, 128), (1, 0)), 1, (32, 128))
-    assert time.perf_counter() - t0 < 0.5 and len(mapped.fragments) == 1
+    assert len(mapped.fragments) == 1
     rows = _read(q, Box((0, 0), (256, 4096)))  # heads 0 and 1
     ref = rows.reshape(2, 2, 64, 4096).transpose(0, 2, 1, 3).reshape(256, 4096).T.reshape(4096, 2, 128)
     np.testing.assert_array_equal(_read(mapped, Box((0, 0, 0), (4096, 2, 128))), ref)
