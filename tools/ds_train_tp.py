@@ -8,6 +8,14 @@ per tensor-parallel rank and ``zero_pp_rank_{dp}_mp_rank_{tp:02d}_optim_states.p
 
     python -m torch.distributed.run --nproc_per_node=4 tools/ds_train_tp.py --tp 2 --stage 1 --out /tmp/tp
 
+With ``--resume_native CKPT`` the engine (any TP x DP) is filled by ckptbridge's ``load_engine``
+from a checkpoint of another layout, each TP rank dumps what it holds (``loaded.tp<r>.pt``), and
+``--compare_universal CKPT`` trains the same steps from DeepSpeed's own ``load_universal``
+(``tests/test_deepspeed_resume_tp.py``)::
+
+    python -m torch.distributed.run --nproc_per_node=4 tools/ds_train_tp.py --tp 4 --stage 2 --dtype bf16 \
+        --out /tmp/tp4 --no_save --resume_native /tmp/tp/ckpt --compare_universal /tmp/tp/ckpt
+
 Model (per block): replicated LayerNorm, column-parallel ``fc`` ([4D/tp, D] + bias),
 row-parallel ``fc_out`` ([D, 4D/tp], replicated bias); replicated word embedding;
 column-parallel ``lm_head`` over a vocabulary padded from V to a multiple of tp.
@@ -18,6 +26,8 @@ all-gather of the logits), so replicated parameters stay identical across TP ran
 import argparse
 import json
 import os
+import re
+import sys
 
 import torch
 import torch.distributed as tdist
@@ -141,6 +151,64 @@ class TPModel(nn.Module):
         return F.cross_entropy(logits.float().reshape(-1, VOCAB), targets.reshape(-1))
 
 
+def build_engine(args, mpu: Mpu, load_universal: bool = False):
+    """The TP model (replicated parameters seeded alike, sharded ones per TP rank) in a DeepSpeed engine."""
+    import deepspeed
+
+    torch.manual_seed(1234)  # replicated parameters: same init on every rank
+    model = TPModel(args.d_model, args.n_layer, mpu)
+    torch.manual_seed(5678 + mpu.tp_rank)  # sharded parameters: each TP rank its own slice
+    for n, p in model.named_parameters():
+        if not any(re.fullmatch(pat, n) for pat in model.universal_checkpoint_info["tp_replicated_parameter_patterns"]):
+            with torch.no_grad():
+                p.normal_(0, 0.05)
+    cfg = {
+        "train_batch_size": BATCH, "train_micro_batch_size_per_gpu": BATCH // mpu.dp,
+        "gradient_accumulation_steps": 1, "steps_per_print": 10**9,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1, "torch_adam": True}},
+        "zero_optimization": {"stage": args.stage},
+        "bf16": {"enabled": args.dtype == "bf16"},
+        "checkpoint": {"load_universal": load_universal},
+    }
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg, mpu=mpu)
+    return engine
+
+
+def train(engine, mpu: Mpu, start: int, steps: int) -> list[float]:
+    """Steps ``start .. start + steps`` (the batch of step i is the same at any TP x DP layout)."""
+    micro = BATCH // mpu.dp
+    losses = []
+    for step in range(start, start + steps):
+        g = torch.Generator().manual_seed(1000 + step)
+        data = torch.randint(0, VOCAB, (BATCH, CTX + 1), generator=g)
+        x, y = data[:, :-1], data[:, 1:]
+        sl = slice(mpu.dp_rank * micro, (mpu.dp_rank + 1) * micro)
+        loss = engine(x[sl], y[sl])
+        engine.backward(loss)
+        engine.step()
+        v = loss.detach().float().clone()
+        tdist.all_reduce(v, group=mpu.dp_group)
+        losses.append(v.item() / mpu.dp)
+    return losses
+
+
+def dump_local(engine, path: str, write: bool) -> None:
+    """{name: {fp32, exp_avg, exp_avg_sq, lp}} of this TP rank's parameters, gathered over DP (a
+    collective: every rank calls it; those with ``write`` save it to ``path``)."""
+    import deepspeed
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    out = {}
+    for name, p in engine.module.named_parameters():
+        out[name] = {"fp32": safe_get_full_fp32_param(p).detach().clone(),
+                     **{k: safe_get_full_optimizer_state(p, k).detach().clone() for k in ("exp_avg", "exp_avg_sq")}}
+        with deepspeed.zero.GatheredParameters([p], enabled=hasattr(p, "ds_id")):
+            out[name]["lp"] = p.detach().clone()  # the weights the forward uses
+    if write:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        torch.save(out, path)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(allow_abbrev=False)
     ap.add_argument("--tp", type=int, default=2)
@@ -150,46 +218,46 @@ def main() -> None:
     ap.add_argument("--d_model", type=int, default=24)
     ap.add_argument("--n_layer", type=int, default=2)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--resume_native", default=None,
+                    help="fill the engine with ckptbridge.adapters.deepspeed.load_engine from this checkpoint "
+                         "(any TP x DP), dump each TP rank's loaded state (loaded.tp<r>.pt), train --steps")
+    ap.add_argument("--compare_universal", default=None,
+                    help="then resume a second engine from this universal checkpoint with DeepSpeed's "
+                         "load_universal and train the same steps (meta: reference_losses)")
+    ap.add_argument("--no_save", action="store_true")
     ap.add_argument("--local_rank", type=int, default=-1)
     args = ap.parse_args()
-    import deepspeed
     from make_deepspeed_ckpt import init_gloo
 
     init_gloo()
     mpu = Mpu(args.tp)
-    torch.manual_seed(1234)  # replicated parameters: same init on every rank
-    model = TPModel(args.d_model, args.n_layer, mpu)
-    torch.manual_seed(5678 + mpu.tp_rank)  # sharded parameters: each TP rank its own slice
-    for n, p in model.named_parameters():
-        if not any(__import__("re").fullmatch(pat, n)
-                   for pat in model.universal_checkpoint_info["tp_replicated_parameter_patterns"]):
-            with torch.no_grad():
-                p.normal_(0, 0.05)
-    micro = BATCH // mpu.dp
-    cfg = {
-        "train_batch_size": BATCH, "train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1,
-        "steps_per_print": 10**9,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1, "torch_adam": True}},
-        "zero_optimization": {"stage": args.stage},
-        "bf16": {"enabled": args.dtype == "bf16"},
-    }
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg, mpu=mpu)
-    losses = []
-    for step in range(args.steps):
-        g = torch.Generator().manual_seed(1000 + step)
-        data = torch.randint(0, VOCAB, (BATCH, CTX + 1), generator=g)
-        x, y = data[:, :-1], data[:, 1:]
-        sl = slice(mpu.dp_rank * micro, (mpu.dp_rank + 1) * micro)
-        loss = engine(x[sl], y[sl])
-        engine.backward(loss)
-        engine.step()
-        losses.append(float(loss))
-    engine.save_checkpoint(os.path.join(args.out, "ckpt"), tag=f"global_step{engine.global_steps}")
+    engine = build_engine(args, mpu)
+    start, reference = 0, None
+    if args.resume_native:
+        from ckptbridge.adapters.deepspeed import load_engine
+
+        load_engine(engine, args.resume_native)
+        start = engine.global_steps
+        dump_local(engine, os.path.join(args.out, f"loaded.tp{mpu.tp_rank}.pt"), mpu.dp_rank == 0)
+    losses = train(engine, mpu, start, args.steps)
+    if args.compare_universal:
+        other = build_engine(args, mpu, load_universal=True)
+        path, _ = other.load_checkpoint(args.compare_universal, load_optimizer_states=True)
+        if path is None:
+            raise SystemExit(f"load_checkpoint({args.compare_universal}) found nothing")
+        reference = train(other, mpu, other.global_steps, args.steps)
+    if not args.no_save:
+        engine.save_checkpoint(os.path.join(args.out, "ckpt"), tag=f"global_step{engine.global_steps}")
     if tdist.get_rank() == 0:
+        os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "meta.json"), "w") as fh:
             json.dump({"stage": args.stage, "world_size": tdist.get_world_size(), "tp": args.tp, "dtype": args.dtype,
-                       "losses": losses, "global_steps": engine.global_steps}, fh)
+                       "losses": losses, "global_steps": engine.global_steps, "resumed_at": start,
+                       "reference_losses": reference}, fh)
     tdist.barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # all written: skip the teardown where a native destructor now and then aborts a rank
 
 
 if __name__ == "__main__":

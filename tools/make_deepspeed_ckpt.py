@@ -24,6 +24,7 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TRAIN = os.path.join(HERE, "ds_train.py")
+TRAIN_TP = os.path.join(HERE, "ds_train_tp.py")
 
 
 def env() -> dict[str, str]:
@@ -53,10 +54,10 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def launch(nproc: int, args: list[str], log: str | None = None, timeout: float = 900) -> None:
-    """Run ``ds_train.py args`` on ``nproc`` CPU ranks; raise with the log tail on failure."""
+def launch(nproc: int, args: list[str], log: str | None = None, timeout: float = 900, script: str = TRAIN) -> None:
+    """Run ``script args`` (``ds_train.py`` unless given) on ``nproc`` CPU ranks; raise with the log tail on failure."""
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-           "--master_addr=127.0.0.1", f"--master_port={free_port()}", TRAIN, *args]
+           "--master_addr=127.0.0.1", f"--master_port={free_port()}", script, *args]
     _run(cmd, log, timeout)
 
 

@@ -32,15 +32,28 @@ It fills what DeepSpeed 0.19.8's universal load fills, from the same places
 The source is any checkpoint ckptbridge opens whose tensors carry ``fp32``
 weights (or ``param``) and, for the optimizer, ``exp_avg``/``exp_avg_sq`` and
 a ``step``: a native DeepSpeed checkpoint of any stage and world size, a
-universal directory, ``ds_to_universal`` output. Tensor-parallel engines
-(an ``mpu`` with TP > 1), pipeline engines and NVMe offload are not supported.
-Call it on every rank (the ZeRO-1/2 weight update is a collective).
+universal directory, ``ds_to_universal`` output.
+
+Tensor-parallel engines (Megatron-DeepSpeed, an ``mpu`` with TP > 1) load from
+a checkpoint of any TP degree: each parameter's slice for this TP rank is a view
+of the logical tensor, cut as DeepSpeed's universal load cuts it
+(``universal_checkpoint.load_hp_checkpoint_state``): whole where the shapes
+agree (replicated parameters), vocabulary parameters re-padded with zeros to
+the engine's ``rows x TP``, parameters with two sub-parameters cut half by
+half, the rest chunked along dimension 1 (row-parallel) or 0. Which is which
+comes from ``universal_checkpoint_info`` (the engine module's, else the
+checkpoint's), as Megatron-DeepSpeed records it; without it, from the one
+dimension the shapes differ in. Not supported: pipeline engines, NVMe offload,
+expert parallelism, and the ``parameter_with_sub_params`` (``sub_param_shape``)
+and averaged layouts. Call it on every rank (the ZeRO-1/2 weight update is a
+collective).
 """
 
 from __future__ import annotations
 
 import math
 import os
+import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -50,6 +63,7 @@ from typing import Any
 import numpy as np
 
 from ckptbridge.plugin import (
+    Box,
     Checkpoint,
     FormatError,
     LogicalTensor,
@@ -57,8 +71,11 @@ from ckptbridge.plugin import (
     ShapeMismatchError,
     TensorNotFoundError,
     TensorState,
+    concat,
+    crop,
     flat_range_boxes,
     open_checkpoint,
+    pad,
     read_state,
 )
 
@@ -84,13 +101,28 @@ class EngineLoad:
 
 @dataclass(frozen=True)
 class _Fill:
-    """Flat elements ``[start, start + numel)`` of one state of one tensor -> a 1-D destination."""
+    """Flat elements ``[start, start + numel)`` of ``src`` (state ``state`` of tensor ``name``, as
+    this rank holds it: a tensor-parallel slice in a TP engine) -> a 1-D destination."""
 
     name: str
     state: str
+    src: TensorState
     start: int
     numel: int
     dst: Any  # a 1-D torch tensor of numel elements (float32)
+
+
+@dataclass(frozen=True)
+class _TP:
+    """This rank's place in the engine's tensor parallelism and the patterns that say how each
+    parameter is cut (``universal_checkpoint_info``: row-parallel, vocabulary, two sub-parameters)."""
+
+    rank: int = 0
+    size: int = 1
+    info: Mapping[str, Any] = field(default_factory=dict)
+
+    def matches(self, key: str, name: str) -> bool:
+        return any(re.match(p, name) for p in self.info.get(key) or ())
 
 
 def load_engine(
@@ -123,13 +155,14 @@ def load_engine(
     try:
         opt = engine.optimizer
         _check_supported(engine, opt, ckpt)
+        tp = _tp_of(engine, ckpt)
         if hasattr(engine, "_optimizer_has_ckpt_event_prologue") and engine._optimizer_has_ckpt_event_prologue():
             opt.checkpoint_event_prologue()
         if hasattr(opt, "fp32_partitioned_groups_flat"):
-            _load_stage3(engine, opt, ckpt, load_optimizer_states, workers)
+            _load_stage3(engine, opt, ckpt, tp, load_optimizer_states, workers)
         else:
-            _load_stage12(opt, ckpt, load_optimizer_states, workers)
-        _load_frozen_and_buffers(engine, ckpt, workers)
+            _load_stage12(opt, ckpt, tp, load_optimizer_states, workers)
+        _load_frozen_and_buffers(engine, ckpt, tp, workers)
         if load_optimizer_states:
             _load_hyperparameters(opt, ckpt, hyperparameters)
             _load_global_state(opt, ckpt)
@@ -152,16 +185,6 @@ def _check_supported(engine: Any, opt: Any, ckpt: Checkpoint) -> None:
     where = f"{ckpt.path}: load_engine"
     if opt is None:
         raise OptionError(f"{where}: the engine has no optimizer (build it with an optimizer config)")
-    mpu = getattr(engine, "mpu", None)
-    tp = 1
-    if mpu is not None:
-        for attr in ("get_tensor_model_parallel_world_size", "get_model_parallel_world_size"):
-            if hasattr(mpu, attr):
-                tp = int(getattr(mpu, attr)())
-                break
-    if tp > 1:
-        raise OptionError(f"{where}: tensor-parallel engines (TP={tp}) are not supported; "
-                          "use `ckptbridge reshard --to deepspeed-universal` and load_universal")
     if type(engine.module).__name__ == "PipelineModule":
         raise OptionError(f"{where}: pipeline engines are not supported")
     if getattr(opt, "swap_optimizer", False) or getattr(opt, "optimizer_swapper", None) is not None:
@@ -171,6 +194,67 @@ def _check_supported(engine: Any, opt: Any, ckpt: Checkpoint) -> None:
         raise OptionError(
             f"{where}: optimizer wrapper {type(opt).__name__} is not a ZeRO-1/2/3 or BF16_Optimizer "
             "(ZeRO stage 0 engines load with ckptbridge.adapters.torch.load_module / load_optimizer)")
+
+
+def _tp_of(engine: Any, ckpt: Checkpoint) -> _TP:
+    """The engine's tensor-parallel rank and degree (from its ``mpu``, as DeepSpeed asks it) and
+    the patterns of its model's ``universal_checkpoint_info`` (else the checkpoint's)."""
+    mpu = getattr(engine, "mpu", None)
+    rank, size = 0, 1
+    for attr in ("tensor_model_parallel", "model_parallel"):
+        if mpu is not None and hasattr(mpu, f"get_{attr}_world_size"):
+            rank = int(getattr(mpu, f"get_{attr}_rank")())
+            size = int(getattr(mpu, f"get_{attr}_world_size")())
+            break
+    info = getattr(engine.module, "universal_checkpoint_info", None)
+    if not isinstance(info, Mapping):
+        extra = ckpt.index.extra if isinstance(ckpt.index.extra, Mapping) else {}
+        info = extra.get("universal_checkpoint_info")
+    info = dict(info) if isinstance(info, Mapping) else {}
+    unsupported = [k for k in ("parameter_to_average_patterns", "parameter_with_sub_params") if info.get(k)]
+    if size > 1 and unsupported:
+        raise OptionError(f"{ckpt.path}: load_engine: universal_checkpoint_info uses {unsupported}; "
+                          "cutting such tensor-parallel layouts is not supported")
+    return _TP(rank, size, info)
+
+
+def _local(ckpt: Checkpoint, name: str, key: str, shape: Sequence[int], tp: _TP) -> TensorState:
+    """State ``key`` of tensor ``name`` as the engine's parameter of ``shape`` holds it on this
+    tensor-parallel rank (a view; nothing is read), cut as DeepSpeed's universal load cuts it."""
+    full = _tensor(ckpt, name).state(key)
+    shape = tuple(int(s) for s in shape)
+    where = f"{ckpt.path}: tensor {name!r}"
+    if len(full.shape) == len(shape) and tp.matches("vocabulary_parameter_patterns", name):
+        rows = shape[0] * tp.size  # re-padded with zero rows to the engine's vocabulary (rows x TP)
+        if rows < full.shape[0]:
+            raise ShapeMismatchError(f"{where} has {full.shape[0]} vocabulary rows; the engine's parameter "
+                                     f"{shape} holds {rows} at tensor-parallel degree {tp.size}")
+        full = pad(full, 0, rows)
+    if tuple(full.shape) == shape:
+        return full
+    if tp.size == 1 or len(full.shape) != len(shape):
+        raise ShapeMismatchError(f"{where} has shape {tuple(full.shape)}, the engine's parameter {shape}")
+    two_sub = tp.matches("parameter_with_2_sub_params_cat_dim_0", name)
+    if tp.info:  # as ds_to_universal's cat_dim: 1 for row-parallel parameters, else 0
+        dims = [1 if tp.matches("parameter_with_row_parallelism_patterns", name) and not two_sub else 0]
+    else:  # no patterns: the one dimension the shapes differ in
+        dims = [k for k in range(len(shape)) if full.shape[k] != shape[k]]
+    d = dims[0]
+    if len(dims) != 1 or tuple(full.shape) != tuple(s * tp.size if k == d else s for k, s in enumerate(shape)):
+        raise ShapeMismatchError(
+            f"{where} has shape {tuple(full.shape)}; the engine's parameter {shape} is not its slice "
+            f"for tensor-parallel rank {tp.rank} of {tp.size}")
+
+    def chunk(state: TensorState, n: int, i: int) -> TensorState:
+        size = state.shape[d] // n
+        off = tuple(i * size if k == d else 0 for k in range(len(shape)))
+        return crop(state, Box(off, tuple(size if k == d else s for k, s in enumerate(state.shape))))
+
+    if two_sub:  # [a_0 .. a_tp-1, b_0 .. b_tp-1] (ds_to_universal's merge): this rank's a, then its b
+        if full.shape[0] % (2 * tp.size):
+            raise ShapeMismatchError(f"{where}: {full.shape[0]} rows are not two sub-parameters cut {tp.size} ways")
+        return concat([chunk(chunk(full, 2, h), tp.size, tp.rank) for h in (0, 1)], 0)
+    return chunk(full, tp.size, tp.rank)
 
 
 def _lp_groups(opt: Any) -> list[list[Any]] | None:
@@ -198,13 +282,6 @@ def _weights(ckpt: Checkpoint, name: str) -> str:
     raise FormatError(f"{ckpt.path}: tensor {name!r} has no weights (states {sorted(t.states)})")
 
 
-def _check_shape(ckpt: Checkpoint, name: str, shape: Sequence[int]) -> None:
-    got = _tensor(ckpt, name).shape
-    if tuple(got) != tuple(int(s) for s in shape):
-        raise ShapeMismatchError(
-            f"{ckpt.path}: tensor {name!r} has shape {tuple(got)}, the engine's parameter {tuple(shape)}")
-
-
 # ------------------------------------------------------------------ reading
 
 
@@ -219,7 +296,7 @@ def _read_fill(ckpt: Checkpoint, job: _Fill) -> int:
     """Read flat elements ``[start, start + numel)`` of a state into ``job.dst`` (row-major order)."""
     import torch
 
-    tstate: TensorState = _tensor(ckpt, job.name).state(job.state)
+    tstate = job.src
     out, direct = _numpy_out(job.dst)
     label = f"{ckpt.path}: tensor {job.name!r} ({job.state})"
     off = 0
@@ -293,7 +370,7 @@ def _step_value(opt: Any, hp: Any, step: float) -> Any:
 # ------------------------------------------------------------------ ZeRO-1/2, BF16_Optimizer
 
 
-def _load_stage12(opt: Any, ckpt: Checkpoint, with_optimizer: bool, workers: int | None) -> None:
+def _load_stage12(opt: Any, ckpt: Checkpoint, tp: _TP, with_optimizer: bool, workers: int | None) -> None:
     lp_groups = _lp_groups(opt) or []
     inner = opt.optimizer
     jobs: list[_Fill] = []
@@ -308,10 +385,10 @@ def _load_stage12(opt: Any, ckpt: Checkpoint, with_optimizer: bool, workers: int
             if mapping is None:
                 continue
             name = opt.param_names[lp]
-            _check_shape(ckpt, name, lp.shape)
             names.append(name)
             lp_a, hp_a = mapping.lp_fragment_address, mapping.hp_fragment_address
-            jobs.append(_Fill(name, _weights(ckpt, name), lp_a.start, lp_a.numel,
+            weights = _weights(ckpt, name)
+            jobs.append(_Fill(name, weights, _local(ckpt, name, weights, lp.shape, tp), lp_a.start, lp_a.numel,
                               hp.detach().narrow(0, hp_a.start, hp_a.numel)))
             if not with_optimizer:
                 continue
@@ -323,7 +400,7 @@ def _load_stage12(opt: Any, ckpt: Checkpoint, with_optimizer: bool, workers: int
                     buffers[key] = _state_buffer(inner.state[hp], key, hp)
                 view = buffers[key].narrow(0, hp_a.start, hp_a.numel)
                 filled.setdefault(key, []).append((hp_a.start, hp_a.numel))
-                jobs.append(_Fill(name, src, lp_a.start, lp_a.numel, view))
+                jobs.append(_Fill(name, src, _local(ckpt, name, src, lp.shape, tp), lp_a.start, lp_a.numel, view))
                 links.append((mapping, key, view))
         if with_optimizer:
             for key, buf in buffers.items():
@@ -344,7 +421,8 @@ def _load_stage12(opt: Any, ckpt: Checkpoint, with_optimizer: bool, workers: int
 # ------------------------------------------------------------------ ZeRO-3
 
 
-def _load_stage3(engine: Any, opt: Any, ckpt: Checkpoint, with_optimizer: bool, workers: int | None) -> None:
+def _load_stage3(engine: Any, opt: Any, ckpt: Checkpoint, tp: _TP, with_optimizer: bool,
+                 workers: int | None) -> None:
     from deepspeed import comm as dist
 
     inner = opt.optimizer
@@ -362,7 +440,6 @@ def _load_stage3(engine: Any, opt: Any, ckpt: Checkpoint, with_optimizer: bool, 
         names = []
         for p in params:
             name = opt.param_names[p]
-            _check_shape(ckpt, name, p.ds_shape)
             names.append(name)
             group = opt._get_param_partition_group(p)
             rank, world = dist.get_rank(group=group), dist.get_world_size(group=group)
@@ -370,9 +447,10 @@ def _load_stage3(engine: Any, opt: Any, ckpt: Checkpoint, with_optimizer: bool, 
             part = math.ceil(numel / world)
             a, b = min(numel, rank * part), min(numel, (rank + 1) * part)
             for key, buf in targets.items():
-                src = _state_for(ckpt, name, key)
+                src = str(_state_for(ckpt, name, key))
+                view = _local(ckpt, name, src, p.ds_shape, tp)
                 if b > a:
-                    jobs.append(_Fill(name, str(src), a, b - a, buf.narrow(0, offset, b - a)))
+                    jobs.append(_Fill(name, src, view, a, b - a, buf.narrow(0, offset, b - a)))
                 if part > b - a:
                     zero_tails.append(buf.narrow(0, offset + (b - a), part - (b - a)))
             offset += part
@@ -403,7 +481,7 @@ def _load_stage3(engine: Any, opt: Any, ckpt: Checkpoint, with_optimizer: bool, 
 # ------------------------------------------------------------------ the rest of the state
 
 
-def _load_frozen_and_buffers(engine: Any, ckpt: Checkpoint, workers: int | None) -> None:
+def _load_frozen_and_buffers(engine: Any, ckpt: Checkpoint, tp: _TP, workers: int | None) -> None:
     """Parameters outside the optimizer (frozen) and module buffers, where the checkpoint has them."""
     from deepspeed import comm as dist
 
@@ -413,36 +491,36 @@ def _load_frozen_and_buffers(engine: Any, ckpt: Checkpoint, workers: int | None)
         if p.requires_grad or name not in ckpt.index.tensors:
             continue
         if hasattr(p, "ds_tensor"):  # ZeRO-3: this rank's slice of the partitioned weight
-            _check_shape(ckpt, name, p.ds_shape)
+            shape = p.ds_shape
             group = getattr(p, "ds_process_group", None)
             rank = dist.get_rank(group=group)
             numel, part = int(p.ds_numel), int(p.ds_tensor.ds_numel)
             a, b = min(numel, rank * part), min(numel, (rank + 1) * part)
             dst = p.ds_tensor.data.view(-1)
         else:
-            _check_shape(ckpt, name, p.shape)
-            a, b, dst = 0, p.numel(), p.data.view(-1)
+            shape, a, b, dst = p.shape, 0, p.numel(), p.data.view(-1)
+        view = _local(ckpt, name, _weights(ckpt, name), shape, tp)
         if b > a:
-            _fill_cast(ckpt, name, a, b, dst.narrow(0, 0, b - a), jobs, casts)
+            _fill_cast(ckpt, name, view, a, b, dst.narrow(0, 0, b - a), jobs, casts)
     for name, buf in engine.module.named_buffers():
         if name in ckpt.index.tensors and buf is not None and buf.is_floating_point():
-            _check_shape(ckpt, name, buf.shape)
-            _fill_cast(ckpt, name, 0, buf.numel(), buf.data.view(-1), jobs, casts)
+            view = _local(ckpt, name, _weights(ckpt, name), buf.shape, tp)
+            _fill_cast(ckpt, name, view, 0, buf.numel(), buf.data.view(-1), jobs, casts)
     _run(ckpt, jobs, workers)
     for c in casts:
         c()
 
 
-def _fill_cast(ckpt: Checkpoint, name: str, a: int, b: int, dst: Any, jobs: list[_Fill],
+def _fill_cast(ckpt: Checkpoint, name: str, src: TensorState, a: int, b: int, dst: Any, jobs: list[_Fill],
                casts: list[Callable[[], None]]) -> None:
     import torch
 
     state = _weights(ckpt, name)
     if dst.dtype == torch.float32:
-        jobs.append(_Fill(name, state, a, b - a, dst))
+        jobs.append(_Fill(name, state, src, a, b - a, dst))
         return
     tmp = torch.empty(b - a, dtype=torch.float32)
-    jobs.append(_Fill(name, state, a, b - a, tmp))
+    jobs.append(_Fill(name, state, src, a, b - a, tmp))
     casts.append(lambda: dst.copy_(tmp))
 
 
