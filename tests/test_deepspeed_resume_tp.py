@@ -79,6 +79,12 @@ def _assert_state(meta: dict, src: str, tp: int, dtype: str) -> None:
             master = _np(states["fp32"])
             assert np.array_equal(lp, master.astype(ml_dtypes.bfloat16) if dtype == "bf16" else master), name
     assert meta["resumed_at"] == ckpt.step
+    # every rank read only its partition of its TP slices (fp32 master + 2 moments, 12 bytes an
+    # element; the vocabulary's zero rows are not read): all ranks together, each element once per TP rank
+    held = sum(max(0, min(s["fp32"].shape[0], VOCAB - r * s["fp32"].shape[0])) * s["fp32"][0].numel()
+               if n == "lm_head.weight" else s["fp32"].numel()
+               for r, per_rank in enumerate(meta["loaded"]) for n, s in per_rank.items())
+    assert held * 12 <= sum(meta["bytes_read"]) <= held * 12 * 1.02, (meta["bytes_read"], held * 12)
 
 
 CASES = [  # label, source run, new TP, processes (TP x DP), stage, dtype, DeepSpeed reference

@@ -232,12 +232,14 @@ def main() -> None:
     init_gloo()
     mpu = Mpu(args.tp)
     engine = build_engine(args, mpu)
-    start, reference = 0, None
+    start, reference, bytes_read = 0, None, None
     if args.resume_native:
         from ckptbridge.adapters.deepspeed import load_engine
 
-        load_engine(engine, args.resume_native)
+        loaded = load_engine(engine, args.resume_native)
         start = engine.global_steps
+        bytes_read = [None] * tdist.get_world_size()
+        tdist.all_gather_object(bytes_read, loaded.bytes_read)
         dump_local(engine, os.path.join(args.out, f"loaded.tp{mpu.tp_rank}.pt"), mpu.dp_rank == 0)
     losses = train(engine, mpu, start, args.steps)
     if args.compare_universal:
@@ -253,7 +255,7 @@ def main() -> None:
         with open(os.path.join(args.out, "meta.json"), "w") as fh:
             json.dump({"stage": args.stage, "world_size": tdist.get_world_size(), "tp": args.tp, "dtype": args.dtype,
                        "losses": losses, "global_steps": engine.global_steps, "resumed_at": start,
-                       "reference_losses": reference}, fh)
+                       "reference_losses": reference, "bytes_read": bytes_read}, fh)
     tdist.barrier()
     sys.stdout.flush()
     sys.stderr.flush()
