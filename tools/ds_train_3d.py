@@ -22,7 +22,7 @@ import torch
 import torch.distributed as tdist
 import torch.nn as nn
 import torch.nn.functional as F
-from ds_train_pp import VOCAB, D, Embed, ds_config, loss_fn, train_and_save
+from ds_train_pp import VOCAB, D, Embed, add_run_args, ds_config, loss_fn, resume, train_and_save
 from ds_train_tp import _CopyToTP, _GatherLast, _ReduceFromTP
 
 TP: dict = {}  # the tensor-parallel group, rank and size, filled once the pipeline grid exists
@@ -55,23 +55,13 @@ class Head(nn.Module):
 REPLICATED = [r"\d+\.wte\.weight", r"\d+\.ln\.(weight|bias)", r"\d+\.ln_f\.(weight|bias)", r"\d+\.fc_out_bias"]
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(allow_abbrev=False)
-    ap.add_argument("--tp", type=int, default=2)
-    ap.add_argument("--pp", type=int, default=2)
-    ap.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
-    ap.add_argument("--steps", type=int, default=2)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--local_rank", type=int, default=-1)
-    args = ap.parse_args()
+def build_engine(args: argparse.Namespace, load_universal: bool = False):
+    """The 3D model (TP layers in a ``PipelineModule`` over a TP x PP x DP topology) in a ZeRO-1 engine."""
     import deepspeed
     from deepspeed.pipe import LayerSpec, PipelineModule
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
-    from make_deepspeed_ckpt import init_gloo
 
-    init_gloo()
-    ws = tdist.get_world_size()
-    dp = ws // (args.tp * args.pp)
+    dp = tdist.get_world_size() // (args.tp * args.pp)
     topo = PipeModelDataParallelTopology(num_pp=args.pp, num_mp=args.tp, num_dp=dp)
     torch.manual_seed(1234)  # replicated parameters: the same init on every rank
     layers = [LayerSpec(Embed), *(LayerSpec(MLP, args.tp) for _ in range(3)), LayerSpec(Head, args.tp)]
@@ -90,9 +80,25 @@ def main() -> None:
         "vocabulary_parameter_patterns": [r"\d+\.lm_head\.weight"],
         "original_vocab_size": VOCAB,
     }
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                           config=ds_config(dp, args.dtype))
-    train_and_save(engine, args.out, dp, args.steps, {"tp": args.tp, "pp": args.pp, "dtype": args.dtype})
+    cfg = {**ds_config(dp, args.dtype), "checkpoint": {"load_universal": load_universal}}
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    return engine
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(allow_abbrev=False)
+    ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--pp", type=int, default=2)
+    add_run_args(ap, "bf16")
+    args = ap.parse_args()
+    from make_deepspeed_ckpt import init_gloo
+
+    init_gloo()
+    dp = tdist.get_world_size() // (args.tp * args.pp)
+    meta = {"tp": args.tp, "pp": args.pp, "dtype": args.dtype}
+    if args.resume_native:
+        resume(lambda universal: build_engine(args, universal), dp, args, meta)
+    train_and_save(build_engine(args), args.out, dp, args.steps, meta)
 
 
 if __name__ == "__main__":

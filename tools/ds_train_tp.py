@@ -33,6 +33,7 @@ import torch
 import torch.distributed as tdist
 import torch.nn as nn
 import torch.nn.functional as F
+from ds_train_pp import add_run_args
 
 VOCAB, CTX, BATCH = 101, 16, 8
 
@@ -213,19 +214,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(allow_abbrev=False)
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--stage", type=int, default=1)
-    ap.add_argument("--dtype", choices=["bf16", "fp32"], default="fp32")
-    ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--d_model", type=int, default=24)
     ap.add_argument("--n_layer", type=int, default=2)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--resume_native", default=None,
-                    help="fill the engine with ckptbridge.adapters.deepspeed.load_engine from this checkpoint "
-                         "(any TP x DP), dump each TP rank's loaded state (loaded.tp<r>.pt), train --steps")
-    ap.add_argument("--compare_universal", default=None,
-                    help="then resume a second engine from this universal checkpoint with DeepSpeed's "
-                         "load_universal and train the same steps (meta: reference_losses)")
     ap.add_argument("--no_save", action="store_true")
-    ap.add_argument("--local_rank", type=int, default=-1)
+    add_run_args(ap, "fp32")  # with --resume_native, each TP rank's loaded state goes to OUT/loaded.tp<r>.pt
     args = ap.parse_args()
     from make_deepspeed_ckpt import init_gloo
 

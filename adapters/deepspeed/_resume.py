@@ -43,10 +43,12 @@ the engine's ``rows x TP``, parameters with two sub-parameters cut half by
 half, the rest chunked along dimension 1 (row-parallel) or 0. Which is which
 comes from ``universal_checkpoint_info`` (the engine module's, else the
 checkpoint's), as Megatron-DeepSpeed records it; without it, from the one
-dimension the shapes differ in. Not supported: pipeline engines, NVMe offload,
-expert parallelism, and the ``parameter_with_sub_params`` (``sub_param_shape``)
-and averaged layouts. Call it on every rank (the ZeRO-1/2 weight update is a
-collective).
+dimension the shapes differ in. Pipeline engines (``PipelineModule``, also in
+Megatron-DeepSpeed's TP x PP x DP layout) load the same way: each stage's engine
+names its parameters as the checkpoint does (``<layer>.<name>``) and fills only
+its own. Not supported: NVMe offload, expert parallelism, and the
+``parameter_with_sub_params`` (``sub_param_shape``) and averaged layouts. Call it
+on every rank (the ZeRO-1/2 weight update is a collective).
 """
 
 from __future__ import annotations
@@ -185,8 +187,6 @@ def _check_supported(engine: Any, opt: Any, ckpt: Checkpoint) -> None:
     where = f"{ckpt.path}: load_engine"
     if opt is None:
         raise OptionError(f"{where}: the engine has no optimizer (build it with an optimizer config)")
-    if type(engine.module).__name__ == "PipelineModule":
-        raise OptionError(f"{where}: pipeline engines are not supported")
     if getattr(opt, "swap_optimizer", False) or getattr(opt, "optimizer_swapper", None) is not None:
         raise OptionError(f"{where}: NVMe-offloaded optimizer state is not supported")
     known = hasattr(opt, "fp32_partitioned_groups_flat") or _lp_groups(opt) is not None
@@ -197,15 +197,16 @@ def _check_supported(engine: Any, opt: Any, ckpt: Checkpoint) -> None:
 
 
 def _tp_of(engine: Any, ckpt: Checkpoint) -> _TP:
-    """The engine's tensor-parallel rank and degree (from its ``mpu``, as DeepSpeed asks it) and
-    the patterns of its model's ``universal_checkpoint_info`` (else the checkpoint's)."""
+    """The engine's tensor-parallel rank and degree (from its ``mpu``: a Megatron mpu or a pipeline
+    engine's grid, asked as DeepSpeed's universal load asks it) and the patterns of its model's
+    ``universal_checkpoint_info`` (else the checkpoint's)."""
+    from deepspeed.utils.bwc import (
+        bwc_tensor_model_parallel_rank,
+        bwc_tensor_model_parallel_world_size,
+    )
+
     mpu = getattr(engine, "mpu", None)
-    rank, size = 0, 1
-    for attr in ("tensor_model_parallel", "model_parallel"):
-        if mpu is not None and hasattr(mpu, f"get_{attr}_world_size"):
-            rank = int(getattr(mpu, f"get_{attr}_rank")())
-            size = int(getattr(mpu, f"get_{attr}_world_size")())
-            break
+    rank, size = int(bwc_tensor_model_parallel_rank(mpu)), int(bwc_tensor_model_parallel_world_size(mpu))
     info = getattr(engine.module, "universal_checkpoint_info", None)
     if not isinstance(info, Mapping):
         extra = ckpt.index.extra if isinstance(ckpt.index.extra, Mapping) else {}
