@@ -11,6 +11,7 @@ uses), and two steps are trained.
   here with numpy as DeepSpeed's universal load cuts it (``universal_checkpoint.py``): replicated
   parameters whole, ``fc_out`` along dim 1, the rest along dim 0, ``lm_head`` re-padded with zero
   rows to ``rows x TP`` first. The low-precision weights must be the master rounded.
+* The source is the native checkpoint, or (one case) ``ds_to_universal``'s output of it.
 * Where DeepSpeed can load its own ``ds_to_universal`` output at the new layout (ZeRO-1/2), a
   second engine in the same processes resumes with ``load_universal`` and trains the same two
   steps: the two loss sequences must be bitwise equal. DeepSpeed's ZeRO-3 universal load does not
@@ -52,12 +53,12 @@ def _slice(full: np.ndarray, name: str, tp: int, rank: int) -> np.ndarray:
 
 
 def _run(tmp: str, label: str, src: str, tp: int, nproc: int, stage: int, dtype: str,
-         compare: bool) -> dict:
+         compare: str | None) -> dict:
     out = os.path.join(tmp, label)
     args = ["--tp", str(tp), "--stage", str(stage), "--dtype", dtype, "--steps", "2", "--out", out,
             "--no_save", "--resume_native", src]
     if compare:
-        args += ["--compare_universal", src]
+        args += ["--compare_universal", compare]
     os.makedirs(out, exist_ok=True)
     tools.launch(nproc, args, os.path.join(out, "log.txt"), timeout=900, script=tools.TRAIN_TP)
     with open(os.path.join(out, "meta.json")) as fh:
@@ -87,19 +88,22 @@ def _assert_state(meta: dict, src: str, tp: int, dtype: str) -> None:
     assert held * 12 <= sum(meta["bytes_read"]) <= held * 12 * 1.02, (meta["bytes_read"], held * 12)
 
 
-CASES = [  # label, source run, new TP, processes (TP x DP), stage, dtype, DeepSpeed reference
-    ("tp2dp2_to_tp2dp1_zero1", "tp2_s1_fp32_w4", 2, 2, 1, "fp32", True),
-    ("tp2dp2_to_tp1dp2_zero1", "tp2_s1_fp32_w4", 1, 2, 1, "fp32", True),
-    ("tp2dp2_to_tp4_zero2_bf16", "tp2_s2_bf16_w4", 4, 4, 2, "bf16", True),
+CASES = [  # label, source run (and folder in its ckpt: the native tag or ds_to_universal's), new TP,
+    # processes (TP x DP), stage, dtype; the reference is DeepSpeed's load_universal of ds_to_universal's output
+    ("tp2dp2_to_tp2dp1_zero1", "tp2_s1_fp32_w4", "", 2, 2, 1, "fp32"),
+    ("tp2dp2_to_tp1dp2_zero1", "tp2_s1_fp32_w4", "", 1, 2, 1, "fp32"),
+    ("tp2dp2_to_tp4_zero2_bf16", "tp2_s2_bf16_w4", "", 4, 4, 2, "bf16"),
+    ("universal_to_tp4_zero2_bf16", "tp2_s2_bf16_w4", "global_step2_universal", 4, 4, 2, "bf16"),
 ]
 
 
 @pytest.mark.heavy
-@pytest.mark.parametrize("label,run,tp,nproc,stage,dtype,compare", CASES, ids=[c[0] for c in CASES])
-def test_tp_engine_resumes_at_a_new_layout(runs_dir: str, tmp_path, label, run, tp, nproc, stage,  # noqa: F811
-                                           dtype, compare) -> None:
-    src = os.path.join(runs_dir, run, "ckpt")
-    meta = _run(str(tmp_path), label, src, tp, nproc, stage, dtype, compare)
+@pytest.mark.parametrize("label,run,folder,tp,nproc,stage,dtype", CASES, ids=[c[0] for c in CASES])
+def test_tp_engine_resumes_at_a_new_layout(runs_dir: str, tmp_path, label, run, folder, tp, nproc,  # noqa: F811
+                                           stage, dtype) -> None:
+    root = os.path.join(runs_dir, run, "ckpt")
+    src = os.path.join(root, folder) if folder else root
+    meta = _run(str(tmp_path), label, src, tp, nproc, stage, dtype, root)
     _assert_state(meta, src, tp, dtype)
     assert len(meta["losses"]) == 2 and np.isfinite(meta["losses"]).all()
     assert meta["losses"] == meta["reference_losses"]  # bitwise, DeepSpeed's own universal load
@@ -108,9 +112,9 @@ def test_tp_engine_resumes_at_a_new_layout(runs_dir: str, tmp_path, label, run, 
 @pytest.mark.heavy
 def test_zero3_tp_engine_resumes_at_tp4(runs_dir: str, tmp_path) -> None:  # noqa: F811
     src = os.path.join(runs_dir, "tp2_s3_bf16_w4", "ckpt")
-    tp4 = _run(str(tmp_path), "tp4", src, 4, 4, 3, "bf16", False)
+    tp4 = _run(str(tmp_path), "tp4", src, 4, 4, 3, "bf16", None)
     _assert_state(tp4, src, 4, "bf16")
-    tp2 = _run(str(tmp_path), "tp2", src, 2, 2, 3, "bf16", False)
+    tp2 = _run(str(tmp_path), "tp2", src, 2, 2, 3, "bf16", None)
     _assert_state(tp2, src, 2, "bf16")
     # the same state, other reduction orders in bf16 compute
     np.testing.assert_allclose(tp4["losses"], tp2["losses"], rtol=0, atol=2e-3)
