@@ -155,3 +155,43 @@ def test_each_layout_pattern_cuts_as_deepspeed(tmp_path) -> None:
         cut("col", (3, 6), 0, 2)
     with pytest.raises(ShapeMismatchError, match=r"tensor 'col' has shape \(8, 6\), the engine's parameter"):
         cut("col", (4, 6), 0, 1)
+
+
+def test_unsupported_engines_are_refused_by_name(tmp_path) -> None:
+    """What load_engine cannot fill is refused before anything is read, naming the checkpoint and
+    the reason: no optimizer, NVMe-offloaded state, MoE (expert-parallel) layers, an optimizer
+    wrapper that is not ZeRO / BF16_Optimizer, and TP layouts cut by sub-parameter shapes."""
+    from types import SimpleNamespace
+
+    from safetensors.numpy import save_file
+
+    from ckptbridge.adapters.deepspeed._resume import _check_supported, _tp_of
+    from ckptbridge.plugin import OptionError
+
+    path = str(tmp_path / "m.safetensors")
+    save_file({"w": np.zeros(4, np.float32)}, path)
+    ckpt = cb_open(path)
+    zero = SimpleNamespace(bit16_groups=[], optimizer=object())
+    cases = [
+        (SimpleNamespace(optimizer=None), None, "has no optimizer"),
+        (SimpleNamespace(), SimpleNamespace(swap_optimizer=True), "NVMe-offloaded"),
+        (SimpleNamespace(has_moe_layers=True), zero, "MoE"),
+        (SimpleNamespace(), SimpleNamespace(optimizer=object()), "is not a ZeRO-1/2/3 or BF16_Optimizer"),
+    ]
+    for engine, opt, why in cases:
+        with pytest.raises(OptionError, match=rf"m\.safetensors: load_engine: .*{why}"):
+            _check_supported(engine, opt if opt is not None else engine.optimizer, ckpt)
+    _check_supported(SimpleNamespace(has_moe_layers=False), zero, ckpt)  # a ZeRO-1/2 engine passes
+
+    class Mpu:
+        def get_tensor_model_parallel_rank(self) -> int:
+            return 1
+
+        def get_tensor_model_parallel_world_size(self) -> int:
+            return 2
+
+    info = {"parameter_with_sub_params": [{"patterns": [r"qkv"], "shape": [[8, 8], 4]}]}
+    with pytest.raises(OptionError, match=r"universal_checkpoint_info uses \['parameter_with_sub_params'\]"):
+        _tp_of(SimpleNamespace(mpu=Mpu(), module=SimpleNamespace(universal_checkpoint_info=info)), ckpt)
+    tp = _tp_of(SimpleNamespace(mpu=Mpu(), module=SimpleNamespace(universal_checkpoint_info={})), ckpt)
+    assert (tp.rank, tp.size) == (1, 2)

@@ -189,6 +189,8 @@ def _check_supported(engine: Any, opt: Any, ckpt: Checkpoint) -> None:
         raise OptionError(f"{where}: the engine has no optimizer (build it with an optimizer config)")
     if getattr(opt, "swap_optimizer", False) or getattr(opt, "optimizer_swapper", None) is not None:
         raise OptionError(f"{where}: NVMe-offloaded optimizer state is not supported")
+    if getattr(engine, "has_moe_layers", False):
+        raise OptionError(f"{where}: engines with MoE (expert-parallel) layers are not supported")
     known = hasattr(opt, "fp32_partitioned_groups_flat") or _lp_groups(opt) is not None
     if not known:
         raise OptionError(
