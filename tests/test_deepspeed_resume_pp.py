@@ -30,8 +30,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 TOOLS = os.path.join(HERE, "..", "tools")
 sys.path.insert(0, TOOLS)
 import make_deepspeed_ckpt as tools  # noqa: E402
-
-REPLICATED_3D = (r"\d+\.wte\.weight", r"\d+\.ln\.(weight|bias)", r"\d+\.ln_f\.(weight|bias)", r"\d+\.fc_out_bias")
+from ds_train_3d import REPLICATED as REPLICATED_3D  # noqa: E402  (the 3D model's TP-replicated patterns)
 
 CASES = [  # label, source run, script, new layout (tp, pp), processes
     ("pp2dp2_to_pp1dp2", "pp2_s1_bf16_w4", "ds_train_pp.py", (1, 1), 2),

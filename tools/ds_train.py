@@ -24,7 +24,6 @@ Writes ``<out>/ckpt/<tag>/`` (DeepSpeed's checkpoint, unless ``--no_save``) and
 import argparse
 import json
 import os
-import sys
 import time
 
 import torch
@@ -241,7 +240,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from deepspeed import comm as dist
-    from make_deepspeed_ckpt import init_gloo
+    from make_deepspeed_ckpt import init_gloo, leave
 
     timing: dict = {"started_at": time.time()}
     init_gloo()
@@ -298,13 +297,7 @@ def main() -> None:
         with open(os.path.join(args.out, "meta.json"), "w") as fh:
             json.dump(meta, fh, indent=1)
     dist.barrier()
-    # Every output is written and closed by now. Leave without the interpreter's teardown: in about
-    # one run in ten a native destructor there (a thread of the torch/DeepSpeed stack, no Python frame)
-    # aborts rank 0 ("terminate called without an active exception", or SIGSEGV), with
-    # destroy_process_group() before it or not, which fails the launch after all its work is done.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave()
 
 
 if __name__ == "__main__":

@@ -22,7 +22,17 @@ import torch
 import torch.distributed as tdist
 import torch.nn as nn
 import torch.nn.functional as F
-from ds_train_pp import VOCAB, D, Embed, add_run_args, ds_config, loss_fn, resume, train_and_save
+from ds_train_pp import (
+    VOCAB,
+    D,
+    Embed,
+    add_run_args,
+    ds_config,
+    loss_fn,
+    resume,
+    train,
+    train_and_save,
+)
 from ds_train_tp import _CopyToTP, _GatherLast, _ReduceFromTP
 
 TP: dict = {}  # the tensor-parallel group, rank and size, filled once the pipeline grid exists
@@ -97,7 +107,8 @@ def main() -> None:
     dp = tdist.get_world_size() // (args.tp * args.pp)
     meta = {"tp": args.tp, "pp": args.pp, "dtype": args.dtype}
     if args.resume_native:
-        resume(lambda universal: build_engine(args, universal), dp, args, meta)
+        resume(lambda universal: build_engine(args, universal),
+               lambda engine, start: train(engine, dp, start, args.steps), args, meta)
     train_and_save(build_engine(args), args.out, dp, args.steps, meta)
 
 

@@ -14,7 +14,6 @@ per pipeline stage and ``zero_pp_rank_{dp}_mp_rank_{mp:02d}_optim_states.pt`` pe
 import argparse
 import json
 import os
-import sys
 
 import torch
 import torch.nn as nn
@@ -89,33 +88,36 @@ def add_resume_args(ap: argparse.ArgumentParser) -> None:
                          "load_universal and train the same steps (meta: reference_losses)")
 
 
-def resume(build, dp: int, args: argparse.Namespace, meta: dict) -> None:
-    """``--resume_native``: ``build(load_universal)`` an engine, fill it with ``load_engine``, train;
-    ``--compare_universal``: the same from DeepSpeed's ``load_universal``; (rank 0) ``meta.json``; exit."""
+def resume(build, run, args: argparse.Namespace, meta: dict, after_load=None) -> None:
+    """``--resume_native``: ``build(load_universal)`` an engine, fill it with ``load_engine``
+    (then ``after_load(engine)``), ``run(engine, start)`` its steps; ``--compare_universal``: the
+    same from DeepSpeed's ``load_universal``; (rank 0) ``meta.json``; exit."""
+    from make_deepspeed_ckpt import leave
+
     from ckptbridge.adapters.deepspeed import load_engine
 
     engine = build(False)
     loaded = load_engine(engine, args.resume_native)
     bytes_read = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(bytes_read, loaded.bytes_read)
+    if after_load is not None:
+        after_load(engine)
     start = engine.global_steps
-    losses = train(engine, dp, start, args.steps)
+    losses = run(engine, start)
     reference = None
     if args.compare_universal:
         other = build(True)
         path, _ = other.load_checkpoint(args.compare_universal, load_optimizer_states=True)
         if path is None:
             raise SystemExit(f"load_checkpoint({args.compare_universal}) found nothing")
-        reference = train(other, dp, other.global_steps, args.steps)
+        reference = run(other, other.global_steps)
     if torch.distributed.get_rank() == 0:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "meta.json"), "w") as fh:
             json.dump({**meta, "world_size": torch.distributed.get_world_size(), "resumed_at": start,
                        "losses": losses, "reference_losses": reference, "bytes_read": bytes_read}, fh)
     torch.distributed.barrier()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # all written: skip the teardown where a native destructor now and then aborts a rank
+    leave()
 
 
 def main() -> None:
@@ -129,7 +131,8 @@ def main() -> None:
     dp = torch.distributed.get_world_size() // args.pp
     meta = {"pp": args.pp, "dtype": args.dtype}
     if args.resume_native:
-        resume(lambda universal: build_engine(args.pp, args.dtype, universal), dp, args, meta)
+        resume(lambda universal: build_engine(args.pp, args.dtype, universal),
+               lambda engine, start: train(engine, dp, start, args.steps), args, meta)
     train_and_save(build_engine(args.pp, args.dtype), args.out, dp, args.steps, meta)
 
 

@@ -27,13 +27,12 @@ import argparse
 import json
 import os
 import re
-import sys
 
 import torch
 import torch.distributed as tdist
 import torch.nn as nn
 import torch.nn.functional as F
-from ds_train_pp import add_run_args
+from ds_train_pp import add_run_args, resume
 
 VOCAB, CTX, BATCH = 101, 16, 8
 
@@ -219,39 +218,27 @@ def main() -> None:
     ap.add_argument("--no_save", action="store_true")
     add_run_args(ap, "fp32")  # with --resume_native, each TP rank's loaded state goes to OUT/loaded.tp<r>.pt
     args = ap.parse_args()
-    from make_deepspeed_ckpt import init_gloo
+    from make_deepspeed_ckpt import init_gloo, leave
 
     init_gloo()
     mpu = Mpu(args.tp)
-    engine = build_engine(args, mpu)
-    start, reference, bytes_read = 0, None, None
+    meta = {"stage": args.stage, "tp": args.tp, "dtype": args.dtype}
     if args.resume_native:
-        from ckptbridge.adapters.deepspeed import load_engine
-
-        loaded = load_engine(engine, args.resume_native)
-        start = engine.global_steps
-        bytes_read = [None] * tdist.get_world_size()
-        tdist.all_gather_object(bytes_read, loaded.bytes_read)
-        dump_local(engine, os.path.join(args.out, f"loaded.tp{mpu.tp_rank}.pt"), mpu.dp_rank == 0)
-    losses = train(engine, mpu, start, args.steps)
-    if args.compare_universal:
-        other = build_engine(args, mpu, load_universal=True)
-        path, _ = other.load_checkpoint(args.compare_universal, load_optimizer_states=True)
-        if path is None:
-            raise SystemExit(f"load_checkpoint({args.compare_universal}) found nothing")
-        reference = train(other, mpu, other.global_steps, args.steps)
+        resume(lambda universal: build_engine(args, mpu, universal),
+               lambda engine, start: train(engine, mpu, start, args.steps), args, meta,
+               after_load=lambda engine: dump_local(engine, os.path.join(args.out, f"loaded.tp{mpu.tp_rank}.pt"),
+                                                    mpu.dp_rank == 0))
+    engine = build_engine(args, mpu)
+    losses = train(engine, mpu, 0, args.steps)
     if not args.no_save:
         engine.save_checkpoint(os.path.join(args.out, "ckpt"), tag=f"global_step{engine.global_steps}")
     if tdist.get_rank() == 0:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "meta.json"), "w") as fh:
-            json.dump({"stage": args.stage, "world_size": tdist.get_world_size(), "tp": args.tp, "dtype": args.dtype,
-                       "losses": losses, "global_steps": engine.global_steps, "resumed_at": start,
-                       "reference_losses": reference, "bytes_read": bytes_read}, fh)
+            json.dump({**meta, "world_size": tdist.get_world_size(), "losses": losses,
+                       "global_steps": engine.global_steps}, fh)
     tdist.barrier()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # all written: skip the teardown where a native destructor now and then aborts a rank
+    leave()
 
 
 if __name__ == "__main__":

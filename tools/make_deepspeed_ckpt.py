@@ -48,6 +48,17 @@ def init_gloo() -> None:
     deepspeed.init_distributed(dist_backend="gloo")
 
 
+def leave() -> None:
+    """End a training script (every rank, after its last barrier, all files written) without the
+    interpreter's teardown: a native destructor of the torch/DeepSpeed stack there aborts a rank in
+    about one run in 30 (SIGABRT "terminate called without an active exception", or SIGSEGV, with no
+    Python frame), which fails the launch after its work is done; destroy_process_group() first
+    does not prevent it."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
