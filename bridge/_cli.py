@@ -346,13 +346,13 @@ def cmd_formats(args: argparse.Namespace) -> int:
     return 0
 
 
-def _recipe_config(pairs: dict[str, str]) -> dict[str, Any]:
-    """``-c key=value`` strings typed as :class:`ckptbridge.recipes.RecipeConfig` declares them."""
+def _recipe_config(family: str, pairs: dict[str, str]) -> dict[str, Any]:
+    """``-c key=value`` strings typed as the family's config dataclass declares them."""
     import dataclasses
 
-    from .recipes import RecipeConfig
+    from .recipes import config_type
 
-    kinds = {f.name: f.type for f in dataclasses.fields(RecipeConfig)}
+    kinds = {f.name: f.type for f in dataclasses.fields(config_type(family))}
     out: dict[str, Any] = {}
     for key, value in pairs.items():
         kind = str(kinds.get(key, "str"))
@@ -381,7 +381,7 @@ def cmd_recipe(args: argparse.Namespace) -> int:
     if not (args.src and args.dst):
         raise OptionError("recipe FAMILY SRC DST: give the source and the destination scheme (hf, megatron, maxtext)")
     config = recipes.config_from_hf(args.hf_config) if args.hf_config else {}
-    config.update(_recipe_config(_pairs(args.config, "-c")))
+    config.update(_recipe_config(args.family, _pairs(args.config, "-c")))
     text = json.dumps(rules_to_json(recipes.rules(args.family, src=args.src, dst=args.dst, **config)), indent=1)
     if args.out:
         with open(args.out, "w") as fh:

@@ -46,7 +46,7 @@ def test_available_recipes_and_families():
         assert (fam, "hf", "maxtext") in got and (fam, "maxtext", "hf") in got
     for pair in (("megatron", "hf"), ("hf", "megatron"), ("megatron", "maxtext"), ("maxtext", "megatron")):
         assert ("llama", *pair) in got and ("qwen2", *pair) in got and ("mixtral", *pair) not in got
-    assert recipes.families() == ("llama", "qwen2", "mixtral")
+    assert {"llama", "qwen2", "mixtral"} <= set(recipes.families())
 
 
 def test_config_from_hf_reads_heads_rope_and_family(llama):
@@ -137,7 +137,7 @@ def test_megatron_args_and_hf_config_round_trip(llama):
 
 
 def test_unknown_family_pair_or_config_key():
-    with pytest.raises(OptionError, match="no recipe family 'gpt'; families: llama, qwen2, mixtral"):
+    with pytest.raises(OptionError, match="no recipe family 'gpt'; families: llama, mixtral, qwen2"):
         recipes.rules("gpt", src="hf", dst="maxtext", **A_CFG)
     with pytest.raises(OptionError, match="no 'hf' -> 'deepspeed' mapping; it maps hf->maxtext"):
         recipes.rules("llama", src="hf", dst="deepspeed", **A_CFG)

@@ -1,0 +1,69 @@
+"""Model configs between schemes: Megatron args for an HF config, an HF config for Megatron args."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from .._errors import OptionError
+from ._family import load_config
+from ._gpt import rope_theta
+
+
+def megatron_args(config: Any, template: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Megatron args for an HF Llama-family ``config.json``: the model-shape keys (layers, sizes,
+    heads and query groups, SwiGLU, RMSNorm, RoPE base, biases, tied embeddings, vocabulary) over
+    ``template`` (the args of the Megatron run that will load it; Megatron-LM needs its full
+    args). Write them to JSON and pass ``-o args=FILE`` to ``reshard --to megatron``."""
+    hf = load_config(config)
+    heads = int(hf["num_attention_heads"])
+    kv = int(hf.get("num_key_value_heads") or heads)
+    dtype = str(hf.get("torch_dtype") or hf.get("dtype") or "float32")
+    args = dict(template or {})
+    vocab = int(hf["vocab_size"])
+    divisible = int(args.get("make_vocab_size_divisible_by") or 1) * int(args.get("tensor_model_parallel_size") or 1)
+    args.update(
+        num_layers=int(hf["num_hidden_layers"]), hidden_size=int(hf["hidden_size"]),
+        ffn_hidden_size=int(hf["intermediate_size"]), num_attention_heads=heads,
+        group_query_attention=kv != heads, num_query_groups=kv,
+        kv_channels=int(hf.get("head_dim") or int(hf["hidden_size"]) // heads),
+        swiglu=True, normalization="RMSNorm", norm_epsilon=float(hf.get("rms_norm_eps", 1e-5)),
+        layernorm_epsilon=float(hf.get("rms_norm_eps", 1e-5)), position_embedding_type="rope",
+        rotary_base=rope_theta(hf), rotary_percent=1.0, rotary_interleaved=False, add_bias_linear=False,
+        add_qkv_bias=bool(hf.get("attention_bias", hf.get("model_type") == "qwen2")),
+        untie_embeddings_and_output_weights=not bool(hf.get("tie_word_embeddings", False)),
+        # Megatron-LM's NullTokenizer(vocab_size) has vocab_size + 1 tokens (its EOD): the HF vocabulary
+        vocab_size=vocab - 1 if args.get("tokenizer_type") == "NullTokenizer" else vocab,
+        padded_vocab_size=-(-vocab // divisible) * divisible,
+        make_vocab_size_divisible_by=int(args.get("make_vocab_size_divisible_by") or 1),
+        max_position_embeddings=int(hf.get("max_position_embeddings") or 4096),
+        bf16=dtype == "bfloat16", fp16=dtype == "float16")
+    return args
+
+
+def hf_config(args: Mapping[str, Any], vocab_size: int | None = None, family: str = "llama") -> dict[str, Any]:
+    """An HF ``config.json`` (``LlamaForCausalLM`` / ``Qwen2ForCausalLM``) for Megatron ``args``
+    (as ``ckptbridge.open(megatron_run).extra["megatron"]["args"]`` gives them); ``vocab_size``:
+    the vocabulary without Megatron's padding (the Megatron reader strips it)."""
+    if args.get("normalization") != "RMSNorm" or not args.get("swiglu") or args.get("position_embedding_type") != "rope":
+        raise OptionError("hf_config: only Llama-family Megatron models (RMSNorm, SwiGLU, RoPE) map to HF Llama")
+    heads = int(args["num_attention_heads"])
+    kv = int(args.get("num_query_groups") or heads) if args.get("group_query_attention") else heads
+    model_type = "qwen2" if family == "qwen2" else "llama"
+    out = {
+        "architectures": ["Qwen2ForCausalLM" if model_type == "qwen2" else "LlamaForCausalLM"],
+        "model_type": model_type, "hidden_size": int(args["hidden_size"]),
+        "intermediate_size": int(args.get("ffn_hidden_size") or 4 * int(args["hidden_size"])),
+        "num_hidden_layers": int(args["num_layers"]), "num_attention_heads": heads, "num_key_value_heads": kv,
+        "head_dim": int(args.get("kv_channels") or int(args["hidden_size"]) // heads),
+        "rms_norm_eps": float(args.get("norm_epsilon") or args.get("layernorm_epsilon") or 1e-5),
+        "vocab_size": int(vocab_size if vocab_size is not None else args["padded_vocab_size"]),
+        "max_position_embeddings": int(args.get("max_position_embeddings") or 4096),
+        "tie_word_embeddings": not bool(args.get("untie_embeddings_and_output_weights")),
+        "rope_theta": float(args.get("rotary_base") or 10000.0), "hidden_act": "silu",
+        "attention_bias": bool(args.get("add_qkv_bias")), "mlp_bias": False,
+        "torch_dtype": "bfloat16" if args.get("bf16") else "float16" if args.get("fp16") else "float32",
+    }
+    if args.get("rotary_interleaved"):
+        raise OptionError("hf_config: Megatron's interleaved rotary layout has no HF Llama equivalent")
+    return out
