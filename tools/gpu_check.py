@@ -16,8 +16,10 @@ Checks (each row passes only if every byte read back equals its reference):
   they are used; on the CPU none may be locked.
 * ``torch stall vs D2H`` / ``jax stall vs D2H``: median stall of ``Checkpointer.save`` (what
   training waits) and median time until the snapshot is in host memory, each divided by the
-  median of one plain device-to-host copy of the same state (``Tensor.cpu()``,
-  ``jax.device_get``); the figure is ``stall/D2H`` and ``snapshot/D2H``.
+  median of one device-to-host copy of the same state: for torch a copy into page-locked
+  buffers (the floor; ``Tensor.cpu()`` into fresh memory is in the detail), for JAX
+  ``jax.device_get`` of a fresh device copy (an array caches its host value), and JAX's
+  ``pinned_host`` memory kind where the device has it (detail).
 * ``torch restore_into``: the saved step restored in place into device tensors.
 * ``DeepSpeed -> DeviceMesh``: a real DeepSpeed ZeRO-2 bf16 run (tests/fixtures/deepspeed)
   loaded by ckptbridge's own reader as DTensors on a ``DeviceMesh`` of this device, fp32 master
@@ -103,11 +105,11 @@ def _mismatches(got: dict[str, Any], want: dict[str, Any]) -> list[str]:
     return [n for n in names if n not in got or n not in want or _bytes_of(got[n]) != _bytes_of(want[n])]
 
 
-def _ratios(device: str, stall: float, snap: float, d2h: float) -> str:
+def _ratios(device: str, stall: float, snap: float, d2h: float, label: str) -> str:
     """The figure of a stall row; on the CPU there is no device-to-host copy to compare with."""
     if device == "cpu":
         return "n/a on cpu (no device-to-host copy)"
-    return f"stall/D2H {stall / d2h:.2f}x, snapshot/D2H {snap / d2h:.2f}x"
+    return f"stall/{label} {stall / d2h:.2f}x, snapshot/{label} {snap / d2h:.2f}x"
 
 
 def _row(check: str, bad: list[str], figure: str, detail: str = "", values: dict[str, float] | None = None) -> Row:
@@ -196,7 +198,8 @@ def check_torch_checkpointer(cfg: Config) -> list[Row]:
     return [
         Row("torch pinned staging", pin_ok, f"{locked}/{n_images} images locked",
             f"{nbytes / 2**20:.0f} MiB state; expected {want_locked} locked on {cfg.device}"),
-        _row("torch stall vs D2H", _mismatches(saved, state), _ratios(cfg.device, stall, snap, d2h),
+        _row("torch stall vs D2H", _mismatches(saved, state),
+             _ratios(cfg.device, stall, snap, d2h_pinned, "pinned D2H"),
              f"median of {cfg.reps}: stall {stall * 1e3:.1f} ms, snapshot {snap * 1e3:.1f} ms, "
              f"Tensor.cpu() {d2h * 1e3:.1f} ms ({nbytes / d2h / 1e9:.1f} GB/s), "
              f"into pinned buffers {d2h_pinned * 1e3:.1f} ms ({nbytes / d2h_pinned / 1e9:.1f} GB/s)",
@@ -245,13 +248,46 @@ def check_jax_checkpointer(cfg: Config) -> list[Row]:
         saved = _read_step(ck.path_of(cfg.reps))
     finally:
         ck.close()
-    d2h = _median_time(lambda: jax.device_get(state), cfg.reps)
+    d2h = _fresh_d2h(state, cfg.reps, jax.device_get)
+    pinned = _fresh_d2h(state, cfg.reps, _via_pinned_host) if _has_pinned_host(dev) else None
     stall, snap = statistics.median(stalls), statistics.median(snaps)
     want = {k: np.asarray(v) for k, v in state.items()}
-    return [_row("jax stall vs D2H", _mismatches(saved, want), _ratios(cfg.device, stall, snap, d2h),
+    probe = (f", via pinned_host memory {pinned * 1e3:.1f} ms ({nbytes / pinned / 1e9:.1f} GB/s)"
+             if pinned else ", no pinned_host memory kind")
+    return [_row("jax stall vs D2H", _mismatches(saved, want), _ratios(cfg.device, stall, snap, d2h, "device_get"),
                  f"median of {cfg.reps}: stall {stall * 1e3:.1f} ms, snapshot {snap * 1e3:.1f} ms, "
-                 f"jax.device_get {d2h * 1e3:.1f} ms ({nbytes / d2h / 1e9:.1f} GB/s) on {dev.platform}",
-                 {"bytes": nbytes, "stall_s": stall, "snapshot_s": snap, "d2h_s": d2h})]
+                 f"jax.device_get {d2h * 1e3:.1f} ms ({nbytes / d2h / 1e9:.1f} GB/s) on {dev.platform}{probe}",
+                 {"bytes": nbytes, "stall_s": stall, "snapshot_s": snap, "d2h_s": d2h,
+                  **({"d2h_pinned_host_s": pinned} if pinned else {})})]
+
+
+def _fresh_d2h(state: dict[str, Any], reps: int, get: Callable[[dict[str, Any]], Any]) -> float:
+    """Median time of ``get`` (a device-to-host copy) of a fresh device copy of ``state``: an
+    array caches its host value, so a second ``device_get`` of it would time the cache."""
+    import jax
+    import jax.numpy as jnp
+
+    times = []
+    for _ in range(reps):
+        fresh = jax.block_until_ready({k: jnp.array(v, copy=True) for k, v in state.items()})
+        t0 = time.perf_counter()
+        get(fresh)
+        times.append(time.perf_counter() - t0)
+        del fresh
+    return statistics.median(times)
+
+
+def _has_pinned_host(dev: Any) -> bool:
+    return dev.platform != "cpu" and "pinned_host" in {m.kind for m in dev.addressable_memories()}
+
+
+def _via_pinned_host(state: dict[str, Any]) -> list[Any]:
+    """The other device-to-host path JAX offers: into its page-locked host memory, then numpy."""
+    import jax
+    import numpy as np
+
+    on_host = {k: jax.device_put(v, v.sharding.with_memory_kind("pinned_host")) for k, v in state.items()}
+    return [np.asarray(v) for v in jax.block_until_ready(on_host).values()]
 
 
 # ---------------------------------------------------------------- loads onto devices
