@@ -129,3 +129,36 @@ def test_bench_async_runs_and_reports_its_baselines(tmp_path) -> None:
     assert ours["plain_loop_seconds"] > 0 and ours["step_mad"] >= 0 and ours["bytes_written"] > 0
     md = (out / "t.md").read_text()
     assert "same loop without checkpoints" in md and "| jax | ckptbridge |" in md
+
+
+def test_headlines_compare_like_with_like_and_the_readme_matches_the_results(tmp_path) -> None:
+    """The committed results, derived again: DeepSpeed's headline is ``reshard --to
+    deepspeed-universal`` (DeepSpeed's own layout, what ds_to_universal writes) against
+    ds_to_universal, ckptbridge's own layout a second row; each Orbax case against ckptbridge
+    reading the same checkpoint. No standalone table is cut. ``readme.py --check`` passes on the
+    repository and fails on a README edited by hand (negative control)."""
+    sys.path.insert(0, BENCH)
+    import readme
+
+    results = readme.load_results(os.path.join(BENCH, "results"))
+    for size in ("1g", "8g"):
+        doc = results[f"deepspeed-{size}"]
+        (g,) = doc["groups"]
+        wall = {c["name"]: c["median"]["wall_s"] for c in doc["cases"] if c["median"]}
+        assert g["ref"] == "cb/reshard"
+        (peer,) = g["peers"]
+        assert peer["speedup_default"] == wall["ds/default"] / wall["cb/reshard"]
+        jax = results[f"jax-{size}"]
+        (p,) = jax["groups"][0]["peers"]
+        wall = {c["name"]: c["median"]["wall_s"] for c in jax["cases"] if c["median"]}
+        assert (p["vs_default"], p["vs_fastest"]) == ("cb/orbax", "cb/orbax-nozstd")
+        assert p["speedup_default"] == wall["orbax/default"] / wall["cb/orbax"]
+    rows = {f"r{i}_ratio": float(i) for i in range(100)}
+    assert readme.headline_table(rows).count("\n| `r") == 100  # every row, none cut
+    assert readme.main(["--check"]) == 0
+    readme_copy = tmp_path / "README.md"
+    with open(os.path.join(ROOT, "README.md")) as fh:
+        text = fh.read()
+    readme_copy.write_text(text.replace("3.83x faster", "9.13x faster", 1))
+    assert "3.83x faster" in text
+    assert readme.main(["--check", "--readme", str(readme_copy)]) == 1

@@ -2,7 +2,7 @@
 
 On a machine with one CUDA GPU (torch and jax with CUDA), in under five minutes::
 
-    python tools/gpu_check.py --out bench/results/gpu_check.json
+    python tools/gpu_check.py --out bench/results/gpu_check.json     # and gpu_check.md beside it
 
 The same checks with the device replaced by the CPU (what CI runs, tests/test_gpu_check.py,
 so that the script cannot rot)::
@@ -436,6 +436,16 @@ def table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+def record_markdown(record: dict[str, Any]) -> str:
+    """The ``.md`` written beside the JSON: the machine, then the table (README: bench/readme.py)."""
+    m = record["machine"]
+    head = (f"{m['gpu'] or 'no GPU (device replaced by the CPU)'}, driver {m['driver']}, torch {m['torch']} "
+            f"(CUDA {m['cuda']}), jax {m['jax']}, Python {m['python']}, {m['cpus']} CPUs; commit "
+            f"{str(m['commit'])[:10]}, {m['time']}; {record['seconds']} s; "
+            f"{'every check passed' if record['ok'] else 'SOME CHECKS FAILED'}")
+    return head + "\n\n" + table([Row(**r) for r in record["checks"]]) + "\n"
+
+
 def report(rows: list[Row], machine: dict[str, Any], seconds: float) -> dict[str, Any]:
     return {"ok": all(r.ok for r in rows), "seconds": round(seconds, 1), "machine": machine,
             "checks": [asdict(r) for r in rows]}
@@ -487,7 +497,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", help="write the JSON record here")
     p.add_argument("--commit", help="the ckptbridge commit measured (default: git rev-parse HEAD)")
     p.add_argument("--deepspeed-run", help=f"an unpacked fixture run (default: {DS_RUN} from {DS_ARCHIVE.name})")
+    p.add_argument("--render", metavar="JSON", help="only write the .md beside a record this script wrote")
     args = p.parse_args(argv)
+    if args.render:
+        Path(args.render).with_suffix(".md").write_text(record_markdown(json.loads(Path(args.render).read_text())))
+        return 0
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # leave GPU memory to torch
     if args.device == "cpu":
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -507,6 +521,7 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(record["machine"]))
     if args.out:
         Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
+        Path(args.out).with_suffix(".md").write_text(record_markdown(record))
     return 0 if record["ok"] else 1
 
 
