@@ -195,7 +195,7 @@ def group_table(doc: dict[str, Any], g: dict[str, Any], compact: bool = False) -
     head = ["tool", "settings", "time s", "start-up s", "time − start-up s", "time / ckptbridge's",
             "peak memory above base, tree PSS MiB"]
     if not compact:
-        head += ["largest process RSS (whole run) MiB", "read calls (rchar) MiB", "mapped (sampled) MiB"]
+        head += ["largest process RSS (whole run) MiB", "read calls (rchar) MiB", "mapped (sampled, a lower bound) MiB"]
     if cold:
         head += ["inputs evicted: time s", "inputs evicted: read from storage MiB"]
     head += [c["header"] for c in cols]
