@@ -11,9 +11,10 @@ so that the script cannot rot)::
 
 Checks (each row passes only if every byte read back equals its reference):
 
-* ``torch pinned staging``: a Checkpointer saving CUDA tensors page-locks its host images
-  (``cudaHostRegister``; ``Tensor.is_pinned()`` asks CUDA itself), and unlocks none while
-  they are used; on the CPU none may be locked.
+* ``torch pinned staging``: a Checkpointer saving CUDA tensors has page-locked every host
+  image (``cudaHostRegister``; ``Tensor.is_pinned()`` asks CUDA itself) after its saves; on
+  the CPU none may be locked. (Unlocking is tested with the CUDA calls recorded:
+  tests/test_checkpointer.py.)
 * ``torch stall vs D2H`` / ``jax stall vs D2H``: median stall of ``Checkpointer.save`` (what
   training waits) and median time until the snapshot is in host memory, each divided by the
   median of one device-to-host copy of the same state: for torch a copy into page-locked
