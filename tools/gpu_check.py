@@ -506,8 +506,11 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # leave GPU memory to torch
     if args.device == "cpu":
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import torch
     import torch.distributed as dist
 
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("no CUDA device here: run with --device cpu for the CPU-only parts")
     t0 = time.perf_counter()
     work = tempfile.mkdtemp(prefix="gpu_check-")
     try:
