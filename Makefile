@@ -35,6 +35,7 @@ lint: venv
 	$(VENV)/bin/ruff check .
 	$(PY) tools/check_architecture.py
 	$(PY) tools/typecheck.py
+	$(PY) bench/readme.py --check
 
 test: venv maxtext-venv lint
 	$(PY) -m pytest -q

@@ -153,16 +153,18 @@ SUITE = Suite(
     disk_gib=lambda g: 3.2 * g,
     sizes={"quick": Size("quick", 1 / 32, reps=1), "1g": Size("1g", 1.0, reps=3), "8g": Size("8g", 8.0, reps=2)},
     cases=(
+        # each Orbax case is compared with ckptbridge reading the same checkpoint (vs=); the
+        # reference reads Orbax's default (zstd) checkpoint; the universal dir is a second row
         Case("orbax/default", G, "Orbax", "default (StandardCheckpointer, zstd checkpoint)", fn="orbax_default",
-             startup="orbax", mem_gib=lambda g: 2.5 * g + 1),
+             startup="orbax", vs="cb/orbax", mem_gib=lambda g: 2.5 * g + 1),
         Case("orbax/nozstd", G, "Orbax", "fastest fair: checkpoint saved with use_compression=False",
-             fn="orbax_nozstd", startup="orbax", mem_gib=lambda g: 2.5 * g + 1),
-        Case("cb/universal", G, "ckptbridge", "adapters.jax.load, universal dir", "ours", fn="cb_universal",
-             startup="ckptbridge", ref=True, mem_gib=lambda g: 1.2 * g + 1),
+             fn="orbax_nozstd", startup="orbax", vs="cb/orbax-nozstd", mem_gib=lambda g: 2.5 * g + 1),
+        Case("cb/universal", G, "ckptbridge", "adapters.jax.load, universal dir (another input)", "ours",
+             fn="cb_universal", startup="ckptbridge", mem_gib=lambda g: 1.2 * g + 1),
         Case("cb/orbax-nozstd", G, "ckptbridge", "adapters.jax.load, the uncompressed Orbax checkpoint in place",
              "ours", fn="cb_orbax_nozstd", startup="ckptbridge", mem_gib=lambda g: 1.5 * g + 1),
         Case("cb/orbax", G, "ckptbridge", "adapters.jax.load, the zstd Orbax checkpoint in place", "ours",
-             fn="cb_orbax", startup="ckptbridge", mem_gib=lambda g: 1.5 * g + 1),
+             fn="cb_orbax", startup="ckptbridge", ref=True, mem_gib=lambda g: 1.5 * g + 1),
     ),
     startups={
         "orbax": Case("startup/orbax", "start-up", "Orbax", "import jax, orbax.checkpoint", cmd="startup_orbax"),

@@ -11,8 +11,11 @@ bench_orbax_inplace.py, bench_ds_resume.py, bench_big_state.py, bench_recipes.py
 between ``<!-- bench:<stem> -->`` markers as the Markdown table its script wrote beside it
 (``<stem>.md``), or, where the script writes none, as a pointer to the JSON: never as numbers
 typed or re-derived here. A result file without markers, or markers without a result file,
-is reported (the README then says the file is missing). ``--check`` changes nothing and
-exits 1 if the README is stale.
+is reported (the README then says the file is missing). The harness results' comparisons are
+derived again from their runs (``summarize``), and each one's ``<suite>-<size>.md`` is rewritten
+from it. ``--check`` (in ``make lint``) changes nothing and exits 1 if the README or a harness
+``.md`` differs from what the result files give, or a result file and the README's markers do
+not match.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _harness.report import readme_block, validate
+from _harness.report import markdown, readme_block, summarize, validate
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -61,9 +64,10 @@ RAW = "_standalone_json"  # and its JSON
 HEADLINE = re.compile(r"ratio|speedup|summary|goal|equal|_vs_|bytes_fetched|fetched_over", re.I)
 
 
-def headline_table(doc: Any, limit: int = 40) -> str:
+def headline_table(doc: Any) -> str:
     """The numbers and yes/no values of a standalone result whose key path names a ratio, a
-    speed-up, a goal or a summary, as a two-column table (paths as in the JSON, values as written)."""
+    speed-up, a goal or a summary, as a two-column table (paths as in the JSON, values as written).
+    Every such row is shown: none is cut, so no row against ckptbridge can fall out of sight."""
     rows: list[tuple[str, str]] = []
 
     def walk(node: Any, path: list[str], hit: bool) -> None:
@@ -78,9 +82,7 @@ def headline_table(doc: Any, limit: int = 40) -> str:
     walk(doc, [], False)
     if not rows:
         return "*(no ratio, speed-up or goal in this file)*\n"
-    out = ["| figure | value |", "|---|---|", *(f"| `{k}` | {v} |" for k, v in rows[:limit])]
-    if len(rows) > limit:
-        out.append(f"| ... {len(rows) - limit} more in the JSON | |")
+    out = ["| figure | value |", "|---|---|", *(f"| `{k}` | {v} |" for k, v in rows)]
     return "\n".join(out) + "\n"
 
 
@@ -110,8 +112,24 @@ def load_results(folder: str) -> dict[str, dict]:
         problems = validate(doc)
         if problems:
             raise SystemExit(f"{path}: not a valid result file: {problems[:5]}")
-        out[f"{doc['suite']}-{doc['size']}"] = doc
+        # the comparisons are derived again from the runs and the cases' roles (ref, vs), so a
+        # table never shows a ratio its file's measurements do not give
+        out[f"{doc['suite']}-{doc['size']}"] = summarize(doc)
     return out
+
+
+def harness_markdown(folder: str, results: dict[str, dict]) -> dict[str, str]:
+    """The ``<suite>-<size>.md`` beside each harness result, as its results make it now
+    (path -> text)."""
+    return {os.path.join(folder, f"{key}.md"): markdown(doc) for key, doc in results.items()
+            if STANDALONE not in doc}
+
+
+def _text(path: str) -> str | None:
+    if not os.path.exists(path):
+        return None
+    with open(path) as fh:
+        return fh.read()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -122,19 +140,26 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     with open(a.readme) as fh:
         text = fh.read()
-    new, missing, unplaced = render(text, load_results(a.results))
+    results = load_results(a.results)
+    new, missing, unplaced = render(text, results)
     for key in missing:
         print(f"README marker bench:{key} has no result file in {a.results}")
     for key in unplaced:
         print(f"result {key} has no marker in {a.readme} (add <!-- bench:{key} --> ... <!-- /bench:{key} -->)")
+    files = {a.readme: (text, new)}
+    for path, md in harness_markdown(a.results, results).items():
+        files[path] = (_text(path), md)
+    stale = [path for path, (old, now) in files.items() if old != now]
     if a.check:
-        stale = new != text
-        print("README benchmark tables are " + ("stale: run python bench/readme.py" if stale else "up to date"))
-        return 1 if stale else 0
-    if new != text:
-        with open(a.readme, "w") as fh:
-            fh.write(new)
-        print(f"updated {a.readme}")
+        for path in stale:
+            print(f"stale: {path} (run python bench/readme.py)")
+        ok = not stale and not missing and not unplaced
+        print("README benchmark tables are " + ("up to date" if ok else "NOT up to date"))
+        return 0 if ok else 1
+    for path in stale:
+        with open(path, "w") as fh:
+            fh.write(files[path][1])
+        print(f"updated {path}")
     return 0
 
 

@@ -96,3 +96,22 @@ def test_jax_donation_without_a_guard_is_safe(tmp_path):
     for step, ref in refs.items():
         got = Checkpointer(tmp_path / "ck", keep_last=None, host_tier=False).restore(step, flat=True)
         assert got["params.w"].tobytes() == ref.tobytes()
+
+
+def test_reserve_with_jax_arrays_fills_every_host_buffer_set(tmp_path):
+    """``reserve`` lays out and touches every host buffer set; a JAX shard copies once, so each
+    set takes fresh leaves (it raised "snapshot of the shard was already taken" on the second
+    set, found by tools/gpu_check.py). The saves after it write the arrays' bytes."""
+    import jax.numpy as jnp
+
+    params = {"w": jnp.arange(4096, dtype=jnp.float32).reshape(64, 64), "b": jnp.ones(7, jnp.bfloat16)}
+    with Checkpointer(tmp_path / "ck", keep_last=None) as ck:
+        ck.reserve({"params": params})
+        assert all(b.images for b in ck._buffers) and len(ck._buffers) == 2
+        for step in range(3):
+            ck.save(step, {"params": params})
+        ck.wait()
+        for step in range(3):
+            got = ck.restore(step, flat=True)
+            assert got["params.w"].tobytes() == np.asarray(params["w"]).tobytes()
+            assert got["params.b"].tobytes() == np.asarray(params["b"]).tobytes()

@@ -66,8 +66,12 @@ def _tensors(path: Path) -> dict[str, np.ndarray]:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> Trial:
-    """The uninterrupted run (four ranks, every step kept)."""
+    """The uninterrupted run (four ranks, every step kept). Run once more only if torch's own
+    rendezvous failed with a named error (as in the faulty trials below)."""
     trial = run_trial(tmp_path_factory.mktemp("reference"), steps=STEPS, fault=None)
+    if trial.agent_codes != [0, 0, 0, 0] and named_torch_error(trial.logs):
+        print(f"reference: torch's rendezvous failed ({named_torch_error(trial.logs)}); run again")
+        trial = run_trial(tmp_path_factory.mktemp("reference-again"), steps=STEPS, fault=None)
     assert trial.agent_codes == [0, 0, 0, 0], trial.logs
     assert sorted(trial.losses) == list(range(STEPS)) and trial.committed == list(range(STEPS))
     assert not trial.verdicts, trial.verdicts  # no false alarm
@@ -93,15 +97,24 @@ def check_detection(t: Trial) -> tuple[dict, float]:
     return v, latency
 
 
+def check_restart(t: Trial) -> None:
+    """torch's elastic agents restarted the job on the three healthy nodes and it ran to the end
+    (what torch's rendezvous does, not what ckptbridge computes)."""
+    assert sorted(c != 0 for c in t.agent_codes) == [False, False, False, True], t.agent_codes  # isolated
+    resumed = t.of("resumed")
+    assert sorted(e["rank"] for e in resumed) == [0, 1, 2] and {e["world"] for e in resumed} == {3}, resumed
+    assert sorted((e["rank"], e["world"]) for e in t.of("done")) == [(0, 3), (1, 3), (2, 3)]
+    assert sorted(t.losses) == list(range(STEPS)), (sorted(t.losses), t.logs)
+
+
 def check_trial(t: Trial, ref: Trial) -> dict[str, float]:
     """Every claim of the module docstring for one faulty trial; returns its measurements."""
     v, latency = check_detection(t)
     f = t.fault
     assert f is not None
-    assert sorted(c != 0 for c in t.agent_codes) == [False, False, False, True], t.agent_codes  # isolated
+    check_restart(t)
     # losses: identical before the fault, equal up to reduction order after the restart
     got, want = t.losses, {s: loss for s, (loss, _) in ref.losses.items()}
-    assert sorted(got) == list(range(STEPS)), (sorted(got), t.logs)
     resumed = t.of("resumed")
     start = resumed[0]["step"] + 1 if resumed else STEPS
     assert all(got[s] == (want[s], 4) for s in range(start)), "losses before the fault differ"
@@ -109,14 +122,12 @@ def check_trial(t: Trial, ref: Trial) -> dict[str, float]:
     gap = float(np.max(np.abs(after / np.array([want[s] for s in range(start, STEPS)]) - 1)))
     assert gap <= LOSS_RTOL, f"resumed losses differ from the uninterrupted run by {gap:.3g} (rtol {LOSS_RTOL})"
     assert {got[s][1] for s in range(start, STEPS)} == {3}
-    # the restart: three ranks, from the newest complete step before the fault, each reading its shards
-    assert sorted(e["rank"] for e in resumed) == [0, 1, 2] and {e["world"] for e in resumed} == {3}, resumed
+    # the restart: from the newest complete step before the fault, each rank reading its shards
     # the fault is armed ``delay`` seconds into step f.step; a step shorter than that (a quiet
     # machine) commits f.step before the signal lands, so resuming from f.step itself is right.
     # That it is the newest step the first attempt committed is checked below (world sizes)
     assert {e["step"] for e in resumed} == {start - 1} and start - 1 <= f.step, (resumed, f)
     assert {e["rank"]: e["bytes"] for e in resumed} == {r: _shard_bytes(3, r) for r in range(3)}, resumed
-    assert sorted((e["rank"], e["world"]) for e in t.of("done")) == [(0, 3), (1, 3), (2, 3)]
     # no partial step reported complete
     assert t.committed == list(range(STEPS)), t.committed
     for s in t.committed:
@@ -137,38 +148,66 @@ def check_trial(t: Trial, ref: Trial) -> dict[str, float]:
 
 RESTART_RETRIES = 2
 _RETRIES_LEFT = [RESTART_RETRIES]
-_TORCH_RDZV_ERRORS = ("DistStoreError", "RendezvousTimeoutError", "RendezvousClosedError")
+# torch's own rendezvous / store / connection errors (torch.distributed and its elastic agent)
+_TORCH_INFRA_ERRORS = ("DistStoreError", "DistNetworkError", "RendezvousTimeoutError",
+                       "RendezvousClosedError", "RendezvousConnectionError")
 
 
-def _torch_rendezvous_failed(t: Trial) -> str:
-    """The torch elastic error in an agent's log when torch's rendezvous itself failed, else ""."""
-    for line in t.logs.splitlines():
-        if any(err in line for err in _TORCH_RDZV_ERRORS):
+def named_torch_error(logs: str) -> str:
+    """The first log line naming one of ``_TORCH_INFRA_ERRORS``, else ""."""
+    for line in logs.splitlines():
+        if any(err in line for err in _TORCH_INFRA_ERRORS):
             return line.strip()[:200]
     return ""
+
+
+def torch_restart_failed(t: Trial) -> str:
+    """The torch error that stopped torch's elastic restart when it did not complete
+    (``check_restart`` fails); "" when it completed, or failed with no such error named (then
+    nothing may be retried)."""
+    try:
+        check_restart(t)
+        return ""
+    except AssertionError:
+        return named_torch_error(t.logs)
 
 
 @pytest.mark.parametrize("i", range(N_TRIALS), ids=lambda i: f"{i}-{_fault(i).signal}-rank{_fault(i).rank}-step{_fault(i).step}")
 def test_fault_is_named_and_training_resumes_on_the_healthy_ranks(i: int, reference: Trial, tmp_path: Path) -> None:
     trial = run_trial(tmp_path / "run", steps=STEPS, fault=_fault(i))
-    try:
-        m = check_trial(trial, reference)
-    except AssertionError as err:
-        # torch's own elastic restart can fail on a loaded 2-core runner after our verdict was
-        # right (seen: an agent waiting 60 s for its rank assignment, DistStoreError in torch's
-        # _assign_worker_ranks; healthy agents that never leave the finished job). The detector's
-        # claims are never retried (check_detection raises); a trial whose restart failed runs
-        # once more, at most RESTART_RETRIES times per session, so a systematic failure still fails
-        check_detection(trial)
-        if _RETRIES_LEFT[0] <= 0:
-            raise
+    check_detection(trial)  # the detector's claims: never retried
+    # torch's own elastic restart can fail on a loaded 2-core runner after the verdict was right
+    # (seen: DistStoreError in torch's _assign_worker_ranks). Only such a named torch error, with
+    # the restart incomplete, runs the trial once more (at most RESTART_RETRIES per session, so a
+    # systematic failure still fails); a failed correctness assertion (losses, bytes read, the
+    # committed steps) is never caught.
+    why = torch_restart_failed(trial)
+    if why and _RETRIES_LEFT[0] > 0:
         _RETRIES_LEFT[0] -= 1
-        why = _torch_rendezvous_failed(trial) or str(err).splitlines()[0][:200]
         print(f"trial {i}: torch's elastic restart failed ({why}); run again")
         trial = run_trial(tmp_path / "again", steps=STEPS, fault=_fault(i))
-        m = check_trial(trial, reference)
+        check_detection(trial)
+    m = check_trial(trial, reference)
     print(f"trial {i} {_fault(i)}: named after {m['latency']:.3f}s (bound {m['bound']:.2f}s), "
           f"restarted {m['restart']:.1f}s after the verdict, loss gap {m['gap']:.2g}")
+
+
+def test_only_a_named_torch_error_in_an_incomplete_restart_is_retried(tmp_path: Path) -> None:
+    """The retry rule: a completed restart whose losses are wrong, or an incomplete restart with
+    no torch rendezvous/connection error named, is never retried; an incomplete restart whose
+    agents logged torch's DistStoreError is."""
+    fault = Fault(1, 5, "kill")
+    losses = [{"ev": "loss", "step": s, "loss": 1.0, "world": 4 if s < 5 else 3} for s in range(STEPS)]
+    resumed = [{"ev": "resumed", "rank": r, "world": 3, "step": 4, "bytes": 0} for r in range(3)]
+    done = [{"ev": "done", "rank": r, "world": 3} for r in range(3)]
+    store_error = "torch.distributed.DistStoreError: wait timeout after 60000ms, keys: /rdzv/assign"
+    complete = Trial(tmp_path, fault, [0, 1, 0, 0], losses + resumed + done, logs=store_error)
+    check_restart(complete)
+    assert torch_restart_failed(complete) == ""  # restart complete: any failure is ckptbridge's
+    stuck = Trial(tmp_path, fault, [0, 1, None, 0], losses[:6] + resumed[:2], logs="agent timed out")
+    assert torch_restart_failed(stuck) == ""  # no named torch error: not retried
+    named = Trial(tmp_path, fault, [0, 1, None, 0], losses[:6] + resumed[:2], logs=f"...\n  {store_error}\n")
+    assert torch_restart_failed(named) == store_error
 
 
 @pytest.mark.parametrize("broken", ["no-optimizer", "wrong-shard"])

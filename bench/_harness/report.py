@@ -80,23 +80,31 @@ def summarize(doc: dict[str, Any]) -> dict[str, Any]:
             rows.append(row)
         peers = []
         if ref is not None:
-            rrow = next(r for r in rows if r["case"] == ref["name"])
+            row_of = {r["case"]: r for r in rows}
+
+            def ours(peer: dict[str, Any], g: str = g, ref: dict[str, Any] = ref) -> dict[str, Any]:
+                """The ckptbridge case a peer case is compared with: its ``vs`` (same input), else the ref."""
+                c = by_name.get(peer.get("vs") or "")
+                return c if c is not None and c["group"] == g and ok(c) else ref
+
             for tool in dict.fromkeys(c["tool"] for c in members if c["role"] == "peer"):
                 mine = [c for c in members if c["tool"] == tool and c["role"] == "peer" and ok(c)]
                 if not mine:
                     continue
                 default = next((c for c in mine if c["settings"].startswith("default")), mine[0])
                 fastest = min(mine, key=lambda c: c["median"]["wall_s"])
-                drow = next(r for r in rows if r["case"] == default["name"])
-                frow = next(r for r in rows if r["case"] == fastest["name"])
+                drow, frow = row_of[default["name"]], row_of[fastest["name"]]
+                dref, fref = ours(default), ours(fastest)
+                drr, frr = row_of[dref["name"]], row_of[fref["name"]]
                 peers.append({
                     "tool": tool, "default": default["name"], "fastest": fastest["name"],
-                    "speedup_default": drow["wall_s"] / rrow["wall_s"],
-                    "speedup_fastest": frow["wall_s"] / rrow["wall_s"],
-                    "net_speedup_default": _ratio(drow["net_s"], rrow["net_s"]),
-                    "net_speedup_fastest": _ratio(frow["net_s"], rrow["net_s"]),
-                    "mem_ratio_default": _ratio(ref["median"]["pss_above_base"], default["median"]["pss_above_base"]),
-                    "storage_read_ratio_default": _ratio((ref.get("cold") or {}).get("read_bytes"),
+                    "vs_default": dref["name"], "vs_fastest": fref["name"],
+                    "speedup_default": drow["wall_s"] / drr["wall_s"],
+                    "speedup_fastest": frow["wall_s"] / frr["wall_s"],
+                    "net_speedup_default": _ratio(drow["net_s"], drr["net_s"]),
+                    "net_speedup_fastest": _ratio(frow["net_s"], frr["net_s"]),
+                    "mem_ratio_default": _ratio(dref["median"]["pss_above_base"], default["median"]["pss_above_base"]),
+                    "storage_read_ratio_default": _ratio((dref.get("cold") or {}).get("read_bytes"),
                                                          (default.get("cold") or {}).get("read_bytes")),
                 })
         sums = [c["median"].get("m.checksum") for c in members if ok(c)]
@@ -187,7 +195,7 @@ def group_table(doc: dict[str, Any], g: dict[str, Any], compact: bool = False) -
     head = ["tool", "settings", "time s", "start-up s", "time − start-up s", "time / ckptbridge's",
             "peak memory above base, tree PSS MiB"]
     if not compact:
-        head += ["largest process RSS (whole run) MiB", "read calls (rchar) MiB", "mapped (sampled) MiB"]
+        head += ["largest process RSS (whole run) MiB", "read calls (rchar) MiB", "mapped (sampled, a lower bound) MiB"]
     if cold:
         head += ["inputs evicted: time s", "inputs evicted: read from storage MiB"]
     head += [c["header"] for c in cols]
@@ -225,14 +233,17 @@ def peer_lines(doc: dict[str, Any], g: dict[str, Any]) -> list[str]:
     out = []
     for p in g["peers"]:
         d, f = cases[p["default"]], cases[p["fastest"]]
-        s = f"- ckptbridge vs {p['tool']} at its default settings: {_speed(p['speedup_default'])}"
+        dvs, fvs = p.get("vs_default", g["ref"]), p.get("vs_fastest", g["ref"])
+        s = (f"- ckptbridge ({cases[dvs]['settings']}) vs {p['tool']} at its default settings: "
+             f"{_speed(p['speedup_default'])}")
         if p.get("net_speedup_default") is not None and p["net_speedup_default"] != p["speedup_default"]:
             s += f" ({_speed(p['net_speedup_default'])} net of start-up)"
         if p["fastest"] != p["default"]:
-            s += f"; vs its fastest settings here ({f['settings']}): {_speed(p['speedup_fastest'])}"
+            against = f", against ckptbridge's {cases[fvs]['settings']}" if fvs != dvs else ""
+            s += f"; vs its fastest settings here ({f['settings']}{against}): {_speed(p['speedup_fastest'])}"
             if p.get("net_speedup_fastest") is not None and p["net_speedup_fastest"] != p["speedup_fastest"]:
                 s += f" ({_speed(p['net_speedup_fastest'])} net)"
-        rc = cases[g["ref"]]
+        rc = cases[dvs]
         ref = rc["median"]
         s += f". Peak memory above base {_mib(ref.get('pss_above_base'))} vs {_mib(d['median'].get('pss_above_base'))} MiB"
         if rc.get("cold") and d.get("cold"):

@@ -235,7 +235,7 @@ def run_suite(suite: Suite, size_name: str, *, work_root: str, reps: int | None 
     for c in cases:
         records[c.name] = {
             "name": c.name, "group": c.group, "tool": c.tool, "settings": c.settings, "role": c.role,
-            "ref": c.ref, "kind": "fn" if c.fn else "cmd", "startup": c.startup, "note": c.note,
+            "ref": c.ref, "vs": c.vs, "kind": "fn" if c.fn else "cmd", "startup": c.startup, "note": c.note,
             "is_startup_probe": c in suite.startups.values(),
             "mem_needed_bytes": int(c.memory_needed(size.gib) * 2**30),
             "status": "skipped" if skip_all else "ok", "reason": skip_all, "runs": []}

@@ -50,7 +50,12 @@ class Case:
       timed whole, start-up included; give ``startup`` so that start-up is also reported
       on its own and subtracted).
     * ``ref``: the ckptbridge case the group's ratios are taken against (default: the
-      group's first ``ours`` case).
+      group's first ``ours`` case): the one doing what the peers do (same input, same output
+      format); a faster path of ckptbridge's own (its own layout, no conversion) is a second
+      row, never the reference.
+    * ``vs``: for a peer case, the ckptbridge case its summary line compares it with when that
+      is not the reference (the one reading the same input: Orbax's zstd checkpoint vs
+      ckptbridge reading that same checkpoint).
     * ``mem_gib``: RAM the case needs at a state size of ``gib`` GiB (number or function);
       a case that does not fit in the memory available is recorded as skipped, with why.
     * ``sizes``: run only at these sizes (default: all).
@@ -72,6 +77,7 @@ class Case:
     cmd: str | None = None
     startup: str | None = None
     ref: bool = False
+    vs: str | None = None
     mem_gib: float | Callable[[float], float] = 0.0
     sizes: tuple[str, ...] | None = None
     note: str = ""

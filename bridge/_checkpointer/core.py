@@ -239,7 +239,9 @@ class Checkpointer:
         leaves, _ = leaves_of(state)
         plan = self._plan(leaves)
         self._fit_sets(sum(p.box.size * _dtypes.itemsize(p.dtype) for _, group, _ in plan for p in group))
-        for b in list(self._buffers):
+        for i, b in enumerate(list(self._buffers)):
+            if i:  # a leaf copies once (a JAX shard's data is released after its copy)
+                leaves, _ = leaves_of(state)
             b.lay_out(plan, pinner(leaves))
             for leaf in leaves:
                 leaf.copy(b.get(leaf))
