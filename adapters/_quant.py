@@ -166,7 +166,9 @@ def dequantize(tensors: Mapping[str, LogicalTensor], derivation: BlockFp8 | Mxfp
         quantized = {n: (n.removesuffix("_blocks"), n.removesuffix("_blocks") + "_scales")
                      for n in tensors if n.endswith("_blocks")}
     for stored, (_, scale) in quantized.items():
-        _stored(tensors, stored, files, scale)
+        for name, partner in ((stored, scale), (scale, stored)):
+            if name not in tensors:
+                raise FormatError(f"{files.get(partner, '?')}: {partner!r} has no partner tensor {name!r} in any shard")
     build = _fp8_tensor if isinstance(derivation, BlockFp8) else _mxfp4_tensor
     folded = {scale for _, scale in quantized.values()}
     out: dict[str, LogicalTensor] = {}
@@ -179,14 +181,6 @@ def dequantize(tensors: Mapping[str, LogicalTensor], derivation: BlockFp8 | Mxfp
     return out
 
 
-def _stored(tensors: Mapping[str, LogicalTensor], name: str, files: Mapping[str, str],
-            partner: str) -> TensorState:
-    t = tensors.get(name)
-    if t is None:
-        raise FormatError(f"{files.get(partner, '?')}: {partner!r} has no partner tensor {name!r} in any shard")
-    return t.state()
-
-
 def _check(name: str, file: str, state: TensorState, dtypes: Sequence[str], shape: Sequence[int] | None,
            ndim: int) -> None:
     if state.dtype not in dtypes or len(state.shape) != ndim or (shape is not None and state.shape != tuple(shape)):
@@ -197,8 +191,7 @@ def _check(name: str, file: str, state: TensorState, dtypes: Sequence[str], shap
 
 def _fp8_tensor(name: str, tensors: Mapping[str, LogicalTensor], scale_name: str, derivation: Any,
                 dtype: str, files: Mapping[str, str]) -> LogicalTensor:
-    weight = _stored(tensors, name, files, scale_name)
-    scale = _stored(tensors, scale_name, files, name)
+    weight, scale = tensors[name].state(), tensors[scale_name].state()
     _check(name, files[name], weight, _FP8, None, 2)
     rows, cols = weight.shape
     grid = (_cdiv(rows, derivation.block[0]), _cdiv(cols, derivation.block[1]))
@@ -211,8 +204,7 @@ def _fp8_tensor(name: str, tensors: Mapping[str, LogicalTensor], scale_name: str
 def _mxfp4_tensor(name: str, tensors: Mapping[str, LogicalTensor], scale_name: str, derivation: Any,
                   dtype: str, files: Mapping[str, str]) -> LogicalTensor:
     blocks_name = name + "_blocks"
-    blocks = _stored(tensors, blocks_name, files, scale_name)
-    scales = _stored(tensors, scale_name, files, blocks_name)
+    blocks, scales = tensors[blocks_name].state(), tensors[scale_name].state()
     _check(blocks_name, files[blocks_name], blocks, ("uint8",), None, 4)
     if blocks.shape[3] != 16:
         raise ShapeMismatchError(f"{files[blocks_name]}: quantized tensor {blocks_name!r}: expected 16 bytes "
