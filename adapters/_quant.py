@@ -14,7 +14,7 @@ scales, wherever the shard index put them. The formats:
   values per byte, low nibble first) with ``<name>_scales`` (uint8 e8m0 ``[E, R, G]``, bias 127),
   shown as ``<name>`` ``[E, G * 32, R]``, the shape and axis order transformers' own
   ``convert_moe_packed_tensors`` gives the dequantized parameter (each value is
-  ``e2m1 * 2 ** (scale - 127)`` computed in float32, rounded once).
+  ``ldexp(e2m1, scale - 127)`` in float32, rounded once; every e8m0 byte 0..255 as transformers reads it).
 
 Any other method fails when the checkpoint is opened, naming it, before any tensor is read::
 
@@ -113,7 +113,9 @@ class Mxfp4:
         k0 = box.offset[1] % 32
         nk = box.shape[1]
         vals = _E2M1_PAIRS[blocks].reshape(ne, nr, ng, 32)
-        np.multiply(vals, np.exp2(scales.astype(np.float32) - np.float32(127))[..., None], out=vals)
+        # exact scaling by 2 ** (scale - 127), as torch.ldexp: 0 stays 0 and 0.5 * 2 ** 128 is finite
+        with np.errstate(over="ignore"):  # 6 * 2 ** 128 is inf there too
+            np.ldexp(vals, (scales.astype(np.int32) - 127)[..., None], out=vals)
         vals = vals.reshape(ne, nr, ng * 32)[:, :, k0 : k0 + nk]
         np.copyto(out, vals.transpose(0, 2, 1), casting="unsafe")
 

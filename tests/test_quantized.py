@@ -135,7 +135,8 @@ def gpt_oss(tmp_path_factory: pytest.TempPathFactory) -> dict:
         for proj, rows, cols in (("gate_up_proj", 2 * inter, hidden), ("down_proj", hidden, inter)):
             tensors[pre + proj + "_blocks"] = torch.randint(0, 256, (experts, rows, cols // 32, 16), generator=gen,
                                                             dtype=torch.uint8)
-            tensors[pre + proj + "_scales"] = torch.randint(110, 135, (experts, rows, cols // 32), generator=gen,
+            low, high = (110, 135) if layer == 0 else (0, 256)  # layer 1: every e8m0 byte, the extremes too
+            tensors[pre + proj + "_scales"] = torch.randint(low, high, (experts, rows, cols // 32), generator=gen,
                                                             dtype=torch.uint8)
             tensors[pre + proj + "_bias"] = torch.randn(experts, rows, generator=gen).to(torch.bfloat16)
     shards = [{n: t for n, t in tensors.items() if not n.endswith("_scales")},
