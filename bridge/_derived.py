@@ -104,7 +104,6 @@ class DerivedRegion:
 def derived_state(derivation: Any, sources: Sequence[TensorState], shape: Sequence[int], dtype: str,
                   names: Sequence[str]) -> TensorState:
     """A tensor state of ``shape``/``dtype`` computed by ``derivation`` from ``sources`` (one fragment)."""
-    shape = tuple(int(s) for s in shape)
-    _dtypes.to_numpy(dtype)
+    shape = tuple(map(int, shape))
     region = DerivedRegion(derivation, tuple(sources), shape, dtype, tuple(names))
     return TensorState(dtype, shape, (Fragment(Box.full(shape), region),))

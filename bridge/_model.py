@@ -57,7 +57,7 @@ class Box:
 
     @staticmethod
     def full(shape: Sequence[int]) -> Box:
-        return Box((0,) * len(shape), tuple(int(s) for s in shape))
+        return Box((0,) * len(shape), tuple(map(int, shape)))
 
     @property
     def ndim(self) -> int:
@@ -272,7 +272,7 @@ def flat_range_boxes(shape: Sequence[int], start: int, stop: int) -> Iterator[Bo
         >>> [b.shape for b in flat_range_boxes((4, 6), 3, 17)]
         [(1, 3), (1, 6), (1, 5)]
     """
-    shape = tuple(int(s) for s in shape)
+    shape = tuple(map(int, shape))
     total = math.prod(shape)
     if not 0 <= start <= stop <= total:
         raise ShapeMismatchError(f"flat range [{start}, {stop}) outside a tensor of {total} elements")
@@ -317,7 +317,7 @@ def flat_range_fragments(
 
 def contiguous_fragment(shape: Sequence[int], file: str, byte_offset: int, dtype: str) -> Fragment:
     """A whole tensor stored row-major at ``byte_offset`` of ``file``."""
-    shape = tuple(int(s) for s in shape)
+    shape = tuple(map(int, shape))
     return Fragment(Box.full(shape), FileRegion(file, byte_offset, dtype, c_strides(shape)))
 
 
