@@ -290,6 +290,22 @@ def same_bytes(a: Path, b: Path) -> bool:
     return True
 
 
+def goals(r: dict[str, Any]) -> dict[str, bool]:
+    """The issue's goals, judged from one run's results."""
+    m, o = r["methods"], r["open_671b"]
+    flat = 2 * r["largest_tensor_bf16_bytes"] / 2**20
+    blocks = 128 * 7168 + 56 * 4  # one expert's 128 rows of fp8 and their row of 128x128-block scales
+    return {"reshard >= 2x deepseek": r["ratios"]["deepseek"] >= 2,
+            "reshard >= 2x transformers": r["ratios"]["transformers"] >= 2,
+            "convert >= 2x deepseek": r["ratios_convert"]["deepseek"] >= 2,
+            "convert >= 2x transformers": r["ratios_convert"]["transformers"] >= 2,
+            "memory <= 2x largest tensor": max(m["cb-reshard"]["peak_mb"], m["cb-convert"]["peak_mb"]) <= flat,
+            "convert at the disk floor (>= 0.9x)": r["ratios_convert"]["floor"] >= 0.9,
+            "bitwise equal to deepseek": bool(r.get("equal_bitwise_cb_vs_deepseek")),
+            "open <= 1 s": o["s"] <= 1, "open <= 1 GiB": o["peak_mb"] <= 1024,
+            "slice reads its blocks only": sum(o["slice_bytes"].values()) == blocks}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--work", default="/tmp/ckptbridge-bench-quant")
@@ -343,6 +359,7 @@ def main() -> None:
     results["open_671b"] = make_sparse(work / "v3")
     results["open_671b"].update(run(args, "open", work / "v3", out / "open"))
     shutil.rmtree(work, ignore_errors=True)
+    results["goals"] = goals(results)
     print(json.dumps(results, indent=1))
     print(f"results: {save_result('bench_quant', results)}")
 
