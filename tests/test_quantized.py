@@ -364,3 +364,25 @@ def test_derived_tensor_through_views_reads_only_what_each_slice_needs(tmp_path:
     np.testing.assert_array_equal(seen["s"].read(),
                                   want.T.reshape(2, 2, 3, 8).transpose(0, 2, 1, 3).reshape(2, 6, 8))
     np.testing.assert_array_equal(seen["s"][1, 2:4, 5:], seen["s"].read()[1, 2:4, 5:])
+
+
+def test_mxfp4_onto_a_jax_mesh_reads_each_devices_blocks(gpt_oss: dict) -> None:
+    """The device loader sees an ordinary tensor: each device of a 2 x 2 mesh gets its box of the
+    dequantized experts (transformers' values), and the reads are the blocks of those boxes."""
+    jax = pytest.importorskip("jax")
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from ckptbridge.adapters.jax import load_arrays
+
+    name = "model.layers.1.mlp.experts.down_proj"  # [4, 96, 64] from blocks [4, 64, 3, 16]
+    ckpt = ckptbridge.open(gpt_oss["path"])
+    mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("x", "y"))
+    sharding = NamedSharding(mesh, PartitionSpec(None, "x", "y"))
+    ckpt.stats.reset()
+    (arr,) = load_arrays(ckpt, [(name, sharding, "bfloat16", (4, 96, 64))])
+    ref = convert_moe_packed_tensors(gpt_oss["tensors"][name + "_blocks"], gpt_oss["tensors"][name + "_scales"])
+    for shard in arr.addressable_shards:
+        np.testing.assert_array_equal(bits(np.asarray(shard.data)), bits(ref[shard.index]))
+    # rows 0..47 need groups 0..1, rows 48..95 groups 1..2: 2 groups x 64 rows x 4 experts per row half
+    assert ckpt.stats.bytes_read == 2 * (4 * 64 * 2 * 16 + 4 * 64 * 2)
