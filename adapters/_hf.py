@@ -45,11 +45,13 @@ def check_weight_map(index_json: str | None, found: Mapping[str, str]) -> None:
     with open(index_json) as fh:
         weight_map = json.load(fh)["weight_map"]  # shard_files() checked it
     root = os.path.dirname(index_json)
+    listed = {str(f): os.path.normpath(os.path.join(root, str(f))) for f in weight_map.values()}
+    holders = {f: os.path.normpath(f) for f in set(found.values())}  # once per shard, not per tensor
     for name, f in weight_map.items():
         got = found.get(name)
         if got is None:
             raise MissingShardError(f"{index_json}: tensor {name!r} is listed in {f} but no shard holds it")
-        if os.path.normpath(os.path.join(root, str(f))) != os.path.normpath(got):
+        if listed[str(f)] != holders[got]:
             raise FormatError(f"{index_json}: tensor {name!r} is listed in {f} but {got} holds it")
     unlisted = sorted(set(found) - set(weight_map))
     if unlisted:

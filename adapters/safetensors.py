@@ -1,6 +1,8 @@
 """The ``safetensors`` format: single files, folders of shards and HF ``*.safetensors.index.json``.
 
-Opened in place (each tensor is one fragment pointing into its file); written
+Opened in place (each tensor is one fragment pointing into its file; a quantized HF checkpoint,
+one whose ``config.json`` has a ``quantization_config``, opens dequantized: see
+``ckptbridge.adapters._quant``); written
 as one consolidated file of one state (``reshard --to safetensors`` is
 ``ckptbridge.export``)::
 
@@ -21,6 +23,7 @@ from ckptbridge.plugin import (
     LogicalTensor,
     MissingShardError,
     OpenOptions,
+    OptionError,
     TensorState,
     WriteOptions,
     check_name,
@@ -31,8 +34,9 @@ from ckptbridge.plugin import (
 from ckptbridge.plugin import dtypes as _dtypes
 
 from ._hf import check_weight_map, index_json_of, shard_files
+from ._quant import OUTPUT_DTYPES, dequantize, derivation_of, quantization_config
 
-__all__ = ["FORMAT", "SafetensorsWriteOptions", "detect", "index", "write"]
+__all__ = ["FORMAT", "SafetensorsOpenOptions", "SafetensorsWriteOptions", "detect", "index", "write"]
 
 
 def _single_file_tensors(path: str) -> dict[str, LogicalTensor]:
@@ -66,8 +70,27 @@ def detect(path: str) -> bool:
     return False
 
 
+@dataclass(frozen=True)
+class SafetensorsOpenOptions(OpenOptions):
+    """Opening safetensors files (options for quantized HF checkpoints).
+
+    ``dequantize``: show quantized weights dequantized, their scales folded in (False: as stored).
+    ``dequantize_dtype``: the dtype of dequantized weights: bfloat16, float16 or float32.
+    """
+
+    dequantize: bool = True
+    dequantize_dtype: str = "bfloat16"
+
+    def validate(self) -> None:
+        if self.dequantize_dtype not in OUTPUT_DTYPES:
+            raise OptionError(f"dequantize_dtype {self.dequantize_dtype!r} is not one of {', '.join(OUTPUT_DTYPES)}")
+
+
 def index(path: str, options: OpenOptions | None = None) -> CheckpointIndex:
     """Open a safetensors file, an HF ``*.safetensors.index.json`` or a folder of shards."""
+    opts = options if isinstance(options, SafetensorsOpenOptions) else SafetensorsOpenOptions()
+    quant = quantization_config(path) if opts.dequantize else None
+    derivation = derivation_of(*quant) if quant else None  # an unsupported method fails before any read
     tensors: dict[str, LogicalTensor] = {}
     files = _index_files(path)
     found: dict[str, str] = {}
@@ -79,6 +102,8 @@ def index(path: str, options: OpenOptions | None = None) -> CheckpointIndex:
                 raise FormatError(f"{f}: tensor {name!r} appears in two shards")
             tensors[name], found[name] = t, f
     check_weight_map(index_json_of(path, ".safetensors.index.json"), found)
+    if derivation is not None:
+        tensors = dequantize(tensors, derivation, opts.dequantize_dtype, found)
     meta: dict[str, str] = {}
     if len(files) == 1:
         meta = read_header(files[0])[0].get("__metadata__") or {}
@@ -102,5 +127,5 @@ def write(ckpt: ckptbridge.Checkpoint, dst: str, options: SafetensorsWriteOption
 
 
 FORMAT = Format("safetensors", detect=detect, index=index, write=write,
-                write_options=SafetensorsWriteOptions, priority=80, suffix=".safetensors",
+                open_options=SafetensorsOpenOptions, write_options=SafetensorsWriteOptions, priority=80, suffix=".safetensors",
                 description="safetensors files and HF shard indexes (one state per file)")

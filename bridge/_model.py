@@ -52,12 +52,12 @@ class Box:
     def __post_init__(self) -> None:
         if len(self.offset) != len(self.shape):
             raise ShapeMismatchError(f"box offset {self.offset} and shape {self.shape} differ in rank")
-        if any(s < 0 for s in self.shape) or any(o < 0 for o in self.offset):
+        if self.shape and (min(self.shape) < 0 or min(self.offset) < 0):  # min: cheap for 100k tensors
             raise ShapeMismatchError(f"box {self.offset}+{self.shape} has a negative extent")
 
     @staticmethod
     def full(shape: Sequence[int]) -> Box:
-        return Box((0,) * len(shape), tuple(int(s) for s in shape))
+        return Box((0,) * len(shape), tuple(map(int, shape)))
 
     @property
     def ndim(self) -> int:
@@ -205,6 +205,9 @@ class TensorState:
 
     def __post_init__(self) -> None:
         _dtypes.to_numpy(self.dtype)
+        if len(self.fragments) == 1 and self.fragments[0].box.shape == self.shape and not any(
+                self.fragments[0].box.offset):  # one whole fragment (most tensors): nothing else to check
+            return
         full = Box.full(self.shape)
         for f in self.fragments:
             if f.box.ndim != len(self.shape) or not full.contains(f.box):
@@ -269,7 +272,7 @@ def flat_range_boxes(shape: Sequence[int], start: int, stop: int) -> Iterator[Bo
         >>> [b.shape for b in flat_range_boxes((4, 6), 3, 17)]
         [(1, 3), (1, 6), (1, 5)]
     """
-    shape = tuple(int(s) for s in shape)
+    shape = tuple(map(int, shape))
     total = math.prod(shape)
     if not 0 <= start <= stop <= total:
         raise ShapeMismatchError(f"flat range [{start}, {stop}) outside a tensor of {total} elements")
@@ -314,7 +317,7 @@ def flat_range_fragments(
 
 def contiguous_fragment(shape: Sequence[int], file: str, byte_offset: int, dtype: str) -> Fragment:
     """A whole tensor stored row-major at ``byte_offset`` of ``file``."""
-    shape = tuple(int(s) for s in shape)
+    shape = tuple(map(int, shape))
     return Fragment(Box.full(shape), FileRegion(file, byte_offset, dtype, c_strides(shape)))
 
 

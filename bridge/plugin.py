@@ -8,6 +8,8 @@ private ``ckptbridge._*`` module. It holds
   :class:`Location` protocol for other storage), :class:`TensorState`,
   :class:`LogicalTensor`, helpers that build fragments (``flat_range_fragments``
   for ZeRO-style flat slices, ``contiguous_fragment``);
+* derived tensors: :class:`Derivation` (source boxes of a request, compute), :class:`DerivedRegion`
+  and :func:`derived_state` (a tensor computed per slice from stored ones: dequantization);
 * the view an adapter returns: :class:`CheckpointIndex` (``Checkpoint`` adds the reader);
 * the rule language and its fragment transforms (``concat``, ``crop``, ``split`` ...);
 * reading: :class:`FileCache`, :func:`read_state`, :func:`read_boxes`, and :func:`fresh_array`
@@ -55,6 +57,7 @@ from ._checkpoint import Checkpoint, CheckpointIndex, TensorView
 from ._checkpointer.leaves import Capture, Leaf, LeafProvider, leaves_of, register_leaf_provider
 from ._commit import check_destination, fsync_tree, publish, staged_dir, staged_file, staging_path
 from ._crc import crc32
+from ._derived import Derivation, DerivedRegion, derived_state
 from ._errors import (
     AccessDeniedError,
     CheckpointError,
@@ -156,6 +159,8 @@ __all__ = [
     "CorruptionError",
     "Crop",
     "Deinterleave",
+    "Derivation",
+    "DerivedRegion",
     "Entry",
     "Expect",
     "FileCache",
@@ -226,6 +231,7 @@ __all__ = [
     "crc32",
     "crop",
     "deinterleave",
+    "derived_state",
     "dtypes",
     "flat_range_boxes",
     "flat_range_fragments",

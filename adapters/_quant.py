@@ -1,0 +1,219 @@
+"""Quantized Hugging Face checkpoints, opened dequantized (lazily, slice by slice).
+
+A checkpoint whose ``config.json`` has a ``quantization_config`` shows each quantized weight as one
+logical tensor of the output dtype (bfloat16 unless the open option asks for float32 or float16);
+its scale tensors are folded in and not listed. Every tensor is a derived tensor
+(``ckptbridge.plugin.derived_state``): reading a slice reads only the blocks it covers and their
+scales, wherever the shard index put them. The formats:
+
+* block fp8 (``quant_method: "fp8"``, ``weight_block_size: [b0, b1]``; DeepSeek-V3/R1, Qwen3-FP8):
+  ``<name>`` (float8) with ``<name>_scale_inv`` (float32, ``ceil(rows/b0) x ceil(cols/b1)``, ragged
+  edge blocks included); value = ``float32(weight) * scale`` rounded once to the output dtype, as
+  DeepSeek's ``weight_dequant`` does;
+* MXFP4 (``quant_method: "mxfp4"``; gpt-oss): ``<name>_blocks`` (uint8 ``[E, R, G, 16]``, two e2m1
+  values per byte, low nibble first) with ``<name>_scales`` (uint8 e8m0 ``[E, R, G]``, bias 127),
+  shown as ``<name>`` ``[E, G * 32, R]``, the shape and axis order transformers' own
+  ``convert_moe_packed_tensors`` gives the dequantized parameter (each value is
+  ``ldexp(e2m1, scale - 127)`` in float32, rounded once; every e8m0 byte 0..255 as transformers reads it).
+
+Any other method fails when the checkpoint is opened, naming it, before any tensor is read::
+
+    ckpt = ckptbridge.open("DeepSeek-V3/")                   # dequantized bfloat16
+    ckpt["model.layers.3.mlp.experts.7.up_proj.weight"][:128]
+    ckptbridge.open("DeepSeek-V3/", dequantize_dtype="float32")
+    ckptbridge.open("DeepSeek-V3/", dequantize=False)         # the stored fp8 weights and scales
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ckptbridge.plugin import (
+    Box,
+    FormatError,
+    LogicalTensor,
+    ShapeMismatchError,
+    TensorState,
+    derived_state,
+    storage,
+)
+
+__all__ = ["OUTPUT_DTYPES", "BlockFp8", "Mxfp4", "dequantize", "derivation_of", "quantization_config"]
+
+OUTPUT_DTYPES = ("bfloat16", "float16", "float32")
+_SUPPORTED = "'fp8' (with weight_block_size) and 'mxfp4'"
+_FP8 = ("float8_e4m3fn", "float8_e5m2")
+_E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
+                 dtype=np.float32)
+# Both e2m1 values of every byte (low nibble first), so one gather decodes a byte.
+_E2M1_PAIRS = np.stack([_E2M1[np.arange(256) & 0xF], _E2M1[np.arange(256) >> 4]], axis=-1)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _block_range(lo: int, n: int, block: int) -> tuple[int, int]:
+    """The blocks of size ``block`` that elements ``[lo, lo + n)`` fall in: ``(first, count)``."""
+    first = lo // block
+    return first, _cdiv(lo + n, block) - first
+
+
+@dataclass(frozen=True)
+class BlockFp8:
+    """Block fp8: ``value[i, j] = float32(weight[i, j]) * scale_inv[i // b0, j // b1]``, rounded once."""
+
+    block: tuple[int, int]
+
+    def describe(self) -> str:
+        return f"fp8 block {self.block[0]}x{self.block[1]}"
+
+    def source_boxes(self, box: Box) -> tuple[Box, ...]:
+        (r0, c0), (nr, nc) = box.offset, box.shape
+        (br, nbr), (bc, nbc) = _block_range(r0, nr, self.block[0]), _block_range(c0, nc, self.block[1])
+        return box, Box((br, bc), (nbr, nbc))
+
+    def compute(self, box: Box, sources: Sequence[np.ndarray], out: np.ndarray) -> None:
+        weight, scale = sources
+        lut = np.arange(256, dtype=np.uint8).view(weight.dtype).astype(np.float32)
+        b0, b1 = self.block
+        (r0, c0), (nr, nc) = box.offset, box.shape
+        # the scale of each requested column, one row per block-row the request touches
+        cols = np.repeat(scale, b1, axis=1)[:, c0 % b1 : c0 % b1 + nc]
+        codes = weight.view(np.uint8)
+        lo = 0
+        for k in range(scale.shape[0]):  # one block-row at a time: the float32 temporary stays small
+            hi = min(nr, (r0 // b0 + k + 1) * b0 - r0)
+            vals = lut[codes[lo:hi]]
+            np.multiply(vals, cols[k], out=vals)
+            out[lo:hi] = vals
+            lo = hi
+
+
+@dataclass(frozen=True)
+class Mxfp4:
+    """MXFP4 blocks ``[E, R, G, 16]`` and scales ``[E, R, G]`` as transformers' dequantized ``[E, G*32, R]``."""
+
+    def describe(self) -> str:
+        return "mxfp4"
+
+    def source_boxes(self, box: Box) -> tuple[Box, ...]:
+        (e0, k0, r0), (ne, nk, nr) = box.offset, box.shape
+        g0, ng = _block_range(k0, nk, 32)
+        return Box((e0, r0, g0, 0), (ne, nr, ng, 16)), Box((e0, r0, g0), (ne, nr, ng))
+
+    def compute(self, box: Box, sources: Sequence[np.ndarray], out: np.ndarray) -> None:
+        blocks, scales = sources
+        ne, nr, ng, _ = blocks.shape
+        k0 = box.offset[1] % 32
+        nk = box.shape[1]
+        vals = _E2M1_PAIRS[blocks].reshape(ne, nr, ng, 32)
+        # exact scaling by 2 ** (scale - 127), as torch.ldexp: 0 stays 0 and 0.5 * 2 ** 128 is finite
+        with np.errstate(over="ignore"):  # 6 * 2 ** 128 is inf there too
+            np.ldexp(vals, (scales.astype(np.int32) - 127)[..., None], out=vals)
+        vals = vals.reshape(ne, nr, ng * 32)[:, :, k0 : k0 + nk]
+        np.copyto(out, vals.transpose(0, 2, 1), casting="unsafe")
+
+
+def quantization_config(path: str) -> tuple[str, Mapping[str, Any]] | None:
+    """``(config.json path, its quantization_config)`` of the HF checkpoint at ``path`` (a folder, or a
+    file in one), or None when it has none."""
+    root = path if storage.isdir(path) else storage.dirname(path)
+    cfg = storage.join(root, "config.json")
+    if not storage.isfile(cfg):
+        return None
+    try:
+        config = json.loads(storage.read_text(cfg))
+    except ValueError as err:
+        raise FormatError(f"{cfg}: not valid JSON ({err})") from None
+    qc = config.get("quantization_config") if isinstance(config, dict) else None
+    if qc is None:
+        return None
+    if not isinstance(qc, dict):
+        raise FormatError(f"{cfg}: quantization_config is not an object: {qc!r}")
+    return cfg, qc
+
+
+def derivation_of(cfg: str, qc: Mapping[str, Any]) -> BlockFp8 | Mxfp4:
+    """The derivation a ``quantization_config`` names; :class:`FormatError` naming an unsupported one."""
+    method = qc.get("quant_method")
+    if method == "mxfp4":
+        return Mxfp4()
+    if method == "fp8":
+        block = qc.get("weight_block_size")
+        if (not isinstance(block, (list, tuple)) or len(block) != 2
+                or not all(isinstance(b, int) and b > 0 for b in block)):
+            raise FormatError(f"{cfg}: quantization_config quant_method 'fp8' with weight_block_size {block!r} "
+                              "is not supported (only block fp8, two positive block sizes); "
+                              "open with dequantize=False to see the stored tensors")
+        return BlockFp8((int(block[0]), int(block[1])))
+    raise FormatError(f"{cfg}: quantization_config quant_method {method!r} is not supported (ckptbridge "
+                      f"dequantizes {_SUPPORTED}); open with dequantize=False to see the stored tensors")
+
+
+def dequantize(tensors: Mapping[str, LogicalTensor], derivation: BlockFp8 | Mxfp4, dtype: str,
+               files: Mapping[str, str]) -> dict[str, LogicalTensor]:
+    """``tensors`` (as stored; ``files`` names each one's shard) with every quantized weight and its
+    scales replaced by one dequantized tensor of ``dtype`` (in the weight's place)."""
+    # stored name of the quantized values -> (logical name, name of its scales)
+    if isinstance(derivation, BlockFp8):
+        quantized = {n.removesuffix("_scale_inv"): (n.removesuffix("_scale_inv"), n)
+                     for n in tensors if n.endswith("_scale_inv")}
+    else:
+        quantized = {n: (n.removesuffix("_blocks"), n.removesuffix("_blocks") + "_scales")
+                     for n in tensors if n.endswith("_blocks")}
+    for stored, (_, scale) in quantized.items():
+        for name, partner in ((stored, scale), (scale, stored)):
+            if name not in tensors:
+                raise FormatError(f"{files.get(partner, '?')}: {partner!r} has no partner tensor {name!r} in any shard")
+    build = _fp8_tensor if isinstance(derivation, BlockFp8) else _mxfp4_tensor
+    folded = {scale for _, scale in quantized.values()}
+    out: dict[str, LogicalTensor] = {}
+    for name, t in tensors.items():
+        if name in quantized:
+            logical, scale = quantized[name]
+            out[logical] = build(logical, tensors, scale, derivation, dtype, files)
+        elif name not in folded:
+            out[name] = t
+    return out
+
+
+def _check(name: str, file: str, state: TensorState, dtypes: Sequence[str], shape: Sequence[int] | None,
+           ndim: int) -> None:
+    if state.dtype not in dtypes or len(state.shape) != ndim or (shape is not None and state.shape != tuple(shape)):
+        want = f"{'/'.join(dtypes)} of shape {tuple(shape) if shape is not None else f'{ndim} dims'}"
+        raise ShapeMismatchError(f"{file}: quantized tensor {name!r}: expected {want}, "
+                                 f"found {state.dtype} of shape {state.shape}")
+
+
+def _fp8_tensor(name: str, tensors: Mapping[str, LogicalTensor], scale_name: str, derivation: Any,
+                dtype: str, files: Mapping[str, str]) -> LogicalTensor:
+    weight, scale = tensors[name].state(), tensors[scale_name].state()
+    _check(name, files[name], weight, _FP8, None, 2)
+    rows, cols = weight.shape
+    grid = (_cdiv(rows, derivation.block[0]), _cdiv(cols, derivation.block[1]))
+    _check(scale_name, files[scale_name], scale, ("float32", "bfloat16"), grid, 2)
+    state = derived_state(derivation, (weight, scale), weight.shape, dtype,
+                          (f"{files[name]}: {name}", f"{files[scale_name]}: {scale_name}"))
+    return LogicalTensor(name, {"param": state})
+
+
+def _mxfp4_tensor(name: str, tensors: Mapping[str, LogicalTensor], scale_name: str, derivation: Any,
+                  dtype: str, files: Mapping[str, str]) -> LogicalTensor:
+    blocks_name = name + "_blocks"
+    blocks, scales = tensors[blocks_name].state(), tensors[scale_name].state()
+    _check(blocks_name, files[blocks_name], blocks, ("uint8",), None, 4)
+    if blocks.shape[3] != 16:
+        raise ShapeMismatchError(f"{files[blocks_name]}: quantized tensor {blocks_name!r}: expected 16 bytes "
+                                 f"(32 values) per group in its last dim, found shape {blocks.shape}")
+    _check(scale_name, files[scale_name], scales, ("uint8",), blocks.shape[:3], 3)
+    experts, rows, groups, _ = blocks.shape
+    shape = (experts, groups * 32, rows)
+    state = derived_state(derivation, (blocks, scales), shape, dtype,
+                          (f"{files[blocks_name]}: {blocks_name}", f"{files[scale_name]}: {scale_name}"))
+    return LogicalTensor(name, {"param": state})
