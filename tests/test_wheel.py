@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import email
 import os
+import shutil
 import subprocess
 import sys
 import venv
@@ -48,10 +49,20 @@ def _venv(path: Path) -> Path:
     return path / "bin" / "python"
 
 
+SOURCES = ("pyproject.toml", "setup.py", "README.md", "LICENSE", "bridge", "adapters")
+
+
 @pytest.fixture(scope="module")
 def dist(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("dist")
-    _run(sys.executable, "-m", "build", "--no-isolation", "--outdir", out, ROOT)
+    """sdist + wheel, built from a copy of the sources (a build in the checkout would leave an
+    ``ckptbridge.egg-info`` there, whose entry points shadow the editable install's once stale)."""
+    src, out = tmp_path_factory.mktemp("src"), tmp_path_factory.mktemp("dist")
+    for name in SOURCES:
+        if (ROOT / name).is_dir():
+            shutil.copytree(ROOT / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy2(ROOT / name, src / name)
+    _run(sys.executable, "-m", "build", "--no-isolation", "--outdir", out, src)
     return out
 
 
@@ -65,6 +76,8 @@ def _source_packages() -> set[str]:
     out = set()
     for folder, name in (("bridge", "ckptbridge"), ("adapters", "ckptbridge/adapters")):
         for init in (ROOT / folder).rglob("__init__.py"):
+            if "__pycache__" in init.parts:
+                continue
             rel = init.parent.relative_to(ROOT / folder).as_posix()
             out.add(name if rel == "." else f"{name}/{rel}")
     return out
