@@ -24,7 +24,7 @@ Targets (``abstract_params`` ...) are trees of ``jax.Array``,
 device reading only its box) or numpy arrays (loaded on the host).
 
 The mapping between torch and Flax conventions is a list of rules from
-``ckptbridge._rules`` (data, printable, stored in manifests):
+``ckptbridge.rules`` (data, printable, stored in manifests):
 ``Linear.weight`` [out, in] <-> ``Dense.kernel`` [in, out] (a ``Transpose``),
 ``Embedding.weight`` <-> ``embedding``, ``LayerNorm.weight`` <-> ``scale``,
 ``Conv.weight`` [out, in, *k] <-> ``kernel`` [*k, in, out], per-layer

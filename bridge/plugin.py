@@ -51,10 +51,7 @@ from __future__ import annotations
 
 from . import _dtypes as dtypes
 from . import _storage as storage
-from ._checkpoint import Checkpoint, CheckpointIndex, TensorView
 from ._checkpointer.leaves import Capture, Leaf, LeafProvider, leaves_of, register_leaf_provider
-from ._commit import check_destination, fsync_tree, publish, staged_dir, staged_file, staging_path
-from ._crc import crc32
 from ._errors import (
     AccessDeniedError,
     CheckpointError,
@@ -72,11 +69,23 @@ from ._errors import (
     UnsafePickleError,
     WriteError,
 )
-from ._formats import Format, OpenOptions, WriteOptions, get_format, register_format, require
-from ._hostmem import fresh_array
-from ._jobstore import BoundedCaller, JobStore, StoreTimeout, poll_keys, register_job_store, retry
+from ._formats.registry import (
+    Format,
+    OpenOptions,
+    WriteOptions,
+    get_format,
+    register_format,
+    require,
+)
+from ._formats.safetensors import Entry, FileSpec, read_header
+from ._formats.safetensors_write import write_file, write_files
+from ._formats.scaleout import FileStore, Store, World, balance, world_from_env
+from ._formats.universal import Piece, commit_universal, write_rank, write_universal
 from ._jsonable import jsonable
-from ._model import (
+from ._ranks import RankProvider, rank_from_env
+from ._read.checkpoint import Checkpoint, CheckpointIndex, TensorView
+from ._read.executor import FileCache, ReadStats, read_boxes, read_state
+from ._read.model import (
     WEIGHT_STATES,
     Box,
     FileRegion,
@@ -91,9 +100,27 @@ from ._model import (
     flat_range_fragments,
     weight_state_for,
 )
-from ._open import as_checkpoint, open_checkpoint
-from ._read import FileCache, ReadStats, read_boxes, read_state
-from ._rules import (
+from ._read.open import as_checkpoint, open_checkpoint
+from ._read.views import ScaledRegion, ViewRegion, ZeroRegion
+from ._storage.commit import (
+    check_destination,
+    fsync_tree,
+    publish,
+    staged_dir,
+    staged_file,
+    staging_path,
+)
+from ._storage.crc import crc32
+from ._storage.hostmem import fresh_array
+from .health._jobstore import (
+    BoundedCaller,
+    JobStore,
+    StoreTimeout,
+    poll_keys,
+    register_job_store,
+    retry,
+)
+from .rules import (
     Cast,
     Crop,
     Deinterleave,
@@ -138,10 +165,6 @@ from ._rules import (
     transpose,
     unstack,
 )
-from ._safetensors import Entry, FileSpec, read_header, write_file, write_files
-from ._scaleout import FileStore, Store, World, balance, rank_from_env, world_from_env
-from ._universal import Piece, commit_universal, write_rank, write_universal
-from ._views import ScaledRegion, ViewRegion, ZeroRegion
 
 __all__ = [
     "WEIGHT_STATES",
@@ -182,6 +205,7 @@ __all__ = [
     "OptionError",
     "Pad",
     "Piece",
+    "RankProvider",
     "ReadStats",
     "Rename",
     "Renumber",

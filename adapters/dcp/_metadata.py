@@ -10,7 +10,7 @@ to ``_StorageInfo(relative_path, offset, length)``. Each tensor item is itself
 a small ``torch.save`` zip archive stored at that byte range (the default
 ``SerializationFormat.TORCH_SAVE``), so a chunk is found in place: parse the
 embedded zip's headers, unpickle its ``data.pkl`` with the safe loader and
-point a :class:`~ckptbridge._model.FileRegion` at its storage bytes::
+point a :class:`~ckptbridge._read.model.FileRegion` at its storage bytes::
 
     meta = read_metadata("ckpt/iter_0000005")
     t = meta.tensors["embedding.word_embeddings.weight"]

@@ -22,7 +22,7 @@ into the local tensor's memory. Any format ckptbridge opens is a source::
     cbt.load_train_state(ck.path_of(ck.latest()), fsdp_model, adamw)     # resume at any world size
 
 Names that differ between checkpoint and model are mapped with rules
-(``rules=[Rename(r"^module\\.", "")]``, see :mod:`ckptbridge._rules`).
+(``rules=[Rename(r"^module\\.", "")]``, see :mod:`ckptbridge.rules`).
 """
 
 from __future__ import annotations

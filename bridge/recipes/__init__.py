@@ -51,7 +51,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .._errors import OptionError
-from .._rules import Rule, rules_to_json
+from ..rules import Rule, rules_to_json
 from ._configs import hf_config, megatron_args
 from ._family import Family, family, load_config, registry
 from ._gpt import RecipeConfig
