@@ -20,6 +20,9 @@ reshard it, and compare two of them, across formats::
     ck = ckptbridge.Checkpointer("ckpts", keep_last=3)            # asynchronous saves
     ck.save(step, {"model": model.state_dict()}, optimizer=opt)   # returns at once
 
+The rule language is ``ckptbridge.rules`` (``from ckptbridge.rules import Rename``; the rule
+classes are also here), model-family rule sets ``ckptbridge.recipes``, the fault detector's pure
+rules ``ckptbridge.health``, the interface for format and runtime plug-ins ``ckptbridge.plugin``.
 Framework adapters live in ``ckptbridge.adapters`` (``.jax``, ``.torch``,
 ``.deepspeed``, ``.megatron``, ...) and import their framework lazily;
 ``import ckptbridge`` imports neither torch nor jax.

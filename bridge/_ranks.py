@@ -15,13 +15,16 @@ The order, first answer wins:
 
     rank, world = rank_world()                     # (0, 1) outside a launcher
     found = find_ranks()                           # Ranks(rank=3, world=8, source='torch') or None
-    register_rank_provider(RankProvider("mpi", lambda: (comm.rank, comm.size), priority=30))
+
+A runtime registers its provider as an entry point (``pyproject.toml``)::
+
+    [project.entry-points."ckptbridge.rank_providers"]
+    mpi = "my_package.ranks:PROVIDER"        # RankProvider("mpi", ranks, priority=30)
 """
 
 from __future__ import annotations
 
 import os
-import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -54,22 +57,9 @@ class RankProvider:
 
 
 _GROUP = PluginGroup(ENTRY_POINT_GROUP)
-_PROVIDERS: dict[str, RankProvider] = {}
-_LOCK = threading.Lock()
-
-
-def register_rank_provider(provider: RankProvider) -> RankProvider:
-    """Add (or replace, by name) a runtime's :class:`RankProvider`."""
-    with _LOCK:
-        _PROVIDERS[provider.name] = provider
-    return provider
-
-
 def rank_providers() -> list[RankProvider]:
-    """The registered providers (entry points loaded on first use), in ``priority`` order."""
-    loaded = {p.name: p for p in _GROUP.load() if isinstance(p, RankProvider)}
-    with _LOCK:
-        return sorted({**loaded, **_PROVIDERS}.values(), key=lambda p: (p.priority, p.name))
+    """The providers registered as entry points (loaded on first use), in ``priority`` order."""
+    return sorted((p for p in _GROUP.load() if isinstance(p, RankProvider)), key=lambda p: (p.priority, p.name))
 
 
 def rank_from_env(env: Mapping[str, str] | None = None) -> tuple[int, int]:

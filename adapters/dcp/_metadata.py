@@ -242,7 +242,7 @@ def tensor_state(meta: DcpMetadata, fqn: str) -> TensorState:
 def read_object(meta: DcpMetadata, fqn: str) -> Any:
     """A bytes entry (``torch.save`` of a Python object, e.g. a Megatron ShardedObject), safely unpickled.
 
-    Tensors inside come back as :class:`~ckptbridge._pickle.TensorRef`; use :func:`object_archive`
+    Tensors inside come back as :class:`~ckptbridge.adapters.torchfile.TensorRef`; use :func:`object_archive`
     when their bytes are needed.
     """
     return object_archive(meta, fqn)[0]

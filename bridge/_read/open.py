@@ -92,10 +92,17 @@ def open(
     return ckpt.with_rules(rules) if rules else ckpt
 
 
-def as_checkpoint(src: Any, rules: Sequence[Any] | None = None) -> Checkpoint:
-    """``src`` if it is a :class:`Checkpoint` already, else :func:`open` it; then view it through ``rules``."""
-    ckpt = src if isinstance(src, Checkpoint) else open(src)
-    return ckpt.with_rules(rules) if rules else ckpt
+def as_checkpoint(src: str | os.PathLike[str] | Checkpoint, rules: Sequence[Any] | None = None,
+                  **options: Any) -> Checkpoint:
+    """``src`` if it is a :class:`Checkpoint` already, else :func:`open` it (with the format's
+    ``options``); then seen through mapping ``rules`` (:meth:`Checkpoint.with_rules`: errors name
+    the checkpoint). The one way every verb and adapter takes "a path or a Checkpoint"::
+
+        ckpt = as_checkpoint(source, rules)
+        owned = not isinstance(source, Checkpoint)   # opened here: the caller closes it
+    """
+    ckpt = src if isinstance(src, Checkpoint) else open(os.fspath(src), **options)
+    return ckpt.with_rules(list(rules)) if rules else ckpt
 
 
 open_checkpoint = open

@@ -47,6 +47,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import fields, replace
 from typing import Any, BinaryIO
 
+from .._errors import MissingShardError
 from .local import LocalStorage
 from .paths import abspath, basename, dirname, inside, is_url, join, local, normpath, protocol
 from .policy import Fetched, FetchStats, RemotePolicy
@@ -199,6 +200,18 @@ def read_bytes(path: str, start: int = 0, length: int | None = None) -> bytes:
     if length is None:
         length = store.size(path) - start
     return store.read_cached(path, start, length) if length <= (1 << 20) else store.read_range(path, start, length)
+
+
+def read_ranges(path: str, spans: Sequence[tuple[int, int]]) -> list[bytes]:
+    """The bytes of each ``(start, length)`` span of one file: one open for a local file; for a
+    URL one concurrent round (coalesced, retried, see :class:`RemotePolicy`)."""
+    if is_url(path):
+        return remote(path).read_ranges(path, spans)
+    try:
+        with open(path, "rb") as fh:
+            return [os.pread(fh.fileno(), n, s) for s, n in spans]
+    except FileNotFoundError:
+        raise MissingShardError(f"{path}: file not found") from None
 
 
 def read_text(path: str, limit: int | None = None, errors: str = "strict") -> str:

@@ -11,38 +11,22 @@ job's store; nothing here does I/O or reads a clock::
                       my_beats=n, me=0, policy=ckptbridge.WatchdogPolicy(), procs={})
 """
 
-from ._verdicts import (
-    EXIT_FAULTY,
-    EXIT_RESTART,
-    FATAL_KINDS,
-    Beat,
-    Peer,
-    PeerSeen,
-    StragglerTracker,
-    Verdict,
-    WatchdogPolicy,
-    assess,
-    busy_per_step,
-    hung,
-    job_period,
-    observe,
-    stragglers,
-)
+from __future__ import annotations
 
-__all__ = [
-    "EXIT_FAULTY",
-    "EXIT_RESTART",
-    "FATAL_KINDS",
-    "Beat",
-    "Peer",
-    "PeerSeen",
-    "StragglerTracker",
-    "Verdict",
-    "WatchdogPolicy",
-    "assess",
-    "busy_per_step",
-    "hung",
-    "job_period",
-    "observe",
-    "stragglers",
-]
+from ._verdicts import EXIT_FAULTY as EXIT_FAULTY
+from ._verdicts import EXIT_RESTART as EXIT_RESTART
+from ._verdicts import FATAL_KINDS as FATAL_KINDS
+from ._verdicts import Beat as Beat
+from ._verdicts import Peer as Peer
+from ._verdicts import PeerSeen as PeerSeen
+from ._verdicts import StragglerTracker as StragglerTracker
+from ._verdicts import Verdict as Verdict
+from ._verdicts import WatchdogPolicy as WatchdogPolicy
+from ._verdicts import assess as assess
+from ._verdicts import busy_per_step as busy_per_step
+from ._verdicts import hung as hung
+from ._verdicts import job_period as job_period
+from ._verdicts import observe as observe
+from ._verdicts import stragglers as stragglers
+
+__all__ = sorted(n for n in dict(globals()) if not n.startswith("_") and n != "annotations")

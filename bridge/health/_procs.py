@@ -78,11 +78,3 @@ def stop(pid: int, start: int | None, sig: int = signal.SIGKILL, timeout: float 
             sig, deadline = signal.SIGKILL, time.monotonic() + timeout
         time.sleep(0.01)
     return True
-
-
-def cmdline(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as fh:
-            return fh.read().replace(b"\0", b" ").decode("utf-8", "replace")
-    except OSError:
-        return ""

@@ -59,9 +59,6 @@ from ._gpt import RecipeConfig
 __all__ = ["Family", "RecipeConfig", "available", "config_from_hf", "config_type", "families", "family_from_hf",
            "hf_config", "megatron_args", "rules", "show"]
 
-SCHEMES = ("hf", "megatron", "maxtext")
-
-
 def families() -> tuple[str, ...]:
     """The family names, sorted."""
     return tuple(registry())
