@@ -490,7 +490,7 @@ class Checkpointer:
                    reuse=reuse)
         committed = False
         if self.rank == 0:
-            await_ranks(stage, self.world_size, self._failed, self.commit_timeout)
+            await_ranks(stage, self.world_size, lambda: self._failed, self.commit_timeout)
             try:
                 commit_universal(dst, self.world_size, step=job.step, extra={"values": job.extra, "tree": job.tree},
                        provenance={"writer": "ckptbridge.Checkpointer", "world_size": self.world_size},

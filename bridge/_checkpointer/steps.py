@@ -17,7 +17,7 @@ import re
 import shutil
 import socket
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 from .._errors import CheckpointError, IncompleteCheckpointError
 from .._formats.universal import MARKER
@@ -196,13 +196,14 @@ def complete_step_dir(root: str, persistent: str | None, step: int) -> str:
     raise IncompleteCheckpointError(f"{local}: step {step} has no complete checkpoint")
 
 
-def await_ranks(stage: str, world_size: int, failed: Collection[int], timeout: float) -> None:
-    """Wait until every rank's manifest is in ``stage`` (rank 0, before it commits); raise if a
-    rank in ``failed`` never wrote its own, or after ``timeout`` seconds."""
+def await_ranks(stage: str, world_size: int, failed: Callable[[], Collection[int]], timeout: float) -> None:
+    """Wait until every rank's manifest is in ``stage`` (rank 0, before it commits); raise once a
+    rank in ``failed()`` (asked again at every look: ranks are abandoned meanwhile) is found
+    without its own, or after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
     want = [os.path.join(stage, f"manifest.r{r:05d}.json") for r in range(world_size)]
     while not all(os.path.exists(w) for w in want):
-        lost = sorted(r for r in failed if r < len(want) and not os.path.exists(want[r]))
+        lost = sorted(r for r in failed() if r < len(want) and not os.path.exists(want[r]))
         if lost:
             raise CheckpointError(f"{stage}: not committed, ranks {lost} failed before writing their pieces")
         if time.monotonic() > deadline:
