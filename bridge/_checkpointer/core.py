@@ -89,11 +89,11 @@ log = logging.getLogger("ckptbridge.checkpointer")
 class Checkpointer:
     """Asynchronous multi-level checkpointing into universal directories (see module docs).
 
-    ``rank``/``world_size`` default to torch.distributed's when it is
-    initialised, else 0/1. Every rank calls ``save`` with its own shards; rank
-    0 commits a step once all ranks' pieces are on disk (it polls for them,
-    up to ``commit_timeout`` seconds, so no collective runs in a background
-    thread). Under ``jax.distributed`` they default to JAX's process index and count.
+    ``rank``/``world_size`` default to the running job's (``ckptbridge._ranks``: torch.distributed,
+    jax.distributed's process index and count, then the launcher's RANK/WORLD_SIZE, SLURM ...
+    variables), else 0/1. Every rank calls ``save`` with its own shards; rank 0 commits a step
+    once all ranks' pieces are on disk (it polls for them, up to ``commit_timeout`` seconds, so
+    no collective runs in a background thread).
     ``policy`` (:class:`SavePolicy`): back-pressure, host buffer sets, flush priority,
     snapshot threads. Steps that were not written (skipped or coalesced) are listed
     in ``dropped``.

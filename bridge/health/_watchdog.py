@@ -105,7 +105,8 @@ class Watchdog:
     ``checkpointer``: the job's :class:`ckptbridge.Checkpointer`, drained on a fault
     and where verdicts are recorded (``<root>/faults.jsonl``). ``store``: the job's
     store (default: found from torch.distributed or jax.distributed). ``rank`` /
-    ``world_size``: default from the running framework. ``policy``: thresholds
+    ``world_size``: default from the running job (``ckptbridge._ranks``: torch.distributed,
+    jax.distributed, then the launcher's variables). ``policy``: thresholds
     (:class:`WatchdogPolicy`). ``isolate``: stop a faulty rank's process and its torchrun agent
     when they run on this host. ``exit_on_fault``: exit (75 / 69) once a fault is
     judged; if False the verdicts are only recorded (``wd.verdicts``) and
