@@ -28,16 +28,14 @@ Framework adapters live in ``ckptbridge.adapters`` (``.jax``, ``.torch``,
 ``import ckptbridge`` imports neither torch nor jax.
 """
 
-from __future__ import annotations
-
 import ast as _ast
 import builtins as _builtins
 import importlib as _importlib
-from typing import TYPE_CHECKING
+import typing as _typing
 
 from ._version import __version__ as __version__
 
-if TYPE_CHECKING:  # THE list of public names: mypy reads it, and _public() derives the lazy map and __all__
+if _typing.TYPE_CHECKING:  # THE list of public names: mypy reads it, and _public() derives the lazy map and __all__
     from ._checkpointer import Checkpointer as Checkpointer
     from ._checkpointer import RestoreResult as RestoreResult
     from ._checkpointer import SavePolicy as SavePolicy
@@ -118,7 +116,7 @@ if TYPE_CHECKING:  # THE list of public names: mypy reads it, and _public() deri
     from .rules import rule_from_json as rule_from_json
     from .rules import rules_to_json as rules_to_json
 
-SUBMODULES = ("health", "plugin", "recipes", "rules")  # public subpackages, imported on first use
+_SUBMODULES = ("health", "plugin", "recipes", "rules")  # public subpackages, imported on first use
 
 
 def _public() -> dict[str, tuple[str, str]]:
@@ -126,7 +124,7 @@ def _public() -> dict[str, tuple[str, str]]:
     place a public name is written; its modules are imported on first use, so the CLI starts fast)."""
     with _builtins.open(__file__, encoding="utf-8") as fh:  # not open(): that name is ckptbridge.open here
         tree = _ast.parse(fh.read())
-    block = next(n for n in tree.body if isinstance(n, _ast.If) and getattr(n.test, "id", "") == "TYPE_CHECKING")
+    block = next(n for n in tree.body if isinstance(n, _ast.If) and _ast.unparse(n.test).endswith("TYPE_CHECKING"))
     return {a.asname or a.name: ("." * n.level + (n.module or ""), a.name)
             for n in block.body if isinstance(n, _ast.ImportFrom) for a in n.names}
 
@@ -136,7 +134,7 @@ __all__ = sorted([*_LAZY, "__version__"])
 
 
 def __getattr__(name: str) -> object:
-    if name in SUBMODULES:
+    if name in _SUBMODULES:
         return _importlib.import_module(f".{name}", __name__)
     if name not in _LAZY:
         raise AttributeError(f"module 'ckptbridge' has no attribute {name!r}")
@@ -147,4 +145,4 @@ def __getattr__(name: str) -> object:
 
 
 def __dir__() -> list[str]:
-    return sorted([*__all__, *SUBMODULES])
+    return sorted([*__all__, *_SUBMODULES])

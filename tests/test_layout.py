@@ -23,7 +23,7 @@ def _type_checking_names(path: str) -> dict[str, tuple[str, str]]:
     """Public name -> (module, attribute) from the ``if TYPE_CHECKING:`` block of ``path``."""
     with open(path) as fh:
         tree = ast.parse(fh.read())
-    block = next(n for n in tree.body if isinstance(n, ast.If) and getattr(n.test, "id", "") == "TYPE_CHECKING")
+    block = next(n for n in tree.body if isinstance(n, ast.If) and ast.unparse(n.test).endswith("TYPE_CHECKING"))
     return {a.asname or a.name: ("." * n.level + (n.module or ""), a.name)
             for n in block.body if isinstance(n, ast.ImportFrom) for a in n.names}
 
@@ -31,11 +31,11 @@ def _type_checking_names(path: str) -> dict[str, tuple[str, str]]:
 def test_every_public_name_is_written_once_and_resolves():
     listed = _type_checking_names(os.path.join(ROOT, "bridge", "__init__.py"))
     assert sorted(ckptbridge.__all__) == sorted([*listed, "__version__"])
-    assert dir(ckptbridge) == sorted([*ckptbridge.__all__, *ckptbridge.SUBMODULES])
+    assert dir(ckptbridge) == sorted([*ckptbridge.__all__, *ckptbridge._SUBMODULES])
     for name, (module, attr) in listed.items():
         value = getattr(ckptbridge, name)  # resolves through the lazy loader
         assert value is getattr(importlib.import_module(module, "ckptbridge"), attr), name
-    for sub in ckptbridge.SUBMODULES:
+    for sub in ckptbridge._SUBMODULES:
         assert getattr(ckptbridge, sub).__name__ == f"ckptbridge.{sub}"
     assert ckptbridge.Rename is ckptbridge.rules.Rename  # the rules live in ckptbridge.rules
     with pytest.raises(AttributeError, match="no attribute 'Renamee'"):
