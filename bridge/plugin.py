@@ -98,8 +98,8 @@ from ._storage.commit import check_destination as check_destination
 from ._storage.commit import staged_dir as staged_dir
 from ._storage.commit import staging_path as staging_path
 from ._storage.hostmem import fresh_array as fresh_array
-from ._storage.protocol import STORAGE as storage  # noqa: F401 (listed in __all__, derived)
-from ._storage.protocol import Storage as Storage
+from ._storage.interface import STORAGE as storage  # noqa: F401 (listed in __all__, derived)
+from ._storage.interface import Storage as Storage
 from .health._jobstore import BoundedCaller as BoundedCaller
 from .health._jobstore import JobStore as JobStore
 from .health._jobstore import poll_keys as poll_keys

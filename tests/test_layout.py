@@ -66,6 +66,16 @@ def test_the_plugin_interface_holds_what_adapters_use_and_nothing_private():
 
     assert not isinstance(storage, type(os)) and isinstance(storage, object)
     assert {m for m in dir(Storage) if not m.startswith("_")} == {m for m in dir(storage) if not m.startswith("_")}
+    # a submodule named like a function of the path API would replace it once imported
+    import pkgutil
+
+    import ckptbridge._storage as pkg
+
+    subs = {m.name for m in pkgutil.iter_modules(pkg.__path__)}
+    assert not subs & set(pkg.__all__), sorted(subs & set(pkg.__all__))
+    for sub in subs:
+        importlib.import_module(f"ckptbridge._storage.{sub}")
+    assert storage.protocol("s3://bucket/key") == "s3" and storage.join("s3://b", "k") == "s3://b/k"
 
 
 def _layout_block() -> list[str]:

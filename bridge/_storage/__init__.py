@@ -48,10 +48,10 @@ from dataclasses import fields, replace
 from typing import Any, BinaryIO
 
 from .._errors import MissingShardError
-from .local import LocalStorage
+from .fsspec_files import FsspecStorage
+from .local_files import LocalStorage
 from .paths import abspath, basename, dirname, inside, is_url, join, local, normpath, protocol
 from .policy import Fetched, FetchStats, RemotePolicy
-from .remote import FsspecStorage
 
 __all__ = [  # the path API (dispatching on local path vs URL) and the types it hands out
     "FetchStats",
