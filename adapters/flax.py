@@ -24,7 +24,7 @@ Targets (``abstract_params`` ...) are trees of ``jax.Array``,
 device reading only its box) or numpy arrays (loaded on the host).
 
 The mapping between torch and Flax conventions is a list of rules from
-``ckptbridge._rules`` (data, printable, stored in manifests):
+``ckptbridge.rules`` (data, printable, stored in manifests):
 ``Linear.weight`` [out, in] <-> ``Dense.kernel`` [in, out] (a ``Transpose``),
 ``Embedding.weight`` <-> ``embedding``, ``LayerNorm.weight`` <-> ``scale``,
 ``Conv.weight`` [out, in, *k] <-> ``kernel`` [*k, in, out], per-layer
@@ -58,13 +58,14 @@ from ckptbridge.plugin import (
     TensorState,
     Transpose,
     Unstack,
+    as_checkpoint,
     read_state,
     rules_to_json,
     weight_state_for,
 )
 from ckptbridge.plugin import dtypes as _dtypes
 
-from .jax import _as_checkpoint, flatten, load_arrays, path_name, save_pieces, tree_pieces
+from .jax import flatten, load_arrays, path_name, save_pieces, tree_pieces
 
 __all__ = [
     "AdamGroup",
@@ -415,7 +416,7 @@ def load(
     Names and shapes are all checked before any data is read.
     """
 
-    ckpt, owned = _as_checkpoint(source)
+    ckpt, owned = as_checkpoint(source), not isinstance(source, Checkpoint)
     try:
         view = ckpt.with_rules(rules)
         tensors = view.index.tensors
@@ -481,7 +482,7 @@ def abstract_params(source: Any, rules: Sequence[Any] = (), sharding: Any = None
     import jax
 
 
-    ckpt, owned = _as_checkpoint(source)
+    ckpt, owned = as_checkpoint(source), not isinstance(source, Checkpoint)
     try:
         tensors = ckpt.with_rules(rules).index.tensors
         out: dict[str, Any] = {}

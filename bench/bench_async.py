@@ -290,7 +290,7 @@ def _raw_pool(arrays: Any) -> Any:
     would understate the disk."""
     import numpy as np
 
-    from ckptbridge._hostmem import aligned_buffer
+    from ckptbridge._storage.hostmem import aligned_buffer
 
     leaves = [np.asarray(a.detach() if hasattr(a, "detach") else a).reshape(-1).view(np.uint8)
               for a in _leaves(arrays)]

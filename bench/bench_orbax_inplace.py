@@ -125,7 +125,7 @@ def run_one(path: str, shapes_file: str, tool: str) -> dict:
         from ckptbridge.adapters import jax as cbjax
 
         if tool == "cb-huge":  # ablation: numpy's huge pages for the host buffers, whatever the kernel
-            from ckptbridge import _hostmem
+            from ckptbridge._storage import hostmem as _hostmem
 
             _hostmem.huge_first_touch_is_slow = lambda: False
         if tool in ("cb-ts", "cb-ts-copy"):  # ablation: uncompressed chunks through TensorStore too

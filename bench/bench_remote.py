@@ -86,7 +86,7 @@ def main() -> None:
     from safetensors.numpy import save_file
 
     import ckptbridge
-    from ckptbridge.plugin import storage
+    from ckptbridge import _storage as storage
 
     cols = args.cols
     rows = max(8, (args.size_mib << 20) // (args.tensors * cols * 4))

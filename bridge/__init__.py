@@ -20,262 +20,129 @@ reshard it, and compare two of them, across formats::
     ck = ckptbridge.Checkpointer("ckpts", keep_last=3)            # asynchronous saves
     ck.save(step, {"model": model.state_dict()}, optimizer=opt)   # returns at once
 
+The rule language is ``ckptbridge.rules`` (``from ckptbridge.rules import Rename``; the rule
+classes are also here), model-family rule sets ``ckptbridge.recipes``, the fault detector's pure
+rules ``ckptbridge.health``, the interface for format and runtime plug-ins ``ckptbridge.plugin``.
 Framework adapters live in ``ckptbridge.adapters`` (``.jax``, ``.torch``,
 ``.deepspeed``, ``.megatron``, ...) and import their framework lazily;
 ``import ckptbridge`` imports neither torch nor jax.
 """
 
-from __future__ import annotations
+import ast as _ast
+import builtins as _builtins
+import importlib as _importlib
+import typing as _typing
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from ._version import __version__ as __version__
 
-from ._version import __version__
+if _typing.TYPE_CHECKING:  # THE list of public names: mypy reads it, and _public() derives the lazy map and __all__
+    from ._checkpointer import Checkpointer as Checkpointer
+    from ._checkpointer import RestoreResult as RestoreResult
+    from ._checkpointer import SavePolicy as SavePolicy
+    from ._checkpointer import SaveStats as SaveStats
+    from ._errors import AccessDeniedError as AccessDeniedError
+    from ._errors import CheckpointError as CheckpointError
+    from ._errors import CorruptionError as CorruptionError
+    from ._errors import FormatError as FormatError
+    from ._errors import IncompleteCheckpointError as IncompleteCheckpointError
+    from ._errors import MissingExtraError as MissingExtraError
+    from ._errors import MissingShardError as MissingShardError
+    from ._errors import OptionError as OptionError
+    from ._errors import ShapeMismatchError as ShapeMismatchError
+    from ._errors import StorageError as StorageError
+    from ._errors import TensorNotFoundError as TensorNotFoundError
+    from ._errors import TruncatedError as TruncatedError
+    from ._errors import UnknownFormatError as UnknownFormatError
+    from ._errors import UnsafePickleError as UnsafePickleError
+    from ._errors import WatchdogError as WatchdogError
+    from ._errors import WriteError as WriteError
+    from ._formats.convert import DiffRow as DiffRow
+    from ._formats.convert import convert as convert
+    from ._formats.convert import diff as diff
+    from ._formats.convert import export as export
+    from ._formats.convert import trace as trace
+    from ._formats.registry import Format as Format
+    from ._formats.registry import formats as formats
+    from ._formats.scaleout import World as World
+    from ._formats.scaleout import world_from_env as world_from_env
+    from ._formats.universal import verify as verify
+    from ._read.checkpoint import Checkpoint as Checkpoint
+    from ._read.checkpoint import CheckpointIndex as CheckpointIndex
+    from ._read.checkpoint import TensorView as TensorView
+    from ._read.html import ReshardPlan as ReshardPlan
+    from ._read.model import Box as Box
+    from ._read.model import FileRegion as FileRegion
+    from ._read.model import Fragment as Fragment
+    from ._read.model import LogicalTensor as LogicalTensor
+    from ._read.model import TensorState as TensorState
+    from ._read.model import flat_range_fragments as flat_range_fragments
+    from ._read.open import detect_format as detect_format
+    from ._read.open import open as open
+    from ._read.plan import CopyOp as CopyOp
+    from ._read.plan import plan as plan
+    from ._read.reshard import reshard as reshard
+    from ._storage import RemotePolicy as RemotePolicy
+    from ._storage import configure as configure_storage  # noqa: F401 (listed in __all__, derived)
+    from .health import EXIT_FAULTY as EXIT_FAULTY
+    from .health import EXIT_RESTART as EXIT_RESTART
+    from .health import Verdict as Verdict
+    from .health import WatchdogPolicy as WatchdogPolicy
+    from .health._watchdog import Watchdog as Watchdog
+    from .rules import Cast as Cast  # the rules live in ckptbridge.rules; these are aliases
+    from .rules import Crop as Crop
+    from .rules import Deinterleave as Deinterleave
+    from .rules import Expect as Expect
+    from .rules import FlatPartition as FlatPartition
+    from .rules import Fuse as Fuse
+    from .rules import Interleave as Interleave
+    from .rules import Join as Join
+    from .rules import MergeDims as MergeDims
+    from .rules import Pad as Pad
+    from .rules import Rename as Rename
+    from .rules import Renumber as Renumber
+    from .rules import Replicate as Replicate
+    from .rules import Reshape as Reshape
+    from .rules import Rule as Rule
+    from .rules import Scale as Scale
+    from .rules import Shard as Shard
+    from .rules import Split as Split
+    from .rules import SplitDim as SplitDim
+    from .rules import Stack as Stack
+    from .rules import State as State
+    from .rules import Transpose as Transpose
+    from .rules import Unstack as Unstack
+    from .rules import apply_rules as apply_rules
+    from .rules import invert as invert
+    from .rules import rule_from_json as rule_from_json
+    from .rules import rules_to_json as rules_to_json
 
-if TYPE_CHECKING:
-    from ._checkpoint import Checkpoint, CheckpointIndex, TensorView
-    from ._checkpointer import Checkpointer, RestoreResult, SavePolicy, SaveStats
-    from ._convert import DiffRow, convert, diff, export, trace
-    from ._errors import (
-        AccessDeniedError,
-        CheckpointError,
-        CorruptionError,
-        FormatError,
-        IncompleteCheckpointError,
-        MissingExtraError,
-        MissingShardError,
-        OptionError,
-        ShapeMismatchError,
-        StorageError,
-        TensorNotFoundError,
-        TruncatedError,
-        UnknownFormatError,
-        UnsafePickleError,
-        WatchdogError,
-        WriteError,
-    )
-    from ._formats import Format, formats
-    from ._health import EXIT_FAULTY, EXIT_RESTART, Verdict, WatchdogPolicy
-    from ._html import ReshardPlan
-    from ._model import Box, FileRegion, Fragment, LogicalTensor, TensorState, flat_range_fragments
-    from ._open import detect_format, open
-    from ._plan import CopyOp, plan
-    from ._reshard import reshard
-    from ._rules import (
-        Cast,
-        Crop,
-        Deinterleave,
-        Expect,
-        FlatPartition,
-        Fuse,
-        Interleave,
-        Join,
-        MergeDims,
-        Pad,
-        Rename,
-        Renumber,
-        Replicate,
-        Reshape,
-        Rule,
-        Scale,
-        Shard,
-        Split,
-        SplitDim,
-        Stack,
-        State,
-        Transpose,
-        Unstack,
-        apply_rules,
-        invert,
-        rule_from_json,
-        rules_to_json,
-    )
-    from ._scaleout import World, world_from_env
-    from ._storage import RemotePolicy
-    from ._storage import configure as configure_storage
-    from ._universal import verify
-    from ._watchdog import Watchdog
-
-_LAZY = {  # public name -> module: imported on first use, so the CLI and core start fast
-    "Checkpointer": "._checkpointer",
-    "SavePolicy": "._checkpointer",
-    "SaveStats": "._checkpointer",
-    "RestoreResult": "._checkpointer",
-    "Checkpoint": "._checkpoint",
-    "CheckpointIndex": "._checkpoint",
-    "TensorView": "._checkpoint",
-    "DiffRow": "._convert",
-    "convert": "._convert",
-    "diff": "._convert",
-    "export": "._convert",
-    "trace": "._convert",
-    "CheckpointError": "._errors",
-    "CorruptionError": "._errors",
-    "FormatError": "._errors",
-    "IncompleteCheckpointError": "._errors",
-    "MissingExtraError": "._errors",
-    "MissingShardError": "._errors",
-    "OptionError": "._errors",
-    "ShapeMismatchError": "._errors",
-    "TensorNotFoundError": "._errors",
-    "TruncatedError": "._errors",
-    "UnknownFormatError": "._errors",
-    "UnsafePickleError": "._errors",
-    "WatchdogError": "._errors",
-    "WriteError": "._errors",
-    "EXIT_FAULTY": "._health",
-    "EXIT_RESTART": "._health",
-    "Verdict": "._health",
-    "WatchdogPolicy": "._health",
-    "StorageError": "._errors",
-    "AccessDeniedError": "._errors",
-    "RemotePolicy": "._storage",
-    "configure_storage": "._storage",
-    "World": "._scaleout",
-    "world_from_env": "._scaleout",
-    "Format": "._formats",
-    "formats": "._formats",
-    "ReshardPlan": "._html",
-    "Box": "._model",
-    "FileRegion": "._model",
-    "Fragment": "._model",
-    "LogicalTensor": "._model",
-    "TensorState": "._model",
-    "flat_range_fragments": "._model",
-    "detect_format": "._open",
-    "open": "._open",
-    "CopyOp": "._plan",
-    "plan": "._plan",
-    "reshard": "._reshard",
-    "FlatPartition": "._rules",
-    "Fuse": "._rules",
-    "Join": "._rules",
-    "Pad": "._rules",
-    "Rename": "._rules",
-    "Renumber": "._rules",
-    "Replicate": "._rules",
-    "Rule": "._rules",
-    "Shard": "._rules",
-    "Split": "._rules",
-    "Stack": "._rules",
-    "State": "._rules",
-    "Transpose": "._rules",
-    "Unstack": "._rules",
-    "apply_rules": "._rules",
-    "rule_from_json": "._rules",
-    "rules_to_json": "._rules",
-    "Cast": "._rules",
-    "Crop": "._rules",
-    "Deinterleave": "._rules",
-    "Expect": "._rules",
-    "Interleave": "._rules",
-    "MergeDims": "._rules",
-    "Reshape": "._rules",
-    "Scale": "._rules",
-    "SplitDim": "._rules",
-    "invert": "._rules",
-    "verify": "._universal",
-    "Watchdog": "._watchdog",
-}
+_SUBMODULES = ("health", "plugin", "recipes", "rules")  # public subpackages, imported on first use
 
 
-_RENAMED = {"configure_storage": "configure"}  # public name -> name in its module
+def _public() -> dict[str, tuple[str, str]]:
+    """Public name -> (module, name there), read from the ``TYPE_CHECKING`` block above (the one
+    place a public name is written; its modules are imported on first use, so the CLI starts fast)."""
+    with _builtins.open(__file__, encoding="utf-8") as fh:  # not open(): that name is ckptbridge.open here
+        tree = _ast.parse(fh.read())
+    block = next(n for n in tree.body if isinstance(n, _ast.If) and _ast.unparse(n.test).endswith("TYPE_CHECKING"))
+    return {a.asname or a.name: ("." * n.level + (n.module or ""), a.name)
+            for n in block.body if isinstance(n, _ast.ImportFrom) for a in n.names}
 
 
-def __getattr__(name: str) -> Any:
-    if name in ("recipes", "plugin"):  # public submodules
-        return importlib.import_module(f".{name}", __name__)
-    module = _LAZY.get(name)
-    if module is None:
+_LAZY = _public()
+__all__ = sorted([*_LAZY, "__version__"])
+
+
+def __getattr__(name: str) -> object:
+    if name in _SUBMODULES:
+        return _importlib.import_module(f".{name}", __name__)
+    if name not in _LAZY:
         raise AttributeError(f"module 'ckptbridge' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module, __name__), _RENAMED.get(name, name))
+    module, attr = _LAZY[name]
+    value = getattr(_importlib.import_module(module, __name__), attr)
     globals()[name] = value
     return value
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
-
-
-__all__ = [
-    "EXIT_FAULTY",
-    "EXIT_RESTART",
-    "AccessDeniedError",
-    "Box",
-    "Cast",
-    "Checkpoint",
-    "CheckpointError",
-    "CheckpointIndex",
-    "Checkpointer",
-    "CopyOp",
-    "CorruptionError",
-    "Crop",
-    "Deinterleave",
-    "DiffRow",
-    "Expect",
-    "FileRegion",
-    "FlatPartition",
-    "Format",
-    "FormatError",
-    "Fragment",
-    "Fuse",
-    "IncompleteCheckpointError",
-    "Interleave",
-    "Join",
-    "LogicalTensor",
-    "MergeDims",
-    "MissingExtraError",
-    "MissingShardError",
-    "OptionError",
-    "Pad",
-    "RemotePolicy",
-    "Rename",
-    "Renumber",
-    "Replicate",
-    "Reshape",
-    "ReshardPlan",
-    "RestoreResult",
-    "Rule",
-    "SavePolicy",
-    "SaveStats",
-    "Scale",
-    "ShapeMismatchError",
-    "Shard",
-    "Split",
-    "SplitDim",
-    "Stack",
-    "State",
-    "StorageError",
-    "TensorNotFoundError",
-    "TensorState",
-    "TensorView",
-    "Transpose",
-    "TruncatedError",
-    "UnknownFormatError",
-    "UnsafePickleError",
-    "Unstack",
-    "Verdict",
-    "Watchdog",
-    "WatchdogError",
-    "WatchdogPolicy",
-    "World",
-    "WriteError",
-    "__version__",
-    "apply_rules",
-    "configure_storage",
-    "convert",
-    "detect_format",
-    "diff",
-    "export",
-    "flat_range_fragments",
-    "formats",
-    "invert",
-    "open",
-    "plan",
-    "reshard",
-    "rule_from_json",
-    "rules_to_json",
-    "trace",
-    "verify",
-    "world_from_env",
-]
+    return sorted([*__all__, *_SUBMODULES])

@@ -1,47 +1,46 @@
-"""The interface for adapter authors: everything a format or runtime plug-in may use from the core.
+"""The interface for adapter authors: what a format or runtime plug-in uses from the core.
 
-This module is public and stable: an adapter (built-in ones in
-``ckptbridge.adapters`` included) imports the core only from here, never from a
-private ``ckptbridge._*`` module. It holds
+This module is public and stable: an adapter (built-in ones in ``ckptbridge.adapters``
+included) imports the core only from here and from ``ckptbridge``, never from a private
+``ckptbridge._*`` module. It holds what the adapters use, and nothing else (checked by
+``tests/test_layout.py``), each name written once, in the import list below (``__all__`` is
+derived from it):
 
-* the data model: :class:`Box`, :class:`Fragment`, :class:`FileRegion` (and the
-  :class:`Location` protocol for other storage), :class:`TensorState`,
-  :class:`LogicalTensor`, helpers that build fragments (``flat_range_fragments``
-  for ZeRO-style flat slices, ``contiguous_fragment``);
+* the data model: :class:`Box`, :class:`Fragment`, :class:`FileRegion`, :class:`TensorState`,
+  :class:`LogicalTensor`, and helpers that build fragments (``contiguous_fragment``,
+  ``flat_range_fragments`` for ZeRO-style flat slices, ``flat_range_boxes``, ``c_strides``);
 * derived tensors: :class:`Derivation` (source boxes of a request, compute), :class:`DerivedRegion`
   and :func:`derived_state` (a tensor computed per slice from stored ones: dequantization);
-* the view an adapter returns: :class:`CheckpointIndex` (``Checkpoint`` adds the reader);
-* the rule language and its fragment transforms (``concat``, ``crop``, ``split`` ...);
-* reading: :class:`FileCache`, :func:`read_state`, :func:`read_boxes`, and :func:`fresh_array`
-  (a destination array for data written once);
-* storage: ``storage`` (``ckptbridge._storage``), the path API every adapter opens files
-  through, so that checkpoints behind URLs (``s3://``, ``gs://``, ``hf://`` ... through fsspec)
-  read like local ones: ``storage.isfile``, ``isdir``, ``listdir``, ``getsize``, ``open_read``,
-  ``read_bytes``, ``join``, ``normpath``, ``inside`` ...;
+* what an adapter returns and gets: :class:`CheckpointIndex`, :class:`Checkpoint`,
+  :class:`TensorView`; :func:`open_checkpoint`, and :func:`as_checkpoint` (a path or a
+  Checkpoint, seen through rules: the one helper for "source" arguments);
+* the rules adapters lay out or map with (``Shard``, ``Replicate``, ``Fuse``, ``Rename`` ...,
+  :func:`apply_rules`) and the fragment transforms they build views with (``concat``,
+  ``crop``, ``fuse``, ``pad``, ``unstack``); the whole language is :mod:`ckptbridge.rules`;
+* reading: :class:`FileCache`, :func:`read_state`, :func:`read_boxes`, :func:`fresh_array`;
+* storage: ``storage``, a :class:`Storage` (a small typed protocol: names, listings, reads,
+  ``read_ranges``), through which checkpoints behind URLs (``s3://``, ``gs://``, ``hf://`` ...)
+  read like local ones; ``dtypes`` (dtype names <-> numpy);
 * the registry: :class:`Format`, :class:`OpenOptions`, :class:`WriteOptions`,
-  :func:`register_format`, :func:`require` (import an optional dependency or
-  name the extra to install);
-* writing: :func:`staged_dir` / :func:`staged_file` (the one commit rule), the
-  universal layout's writer (:class:`Piece`, :func:`write_universal`,
-  :func:`write_rank`, :func:`commit_universal`) and the safetensors primitives;
-* scale-out writes: :class:`World`, :func:`world_from_env` (this process among the launcher's),
-  :class:`Store` / :class:`FileStore` (how ranks agree; runtimes register stores through the
-  ``ckptbridge.stores`` entry-point group), :func:`balance`;
-* the asynchronous checkpointer's hook for runtimes: :class:`Leaf` and
-  :func:`register_leaf_provider`;
-* the fault detector's hook for runtimes: :class:`JobStore` and :func:`register_job_store`
-  (the job's key-value store), with :class:`BoundedCaller`, :func:`poll_keys`,
-  :func:`retry` and :class:`StoreTimeout` to bound and repeat the clients' calls;
-* the error tree.
+  :func:`register_format`, :func:`require` (import an optional dependency or name the extra
+  to install);
+* writing: :func:`staged_dir` / :func:`staging_path` / :func:`check_destination` (the commit
+  rule), the universal layout's writer (:class:`Piece`, :func:`write_universal`,
+  :func:`write_rank`, :func:`commit_universal`), :func:`read_header` (safetensors);
+* runtimes: :class:`RankProvider` and :func:`find_ranks` (which rank am I, how many ranks),
+  :class:`Leaf` / :class:`LeafProvider` / :func:`register_leaf_provider` (what the
+  Checkpointer captures), :class:`JobStore` / :func:`register_job_store` with
+  :class:`BoundedCaller` and :func:`poll_keys` (the Watchdog's job store);
+* the errors adapters raise.
 
 A minimal read-only format::
 
     from ckptbridge.plugin import (CheckpointIndex, Format, LogicalTensor, TensorState,
-                                   contiguous_fragment, register_format)
+                                   contiguous_fragment, register_format, storage)
 
     def detect(path): return path.endswith(".raw32")
     def index(path, options):
-        n = os.path.getsize(path) // 4
+        n = storage.getsize(path) // 4
         frag = contiguous_fragment((n,), path, 0, "float32")
         return CheckpointIndex("raw32", path, {"w": LogicalTensor("w", {"fp32": TensorState(
             "float32", (n,), (frag,))})})
@@ -51,229 +50,84 @@ A minimal read-only format::
 
 from __future__ import annotations
 
-from . import _dtypes as dtypes
-from . import _storage as storage
-from ._checkpoint import Checkpoint, CheckpointIndex, TensorView
-from ._checkpointer.leaves import Capture, Leaf, LeafProvider, leaves_of, register_leaf_provider
-from ._commit import check_destination, fsync_tree, publish, staged_dir, staged_file, staging_path
-from ._crc import crc32
-from ._derived import Derivation, DerivedRegion, derived_state
-from ._errors import (
-    AccessDeniedError,
-    CheckpointError,
-    CorruptionError,
-    FormatError,
-    IncompleteCheckpointError,
-    MissingExtraError,
-    MissingShardError,
-    OptionError,
-    ShapeMismatchError,
-    StorageError,
-    TensorNotFoundError,
-    TruncatedError,
-    UnknownFormatError,
-    UnsafePickleError,
-    WriteError,
-)
-from ._formats import Format, OpenOptions, WriteOptions, get_format, register_format, require
-from ._hostmem import fresh_array
-from ._jobstore import BoundedCaller, JobStore, StoreTimeout, poll_keys, register_job_store, retry
-from ._jsonable import jsonable
-from ._model import (
-    WEIGHT_STATES,
-    Box,
-    FileRegion,
-    Fragment,
-    Location,
-    LogicalTensor,
-    TensorState,
-    c_strides,
-    check_name,
-    contiguous_fragment,
-    flat_range_boxes,
-    flat_range_fragments,
-    weight_state_for,
-)
-from ._open import as_checkpoint, open_checkpoint
-from ._read import FileCache, ReadStats, read_boxes, read_state
-from ._rules import (
-    Cast,
-    Crop,
-    Deinterleave,
-    Expect,
-    FlatPartition,
-    Fuse,
-    Interleave,
-    Join,
-    MergeDims,
-    Pad,
-    Rename,
-    Renumber,
-    Replicate,
-    Reshape,
-    Rule,
-    Scale,
-    Shard,
-    Split,
-    SplitDim,
-    Stack,
-    State,
-    Transpose,
-    Unstack,
-    apply_rules,
-    cast,
-    coalesce,
-    concat,
-    crop,
-    deinterleave,
-    fuse,
-    interleave,
-    invert,
-    merge_dims,
-    pad,
-    reshape,
-    rule_from_json,
-    rules_to_json,
-    scale,
-    split,
-    split_dim,
-    stack,
-    transpose,
-    unstack,
-)
-from ._safetensors import Entry, FileSpec, read_header, write_file, write_files
-from ._scaleout import FileStore, Store, World, balance, rank_from_env, world_from_env
-from ._universal import Piece, commit_universal, write_rank, write_universal
-from ._views import ScaledRegion, ViewRegion, ZeroRegion
+from . import _dtypes as dtypes  # noqa: F401 (listed in __all__, derived)
+from ._checkpointer.leaves import Leaf as Leaf
+from ._checkpointer.leaves import LeafProvider as LeafProvider
+from ._checkpointer.leaves import register_leaf_provider as register_leaf_provider
+from ._errors import CheckpointError as CheckpointError
+from ._errors import CorruptionError as CorruptionError
+from ._errors import FormatError as FormatError
+from ._errors import MissingShardError as MissingShardError
+from ._errors import OptionError as OptionError
+from ._errors import ShapeMismatchError as ShapeMismatchError
+from ._errors import StorageError as StorageError
+from ._errors import TensorNotFoundError as TensorNotFoundError
+from ._errors import TruncatedError as TruncatedError
+from ._errors import UnsafePickleError as UnsafePickleError
+from ._formats.registry import Format as Format
+from ._formats.registry import OpenOptions as OpenOptions
+from ._formats.registry import WriteOptions as WriteOptions
+from ._formats.registry import register_format as register_format
+from ._formats.registry import require as require
+from ._formats.safetensors import read_header as read_header
+from ._formats.universal import Piece as Piece
+from ._formats.universal import commit_universal as commit_universal
+from ._formats.universal import write_rank as write_rank
+from ._formats.universal import write_universal as write_universal
+from ._ranks import RankProvider as RankProvider
+from ._ranks import find_ranks as find_ranks
+from ._read.checkpoint import Checkpoint as Checkpoint
+from ._read.checkpoint import CheckpointIndex as CheckpointIndex
+from ._read.checkpoint import TensorView as TensorView
+from ._read.derived import Derivation as Derivation
+from ._read.derived import DerivedRegion as DerivedRegion
+from ._read.derived import derived_state as derived_state
+from ._read.executor import FileCache as FileCache
+from ._read.executor import read_boxes as read_boxes
+from ._read.executor import read_state as read_state
+from ._read.model import WEIGHT_STATES as WEIGHT_STATES
+from ._read.model import Box as Box
+from ._read.model import FileRegion as FileRegion
+from ._read.model import Fragment as Fragment
+from ._read.model import LogicalTensor as LogicalTensor
+from ._read.model import TensorState as TensorState
+from ._read.model import c_strides as c_strides
+from ._read.model import check_name as check_name
+from ._read.model import contiguous_fragment as contiguous_fragment
+from ._read.model import flat_range_boxes as flat_range_boxes
+from ._read.model import flat_range_fragments as flat_range_fragments
+from ._read.model import weight_state_for as weight_state_for
+from ._read.open import as_checkpoint as as_checkpoint
+from ._read.open import open_checkpoint as open_checkpoint
+from ._storage.commit import check_destination as check_destination
+from ._storage.commit import staged_dir as staged_dir
+from ._storage.commit import staging_path as staging_path
+from ._storage.hostmem import fresh_array as fresh_array
+from ._storage.interface import STORAGE as storage  # noqa: F401 (listed in __all__, derived)
+from ._storage.interface import Storage as Storage
+from .health._jobstore import BoundedCaller as BoundedCaller
+from .health._jobstore import JobStore as JobStore
+from .health._jobstore import poll_keys as poll_keys
+from .health._jobstore import register_job_store as register_job_store
+from .rules import FlatPartition as FlatPartition
+from .rules import Fuse as Fuse
+from .rules import Pad as Pad
+from .rules import Rename as Rename
+from .rules import Renumber as Renumber
+from .rules import Replicate as Replicate
+from .rules import Rule as Rule
+from .rules import Shard as Shard
+from .rules import Split as Split
+from .rules import Stack as Stack
+from .rules import State as State
+from .rules import Transpose as Transpose
+from .rules import Unstack as Unstack
+from .rules import apply_rules as apply_rules
+from .rules import concat as concat
+from .rules import crop as crop
+from .rules import fuse as fuse
+from .rules import pad as pad
+from .rules import rules_to_json as rules_to_json
+from .rules import unstack as unstack
 
-__all__ = [
-    "WEIGHT_STATES",
-    "AccessDeniedError",
-    "BoundedCaller",
-    "Box",
-    "Capture",
-    "Cast",
-    "Checkpoint",
-    "CheckpointError",
-    "CheckpointIndex",
-    "CorruptionError",
-    "Crop",
-    "Deinterleave",
-    "Derivation",
-    "DerivedRegion",
-    "Entry",
-    "Expect",
-    "FileCache",
-    "FileRegion",
-    "FileSpec",
-    "FileStore",
-    "FlatPartition",
-    "Format",
-    "FormatError",
-    "Fragment",
-    "Fuse",
-    "IncompleteCheckpointError",
-    "Interleave",
-    "JobStore",
-    "Join",
-    "Leaf",
-    "LeafProvider",
-    "Location",
-    "LogicalTensor",
-    "MergeDims",
-    "MissingExtraError",
-    "MissingShardError",
-    "OpenOptions",
-    "OptionError",
-    "Pad",
-    "Piece",
-    "ReadStats",
-    "Rename",
-    "Renumber",
-    "Replicate",
-    "Reshape",
-    "Rule",
-    "Scale",
-    "ScaledRegion",
-    "ShapeMismatchError",
-    "Shard",
-    "Split",
-    "SplitDim",
-    "Stack",
-    "State",
-    "StorageError",
-    "Store",
-    "StoreTimeout",
-    "TensorNotFoundError",
-    "TensorState",
-    "TensorView",
-    "Transpose",
-    "TruncatedError",
-    "UnknownFormatError",
-    "UnsafePickleError",
-    "Unstack",
-    "ViewRegion",
-    "World",
-    "WriteError",
-    "WriteOptions",
-    "ZeroRegion",
-    "apply_rules",
-    "as_checkpoint",
-    "balance",
-    "c_strides",
-    "cast",
-    "check_destination",
-    "check_name",
-    "coalesce",
-    "commit_universal",
-    "concat",
-    "contiguous_fragment",
-    "crc32",
-    "crop",
-    "deinterleave",
-    "derived_state",
-    "dtypes",
-    "flat_range_boxes",
-    "flat_range_fragments",
-    "fresh_array",
-    "fsync_tree",
-    "fuse",
-    "get_format",
-    "interleave",
-    "invert",
-    "jsonable",
-    "leaves_of",
-    "merge_dims",
-    "open_checkpoint",
-    "pad",
-    "poll_keys",
-    "publish",
-    "rank_from_env",
-    "read_boxes",
-    "read_header",
-    "read_state",
-    "register_format",
-    "register_job_store",
-    "register_leaf_provider",
-    "require",
-    "reshape",
-    "retry",
-    "rule_from_json",
-    "rules_to_json",
-    "scale",
-    "split",
-    "split_dim",
-    "stack",
-    "staged_dir",
-    "staged_file",
-    "staging_path",
-    "storage",
-    "transpose",
-    "unstack",
-    "weight_state_for",
-    "world_from_env",
-    "write_file",
-    "write_files",
-    "write_rank",
-    "write_universal",
-]
+__all__ = sorted(n for n in dict(globals()) if not n.startswith("_") and n != "annotations")

@@ -113,7 +113,7 @@ def test_fsspec_url_as_persistent_level(tmp_path):
 
 CRASH = textwrap.dedent("""
     import os, sys, time, numpy as np
-    import ckptbridge._safetensors as st
+    import ckptbridge._formats.safetensors_write as st
     from ckptbridge import Checkpointer
     root = sys.argv[1]
     ck = Checkpointer(root)
@@ -124,7 +124,7 @@ CRASH = textwrap.dedent("""
         print("FLUSHING", flush=True); time.sleep(60)
         return out
     st.write_files = slow
-    import ckptbridge._universal as u; u.write_files = slow
+    import ckptbridge._formats.universal as u; u.write_files = slow
     ck.save(2, {"w": np.full(1000, 2.0, np.float32)})
     time.sleep(60)
 """)
@@ -237,7 +237,7 @@ def test_flush_writes_from_the_snapshot_buffers_without_a_copy(tmp_path, monkeyp
     """The snapshot lands in page-aligned images of the data files, so the flush only checksums
     and writes them; the files equal what a synchronous write of the same state gives, also
     when the state's layout changes from one save to the next."""
-    import ckptbridge._safetensors as st
+    import ckptbridge._formats.safetensors_write as st
     from ckptbridge.plugin import Box, Piece, write_rank
     from ckptbridge.plugin import commit_universal as commit
 

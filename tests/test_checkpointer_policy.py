@@ -309,14 +309,14 @@ def test_host_buffer_sets_are_cut_to_what_memory_holds(tmp_path, monkeypatch, ca
     """A state whose spare buffer set would not fit in the memory available keeps one set (with a
     warning), so the second save waits for the first flush instead of the machine running out of
     memory (at 8 GiB on a 24 GiB machine the spare set got the process OOM-killed)."""
-    from ckptbridge._checkpointer import core
+    from ckptbridge._checkpointer import host
     from ckptbridge._checkpointer.policy import sets_that_fit
 
     assert sets_that_fit(None, 8 << 30, 2) == 2
     assert sets_that_fit(14 << 30, 8 << 30, 2) == 1 and sets_that_fit(40 << 30, 8 << 30, 2) == 2
     assert sets_that_fit(1 << 20, 8 << 30, 3) == 1  # never fewer than one
 
-    monkeypatch.setattr(core, "available_memory", lambda: 1 << 30)  # just the reserve: no room for a spare
+    monkeypatch.setattr(host, "available_memory", lambda: 1 << 30)  # just the reserve: no room for a spare
     gate = threading.Event()
     ck = Checkpointer(tmp_path / "ck", keep_last=None, policy=SavePolicy(host_buffers=2))
     with caplog.at_level("WARNING", logger="ckptbridge"):
@@ -330,7 +330,7 @@ def test_host_buffer_sets_are_cut_to_what_memory_holds(tmp_path, monkeypatch, ca
     _check_steps(tmp_path / "ck", [0, 1])
     ck.close()
 
-    monkeypatch.setattr(core, "available_memory", lambda: 64 << 30)  # negative control: plenty of memory
+    monkeypatch.setattr(host, "available_memory", lambda: 64 << 30)  # negative control: plenty of memory
     ck = Checkpointer(tmp_path / "ck2", keep_last=None, policy=SavePolicy(host_buffers=2))
     ck.save(0, _state(0, _opened()))
     ck.wait()

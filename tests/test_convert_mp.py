@@ -212,7 +212,8 @@ def test_file_coordinated_rank_killed_is_named_and_rerun_succeeds(tmp_path, big_
 
 
 def test_world_from_env_needs_a_store_or_a_job_id(tmp_path):
-    from ckptbridge.plugin import balance, rank_from_env, world_from_env
+    from ckptbridge._formats.scaleout import balance, world_from_env
+    from ckptbridge._ranks import rank_from_env
 
     assert rank_from_env({}) == (0, 1)
     assert rank_from_env({"SLURM_PROCID": "2", "SLURM_NTASKS": "4"}) == (2, 4)

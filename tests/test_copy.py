@@ -1,12 +1,12 @@
-"""Tiled strided copies (``ckptbridge._copy.copyto``) equal ``np.copyto`` for every layout they tile."""
+"""Tiled strided copies (``ckptbridge._read.copyto.copyto``) equal ``np.copyto`` for every layout they tile."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from ckptbridge import _copy
 from ckptbridge._dtypes import to_numpy
+from ckptbridge._read import copyto as _copy
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])

@@ -18,17 +18,9 @@ from test_deepspeed import runs_dir  # noqa: F401  (session fixture: the unpacke
 import ckptbridge as cbopen
 from ckptbridge import Checkpoint, CheckpointIndex
 from ckptbridge.adapters import flax as cbflax
-from ckptbridge.plugin import (
-    Box,
-    Piece,
-    Rename,
-    Stack,
-    Transpose,
-    apply_rules,
-    rule_from_json,
-    rules_to_json,
-)
+from ckptbridge.plugin import Box, Piece
 from ckptbridge.plugin import write_universal as save
+from ckptbridge.rules import Rename, Stack, Transpose, apply_rules, rule_from_json, rules_to_json
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 D, V, L, OUT = 8, 10, 3, 4

@@ -7,7 +7,7 @@ import sys
 import numpy as np
 import pytest
 
-from ckptbridge import _hostmem
+from ckptbridge._storage import hostmem as _hostmem
 from ckptbridge.plugin import fresh_array
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/smaps")

@@ -6,7 +6,7 @@ import sys
 
 def test_import_is_framework_free():
     code = (
-        "import sys, ckptbridge, ckptbridge._cli, ckptbridge._universal, ckptbridge._convert\n"
+        "import sys, ckptbridge, ckptbridge._cli, ckptbridge._formats.universal, ckptbridge._formats.convert\n"
         "bad = [m for m in ('torch', 'jax', 'jaxlib', 'deepspeed', 'flax', 'orbax') if m in sys.modules]\n"
         "print(','.join(bad))\n"
     )

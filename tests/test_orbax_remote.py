@@ -27,8 +27,8 @@ from jax.sharding import PartitionSpec as P
 
 import ckptbridge
 from ckptbridge import MissingShardError, OptionError, StorageError
+from ckptbridge import _storage as storage
 from ckptbridge.adapters import jax as cbjax
-from ckptbridge.plugin import storage
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ckptbridge import ShapeMismatchError, TruncatedError
-from ckptbridge._plan import normalize_index, plan
+from ckptbridge._read.plan import normalize_index, plan
 from ckptbridge.plugin import (
     Box,
     FileCache,

@@ -18,23 +18,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
+import transformers
+from safetensors.torch import save_file
 
 import ckptbridge
-from ckptbridge.plugin import (
-    Box,
-    CheckpointIndex,
-    FormatError,
-    Interleave,
-    LogicalTensor,
-    Reshape,
-    Stack,
-    Transpose,
-    derived_state,
-)
-
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-from safetensors.torch import save_file  # noqa: E402
+from ckptbridge.plugin import Box, CheckpointIndex, FormatError, LogicalTensor, derived_state
+from ckptbridge.rules import Interleave, Reshape, Stack, Transpose
 
 BLOCK = (16, 24)
 TINY_V3 = dict(vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=48,

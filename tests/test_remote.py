@@ -23,7 +23,8 @@ from _servers import RangeServer, free_port, gcs_server, make_bucket, s3_options
 
 import ckptbridge
 from ckptbridge import AccessDeniedError, IncompleteCheckpointError, MissingShardError, StorageError
-from ckptbridge.plugin import Box, Piece, storage, write_universal
+from ckptbridge import _storage as storage
+from ckptbridge.plugin import Box, Piece, write_universal
 
 FIX = os.path.join(os.path.dirname(__file__), "fixtures")
 DS = os.path.join(FIX, "migration", "ds_zero2_w2", "ckpt")

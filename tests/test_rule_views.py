@@ -22,12 +22,14 @@ from ckptbridge.plugin import (
     Fragment,
     TensorState,
     c_strides,
+    read_state,
+)
+from ckptbridge.rules import (
     coalesce,
     crop,
     deinterleave,
     interleave,
     merge_dims,
-    read_state,
     reshape,
     split_dim,
     transpose,
@@ -156,7 +158,7 @@ def test_rotary_interleave_stays_one_fragment_and_round_trips_exactly(tmp_path) 
 
 def test_split_join_round_trip_coalesces_back(tmp_path) -> None:
     """QKV split into groups and joined back leaves as many fragments as there were (it left 10x)."""
-    from ckptbridge.plugin import fuse, split
+    from ckptbridge.rules import fuse, split
 
     arr = np.arange(4 * 24 * 5, dtype=np.float32).reshape(96, 5)
     state = _fragmented(str(tmp_path), arr, [[48], []])

@@ -9,8 +9,8 @@ import torch
 
 import ckptbridge
 import ckptbridge.plugin
-from ckptbridge.plugin import (
-    Box,
+from ckptbridge.plugin import Box
+from ckptbridge.rules import (
     Fuse,
     Rename,
     Shard,

@@ -2,7 +2,7 @@
 
 Bound (issue #18): peak RSS above the baseline <= max(2 x the largest tensor, FIXED), with FIXED
 the writer's own in-flight buffers: ``_SLOTS`` (6) chunks of at most ``_CHUNK_BYTES`` (16 MiB)
-(bridge/_safetensors.py: tensors bigger than a chunk are produced and written by rows), plus
+(bridge/_formats/safetensors_write.py: tensors bigger than a chunk are produced and written by rows), plus
 16 MiB for the interpreter's own churn: 112 MiB. The checkpoints converted are 256 MiB, so a
 converter that holds the whole source (or half of it, for the many-small-tensors case) fails.
 

@@ -229,7 +229,7 @@ def test_chunked_pipelined_writes_equal_whole_tensor_writes(tmp_path, monkeypatc
     the files, offsets and checksums are the same as writing each tensor whole."""
     import zlib
 
-    import ckptbridge._safetensors as st
+    import ckptbridge._formats.safetensors_write as st
 
     rng = np.random.default_rng(1)
     sd = {"emb": torch.from_numpy(rng.standard_normal((301, 77)).astype(np.float32)),
@@ -259,7 +259,7 @@ def test_a_failing_producer_stops_the_write_pipeline_cleanly(tmp_path):
     blocked and no buffer leaked (a second write in the same process works)."""
     import threading
 
-    import ckptbridge._safetensors as st
+    import ckptbridge._formats.safetensors_write as st
 
     def boom():
         raise ValueError("source tensor 'b' unreadable")
@@ -290,7 +290,7 @@ def test_crc32_and_combine_match_zlib():
     from hypothesis import given, settings
     from hypothesis import strategies as hs
 
-    from ckptbridge._crc import combine_py, crc32, crc32_combine
+    from ckptbridge._storage.crc import combine_py, crc32, crc32_combine
 
     @settings(max_examples=200, deadline=None)
     @given(hs.binary(max_size=3000), hs.binary(max_size=3000))
@@ -338,7 +338,7 @@ def test_background_writes_run_below_the_training_threads(tmp_path):
     are); the caller's own thread keeps its priority either way."""
     import threading
 
-    import ckptbridge._safetensors as st
+    import ckptbridge._formats.safetensors_write as st
 
     seen = []
 

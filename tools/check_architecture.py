@@ -3,9 +3,12 @@
 1. No import cycles among the project's modules (module-level, function-level and
    ``TYPE_CHECKING`` imports all count).
 2. Adapters (``adapters/``) import the core only through its declared public
-   interface: ``ckptbridge`` and ``ckptbridge.plugin`` (never ``ckptbridge._*``).
+   interface: ``ckptbridge`` and ``ckptbridge.plugin`` (never ``ckptbridge._*``, nor the
+   public ``ckptbridge.rules`` / ``health`` / ``recipes``: what adapters need is in the plugin).
 3. The core (``bridge/``) never imports an adapter, torch or jax at module level
    (frameworks are imported lazily, inside functions of the adapters).
+4. The core finds frameworks only through registered providers (entry points): no
+   ``sys.modules`` lookups and no private ``jax._src`` paths in ``bridge/``.
 
 Exit 1 with one line per violation::
 
@@ -21,6 +24,8 @@ from collections.abc import Iterator
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGES = {"bridge": "ckptbridge", "adapters": "ckptbridge.adapters"}
+ADAPTER_INTERFACE = ("plugin", "adapters")  # ckptbridge.<these> (and ckptbridge itself) for adapters
+PROBES = ("sys.modules", "jax._src")  # how a core would find frameworks without their providers
 FRAMEWORKS = ("torch", "jax", "jaxlib", "flax", "optax", "orbax", "tensorstore", "deepspeed", "megatron")
 
 
@@ -75,13 +80,19 @@ def main() -> int:
                 graph[name].add(target)  # a package's own submodules are its parts, not a dependency
             root = target.split(".")[0]
             if name.startswith("ckptbridge.adapters"):
-                if target.startswith("ckptbridge._") and target.split(".")[1].startswith("_"):
-                    problems.append(f"{rel}:{line}: adapter imports private core module {target}")
+                core = target.split(".")[1] if target.startswith("ckptbridge.") else None
+                if core is not None and core not in ADAPTER_INTERFACE:
+                    problems.append(f"{rel}:{line}: adapter imports {target} (only ckptbridge and ckptbridge.plugin)")
             elif name.startswith("ckptbridge"):
                 if target.startswith("ckptbridge.adapters"):
                     problems.append(f"{rel}:{line}: core imports adapter {target}")
                 if level and root in FRAMEWORKS:
                     problems.append(f"{rel}:{line}: core imports {root} at module level")
+        if not name.startswith("ckptbridge.adapters"):
+            with open(path) as fh:
+                for n, text in enumerate(fh, 1):
+                    problems += [f"{rel}:{n}: core looks for a framework through {p} (register a provider)"
+                                 for p in PROBES if p in text]
     problems += [f"import cycle: {' -> '.join(c)}" for c in cycles(graph)]
     for p in problems:
         print(p)

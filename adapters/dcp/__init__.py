@@ -6,9 +6,9 @@ is) and ``__<rank>_<n>.distcp`` files. With the default ``torch_save``
 serialization every chunk is a complete ``torch.save`` archive appended to
 the file, its storage bytes uncompressed inside; with ``safetensors``
 serialization each file is a safetensors file. Either way a chunk becomes a
-:class:`~ckptbridge._model.Fragment` pointing at its bytes in the
+:class:`~ckptbridge._read.model.Fragment` pointing at its bytes in the
 ``.distcp`` file, so loading any box reads only that box. The metadata
-pickle goes through the safe loader (see :mod:`ckptbridge.adapters._dcp_metadata`,
+pickle goes through the safe loader (see :mod:`ckptbridge.adapters.dcp._metadata`,
 shared with the Megatron ``torch_dist`` reader).
 
 Names: DCP flattens nested state dicts (``{"model": ..., "optim": ...}``)

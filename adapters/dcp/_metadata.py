@@ -10,7 +10,7 @@ to ``_StorageInfo(relative_path, offset, length)``. Each tensor item is itself
 a small ``torch.save`` zip archive stored at that byte range (the default
 ``SerializationFormat.TORCH_SAVE``), so a chunk is found in place: parse the
 embedded zip's headers, unpickle its ``data.pkl`` with the safe loader and
-point a :class:`~ckptbridge._model.FileRegion` at its storage bytes::
+point a :class:`~ckptbridge._read.model.FileRegion` at its storage bytes::
 
     meta = read_metadata("ckpt/iter_0000005")
     t = meta.tensors["embedding.word_embeddings.weight"]
@@ -242,7 +242,7 @@ def tensor_state(meta: DcpMetadata, fqn: str) -> TensorState:
 def read_object(meta: DcpMetadata, fqn: str) -> Any:
     """A bytes entry (``torch.save`` of a Python object, e.g. a Megatron ShardedObject), safely unpickled.
 
-    Tensors inside come back as :class:`~ckptbridge._pickle.TensorRef`; use :func:`object_archive`
+    Tensors inside come back as :class:`~ckptbridge.adapters.torchfile.TensorRef`; use :func:`object_archive`
     when their bytes are needed.
     """
     return object_archive(meta, fqn)[0]

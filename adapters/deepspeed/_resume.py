@@ -73,10 +73,10 @@ from ckptbridge.plugin import (
     ShapeMismatchError,
     TensorNotFoundError,
     TensorState,
+    as_checkpoint,
     concat,
     crop,
     flat_range_boxes,
-    open_checkpoint,
     pad,
     read_state,
 )
@@ -149,11 +149,7 @@ def load_engine(
     if hyperparameters not in ("checkpoint", "config"):
         raise OptionError(f"load_engine: hyperparameters must be 'checkpoint' or 'config', got {hyperparameters!r}")
     t0 = time.perf_counter()
-    if isinstance(source, Checkpoint):
-        ckpt, owned = source, False
-    else:
-        path = os.fspath(source)
-        ckpt, owned = (open_checkpoint(path, tag=tag) if tag else open_checkpoint(path)), True
+    ckpt, owned = as_checkpoint(source, **({"tag": tag} if tag else {})), not isinstance(source, Checkpoint)
     try:
         opt = engine.optimizer
         _check_supported(engine, opt, ckpt)

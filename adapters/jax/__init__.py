@@ -42,6 +42,7 @@ from ckptbridge.plugin import (
     ShapeMismatchError,
     TensorNotFoundError,
     TensorState,
+    as_checkpoint,
     check_destination,
     commit_universal,
     fresh_array,
@@ -116,13 +117,6 @@ def flatten(tree: Any, is_leaf: Callable[[Any], bool] | None = None) -> tuple[li
 
     flat, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)
     return [(path_name(p), leaf) for p, leaf in flat], treedef
-
-
-def _as_checkpoint(source: Any) -> tuple[Checkpoint, bool]:
-    if isinstance(source, Checkpoint):
-        return source, False
-
-    return open_checkpoint(source), True
 
 
 def _is_float(dtype: str) -> bool:
@@ -261,7 +255,7 @@ def load(
     """
     import jax
 
-    ckpt, owned = _as_checkpoint(source)
+    ckpt, owned = as_checkpoint(source), not isinstance(source, Checkpoint)
     try:
         if isinstance(shardings, jax.sharding.Sharding) or (
             callable(shardings) and not isinstance(shardings, Mapping) and not hasattr(shardings, "sharding")

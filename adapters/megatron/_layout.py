@@ -222,12 +222,6 @@ def shard_box(shape: Sequence[int], layout: TpLayout, tp: int, rank: int) -> lis
 # ------------------------------------------------------------------ pipeline stages
 
 
-def stage_chunks(cfg: MegatronConfig) -> list[tuple[int, int]]:
-    """Model chunks in global layer order: (vp_stage, pp_rank), vp-major (Megatron's interleaving)."""
-    vpp = cfg.vpp or 1
-    return [(v, p) for v in range(vpp) for p in range(cfg.pp)]
-
-
 def layers_per_chunk(cfg: MegatronConfig, first: int | None = None, last: int | None = None,
                      account_embedding: bool = False, account_loss: bool = False) -> dict[tuple[int, int], int]:
     """Number of decoder layers in each (vp_stage, pp_rank) chunk, following mcore's
@@ -284,18 +278,6 @@ def layout_rules(cfg: MegatronConfig, offsets: Mapping[tuple[int, int], int],
             rules.append(Renumber(r"^decoder\.layers\.(\d+)\.", axis=axis, offset=off))
     return rules
 
-
-def to_dist_key(name: str, local_spec: bool) -> tuple[str, int | None]:
-    """Legacy per-layer name -> (dist-checkpoint key, layer index or None)."""
-    m = LAYER_RE.match(name)
-    if not m:
-        return name, None
-    rest = m.group(2)
-    if local_spec:
-        for a, b in LOCAL_TO_DIST:
-            if rest.startswith(a):
-                rest = b + rest[len(a):]
-    return f"decoder.layers.{rest}", int(m.group(1))
 
 
 def from_dist_key(key: str, layer: int | None, local_spec: bool) -> str:

@@ -183,7 +183,7 @@ def _fetch_remote(chunks: Sequence[ZstdChunk]) -> dict[tuple[str, int], bytes]:
             spans.setdefault(c.file, []).append((c.offset, c.length))
     out: dict[tuple[str, int], bytes] = {}
     for url, want in spans.items():
-        for (start, _), data in zip(want, storage.remote(url).read_ranges(url, want), strict=True):
+        for (start, _), data in zip(want, storage.read_ranges(url, want), strict=True):
             out[(url, start)] = data
     return out
 

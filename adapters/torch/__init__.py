@@ -22,7 +22,7 @@ into the local tensor's memory. Any format ckptbridge opens is a source::
     cbt.load_train_state(ck.path_of(ck.latest()), fsdp_model, adamw)     # resume at any world size
 
 Names that differ between checkpoint and model are mapped with rules
-(``rules=[Rename(r"^module\\.", "")]``, see :mod:`ckptbridge._rules`).
+(``rules=[Rename(r"^module\\.", "")]``, see :mod:`ckptbridge.rules`).
 """
 
 from __future__ import annotations
@@ -39,26 +39,23 @@ from ckptbridge.plugin import (
     WEIGHT_STATES,
     Box,
     Checkpoint,
-    CheckpointIndex,
     FormatError,
     LogicalTensor,
     Piece,
     Rule,
     ShapeMismatchError,
     TensorNotFoundError,
-    apply_rules,
+    as_checkpoint,
     c_strides,
     check_destination,
     commit_universal,
+    find_ranks,
     read_state,
-    rule_from_json,
-    rules_to_json,
     staging_path,
     write_rank,
     write_universal,
 )
 from ckptbridge.plugin import dtypes as _dtypes
-from ckptbridge.plugin import open_checkpoint as open_ckpt
 
 if TYPE_CHECKING:
     import torch
@@ -193,26 +190,13 @@ def _coordinate(mesh: Any) -> list[int] | None:
 # ---------------------------------------------------------------- sources and rules
 
 
-def _rules(rules: Iterable[Rule | Mapping[str, Any]]) -> list[Rule]:
-    return [r if isinstance(r, Rule) else rule_from_json(r) for r in rules]
-
-
 def open_source(source: str | os.PathLike[str] | Checkpoint,
                 rules: Iterable[Rule | Mapping[str, Any]] = ()) -> Checkpoint:
-    """``source`` as a :class:`Checkpoint` (opened if a path), with mapping ``rules`` applied.
+    """``source`` as a :class:`Checkpoint` (opened if a path), seen through mapping ``rules``.
 
     The result shares the source's file cache, so ``source.stats`` counts its reads.
     """
-
-    ckpt = source if isinstance(source, Checkpoint) else open_ckpt(os.fspath(source))
-    rules = _rules(rules)
-    if not rules:
-        return ckpt
-    idx = ckpt.index
-    tensors = apply_rules(idx.tensors, rules)
-    new = CheckpointIndex(idx.format, idx.path, tensors, idx.step, idx.extra,
-                          (*idx.rules, *rules_to_json(rules)), idx.provenance)
-    return Checkpoint(new, ckpt.files)
+    return as_checkpoint(source, list(rules))
 
 
 def _tensor(ckpt: Checkpoint, name: str) -> LogicalTensor:
@@ -475,14 +459,6 @@ def _hyperparameters(optimizer: Any) -> list[dict[str, Any]]:
     return groups
 
 
-def _rank_world() -> tuple[int, int, bool]:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size(), True
-    return 0, 1, False
-
-
 def _pieces(name: str, state: str, t: Any, rank: int) -> list[Any]:
     """The universal pieces of ``t`` that this rank writes (one copy of every replica)."""
     from torch.distributed.tensor import DTensor, Partial, Replicate
@@ -538,7 +514,9 @@ def save(
 
 
     path = os.fspath(path)
-    rank, world, distributed = _rank_world()
+    found = find_ranks()
+    distributed = found is not None and found.source == "torch"  # ranks write together through torch.distributed
+    rank, world = (found.rank, found.world) if found is not None and distributed else (0, 1)
     entries: dict[str, dict[str, Any]] = {}
     for name, v in state_dict.items():
         if isinstance(v, torch.Tensor):

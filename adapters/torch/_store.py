@@ -18,7 +18,7 @@ from typing import Any
 
 
 class TorchStore:
-    """``ckptbridge._scaleout.Store`` over a ``torch.distributed.Store``."""
+    """``ckptbridge._formats.scaleout.Store`` over a ``torch.distributed.Store``."""
 
     def __init__(self, store: Any) -> None:
         self._store = store

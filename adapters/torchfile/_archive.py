@@ -4,7 +4,7 @@ A torch zip archive stores the pickled object tree in ``<prefix>/data.pkl``
 and every storage uncompressed in ``<prefix>/data/<key>``. We unpickle the
 tree with the safe loader (tensors become :class:`TensorRef`) and compute
 each storage's byte offset in the archive, so a tensor becomes a
-:class:`~ckptbridge._model.Fragment` whose slices read only their bytes::
+:class:`~ckptbridge._read.model.Fragment` whose slices read only their bytes::
 
     archive = TorchArchive.open("model.pt")
     for name, ref in iter_tensors(archive.obj):

@@ -14,7 +14,7 @@
 Standard-normal data, never zeros, and never one block written over and over: ``O_DIRECT``
 writes come from a page-aligned copy of the whole data (virtual disks can take a repeated
 block faster than non-repeating data: up to 1.25x on the VM these benchmarks ran on), in the
-kind of memory ckptbridge's own direct I/O uses (``ckptbridge._hostmem.aligned_buffer``:
+kind of memory ckptbridge's own direct I/O uses (``ckptbridge._storage.hostmem.aligned_buffer``:
 private, huge pages), and ``O_DIRECT`` reads land in the same kind: from shared anonymous
 memory the same writes ran 1.2-1.7x slower on that VM, which understated the disk.
 """
@@ -29,7 +29,7 @@ import sys
 import threading
 import time
 
-from ckptbridge._hostmem import aligned_buffer
+from ckptbridge._storage.hostmem import aligned_buffer
 
 BLOCK = 8 << 20
 

@@ -2,7 +2,8 @@
 
 The levels, one module each: ``leaves`` (what is captured, and the runtimes
 that capture it), ``host`` (reused host buffers laid out as file images),
-``core`` (the :class:`Checkpointer`: snapshot and flush threads, commit),
+``jobs`` (a save in flight, its timings), ``core`` (the :class:`Checkpointer`: snapshot and
+flush threads, commit),
 ``tree`` (the saved tree's skeleton), ``restore`` (strict restores into live state),
 ``policy`` (:class:`SavePolicy`: back-pressure and priorities under load),
 ``steps`` (step directories, retention, clean-up) and ``persist`` (the copy to

@@ -52,82 +52,48 @@ import time
 import uuid
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from .. import _dtypes
-from .._commit import staging_path
-from .._errors import CheckpointError, IncompleteCheckpointError, MissingShardError
-from .._open import open as open_checkpoint
-from .._safetensors import FileSpec, _lower_priority
-from .._universal import MARKER, Piece, commit_universal, plan_rank, write_rank
-from .host import BufferSet, available_memory
+from .._errors import CheckpointError, MissingShardError
+from .._formats.safetensors import FileSpec
+from .._formats.safetensors_write import lower_priority
+from .._formats.universal import Piece, commit_universal, plan_rank, write_rank
+from .._ranks import rank_world
+from .._storage.commit import staging_path
+from .host import BufferSet, copy_all, fit_sets, warm_spares
+from .jobs import Job, SaveStats
 from .leaves import Capture, Leaf, flatten, leaves_of, pinner, provider_for, providers
 from .persist import check_target, persist
-from .policy import SavePolicy, admit, flush_in_background, sets_that_fit
-from .restore import RestoreResult, restore_into
+from .policy import SavePolicy, admit, flush_in_background
+from .restore import RestoreResult, load_step, restore_into
 from .steps import (
+    await_ranks,
     clean_incomplete,
-    committed_steps,
+    complete_step_dir,
+    latest_step,
     record_owner,
-    remove_checkpoint,
-    retire_checkpoint,
+    retain,
+    retire_newest_dropped,
     reuse_dir,
     reuse_paths,
     step_dir,
-    steps_to_drop,
 )
 from .tree import build, leaf_names, walk
 
 log = logging.getLogger("ckptbridge.checkpointer")
 
 
-@dataclass(frozen=True)
-class SaveStats:
-    """Timing of one save. ``stall_seconds`` is what training waited (in ``save`` and in guards)."""
-
-    step: int
-    bytes: int
-    stall_seconds: float
-    snapshot_seconds: float
-    flush_seconds: float
-    persist_seconds: float | None
-    committed: bool
-
-    @property
-    def flush_gbps(self) -> float:
-        return self.bytes / self.flush_seconds / 1e9 if self.flush_seconds > 0 else float("inf")
-
-
-@dataclass
-class _Job:
-    step: int
-    leaves: list[Leaf]
-    extra: dict[str, Any]
-    buffers: BufferSet
-    tree: Any = None  # the skeleton of the saved state (see .tree)
-    snapshot_done: threading.Event = field(default_factory=threading.Event)
-    flushed: threading.Event = field(default_factory=threading.Event)
-    stall: float = 0.0
-    snapshot_seconds: float = 0.0
-    error: BaseException | None = None
-    pending_lazy: list[Leaf] = field(default_factory=list)
-    copying: bool = False  # its background snapshot started
-    flushing: bool = False  # its flush started (it can no longer be coalesced)
-    superseded: bool = False  # dropped by a newer save (policy "coalesce"); its buffers went to that save
-    released: bool = False  # its buffers were handed back (a later save may own them now)
-
-
 class Checkpointer:
     """Asynchronous multi-level checkpointing into universal directories (see module docs).
 
-    ``rank``/``world_size`` default to torch.distributed's when it is
-    initialised, else 0/1. Every rank calls ``save`` with its own shards; rank
-    0 commits a step once all ranks' pieces are on disk (it polls for them,
-    up to ``commit_timeout`` seconds, so no collective runs in a background
-    thread). Under ``jax.distributed`` they default to JAX's process index and count.
+    ``rank``/``world_size`` default to the running job's (``ckptbridge._ranks``: torch.distributed,
+    jax.distributed's process index and count, then the launcher's RANK/WORLD_SIZE, SLURM ...
+    variables), else 0/1. Every rank calls ``save`` with its own shards; rank 0 commits a step
+    once all ranks' pieces are on disk (it polls for them, up to ``commit_timeout`` seconds, so
+    no collective runs in a background thread).
     ``policy`` (:class:`SavePolicy`): back-pressure, host buffer sets, flush priority,
     snapshot threads. Steps that were not written (skipped or coalesced) are listed
     in ``dropped``.
@@ -152,7 +118,7 @@ class Checkpointer:
         self.persistent = persistent
         if persistent:
             check_target(persistent)
-        self.rank, self.world_size = _dist_info(rank, world_size)
+        self.rank, self.world_size = rank_world(rank, world_size)
         self.commit_timeout = commit_timeout
         self.host_tier = host_tier
         # every rank of one job must agree on the token; separate jobs must not
@@ -167,10 +133,10 @@ class Checkpointer:
         self._blocked = 0  # threads waiting for the disk (in save or wait): the flush is the bottleneck
         self._copiers = ThreadPoolExecutor(self.policy.snapshot_threads, thread_name_prefix="ckptbridge-copy")
         # off every save's path, at the lower priority: retention, pre-faulting spare buffer sets
-        self._chores = ThreadPoolExecutor(1, thread_name_prefix="ckptbridge-chores", initializer=_lower_priority)
-        self._snapshots: queue.Queue[_Job | None] = queue.Queue()
-        self._flushes: queue.Queue[_Job | None] = queue.Queue()
-        self._pending: list[_Job] = []
+        self._chores = ThreadPoolExecutor(1, thread_name_prefix="ckptbridge-chores", initializer=lower_priority)
+        self._snapshots: queue.Queue[Job | None] = queue.Queue()
+        self._flushes: queue.Queue[Job | None] = queue.Queue()
+        self._pending: list[Job] = []
         self._lock = threading.Lock()
         self._freed = threading.Condition(self._lock)  # a buffer set became free
         self._errors: list[BaseException] = []
@@ -216,9 +182,9 @@ class Checkpointer:
                 leaves += [dataclasses.replace(leaf, per_process=False) for leaf in own]
             plan, pin = self._plan(leaves), pinner(leaves)
             fresh = buffers.lay_out(plan, pin)
-            job = _Job(step, leaves, {**found_extra, **dict(extra or {})}, buffers, tree)
+            job = Job(step, leaves, {**found_extra, **dict(extra or {})}, buffers, tree)
             job.pending_lazy = [leaf for leaf in leaves if leaf.lazy]
-            self._copy_all([leaf for leaf in leaves if not leaf.lazy], buffers)
+            copy_all([leaf for leaf in leaves if not leaf.lazy], buffers, self._copiers, self.policy.snapshot_threads)
         except BaseException:
             self._free(buffers)
             raise
@@ -227,7 +193,8 @@ class Checkpointer:
         job.stall = time.perf_counter() - t0
         self._snapshots.put(job)
         if fresh:
-            self._warm_spares(buffers, plan, pin)
+            self._fit_sets(buffers.nbytes())
+            warm_spares(self._buffers, self._lock, buffers, plan, pin, self._chores)
         return True
 
     def reserve(self, state: Any) -> None:
@@ -334,20 +301,10 @@ class Checkpointer:
 
     def latest(self) -> int | None:
         """The newest complete step under ``root`` (or ``persistent`` if root has none)."""
-        steps = committed_steps(self.root)
-        if not steps and self.persistent and "://" not in self.persistent:
-            steps = committed_steps(self.persistent)
-        return steps[-1] if steps else None
+        return latest_step(self.root, self.persistent)
 
     def path_of(self, step: int) -> str:
-        local = step_dir(self.root, step)
-        if os.path.exists(os.path.join(local, MARKER)):
-            return local
-        if self.persistent and "://" not in self.persistent:
-            remote = step_dir(self.persistent, step)
-            if os.path.exists(os.path.join(remote, MARKER)):
-                return remote
-        raise IncompleteCheckpointError(f"{local}: step {step} has no complete checkpoint")
+        return complete_step_dir(self.root, self.persistent, step)
 
     def restore(self, step: int | None = None, *, flat: bool = False) -> Any:
         """The state saved as ``step`` (default: the latest), tensors as numpy arrays.
@@ -389,11 +346,7 @@ class Checkpointer:
         held = self._host_tier(step)
         if held is not None:
             return step, held[0], held[1]
-        with open_checkpoint(self.path_of(step)) as ckpt:
-            out: dict[str, Any] = {name: ckpt[name].read() for name in ckpt}
-            out.update(ckpt.extra.get("values", {}))
-            tree = ckpt.extra.get("tree")
-        return step, out, tree if isinstance(tree, (dict, str)) else None
+        return (step, *load_step(self.path_of(step)))
 
     def _host_tier(self, step: int) -> tuple[dict[str, Any], Any] | None:
         if not self.host_tier or self.world_size != 1:
@@ -475,59 +428,8 @@ class Checkpointer:
             buffers.busy.clear()
             self._freed.notify_all()
 
-    def _warm_spares(self, laid: BufferSet, plan: list[tuple[str, list[Piece], FileSpec]],
-                     pin: Callable[[Any], Callable[[], None]] | None) -> None:
-        """Lay out and pre-fault the idle buffer sets for a layout just seen, in the background,
-        so that the saves using them next do not pay for fresh memory."""
-        self._fit_sets(laid.nbytes())
-        with self._lock:
-            spares = [b for b in self._buffers
-                      if b is not laid and not b.busy.is_set() and b.ready.is_set() and b.layout != laid.layout]
-            for b in spares:
-                b.ready.clear()
-                b.step = None
-
-        def warm(b: BufferSet) -> None:
-            try:
-                b.lay_out(plan, pin)
-                b.prefault()
-            except Exception as err:  # the save that uses this set lays it out again
-                log.warning("pre-faulting a host buffer set failed: %s", err)
-            finally:
-                b.ready.set()
-
-        for b in spares:
-            self._chores.submit(warm, b)
-
     def _fit_sets(self, set_bytes: int) -> None:
-        """Keep only the host buffer sets the available memory holds (idle, never-used ones go)."""
-        keep = sets_that_fit(available_memory(), set_bytes, len(self._buffers))
-        with self._lock:
-            extra = len(self._buffers) - keep
-            spare = [b for b in self._buffers if not b.busy.is_set() and b.ready.is_set() and b.step is None][:extra]
-            if not spare:
-                return
-            for b in spare:
-                self._buffers.remove(b)
-                b.release()
-        log.warning("host memory holds %d set(s) of host buffers of %.2f GiB: keeping %d of "
-                    "SavePolicy.host_buffers=%d; saves that find them busy wait, skip or coalesce as the policy says",
-                    keep, set_bytes / (1 << 30), len(self._buffers), self.policy.host_buffers)
-
-    def _copy_all(self, leaves: list[Leaf], buffers: BufferSet) -> None:
-        """Copy leaves into their host buffers: every transfer started first, then the copies
-        on ``policy.snapshot_threads`` threads, largest first."""
-        for leaf in leaves:
-            if leaf.start is not None:
-                leaf.start()
-        if len(leaves) < 2 or self.policy.snapshot_threads == 1:
-            for leaf in leaves:
-                leaf.copy(buffers.get(leaf))
-            return
-        order = sorted(leaves, key=lambda leaf: -leaf.box.size * _dtypes.itemsize(leaf.dtype))
-        futures = [self._copiers.submit(leaf.copy, buffers.get(leaf)) for leaf in order]
-        for f in futures:
-            f.result()
+        fit_sets(self._buffers, self._lock, set_bytes, self.policy.host_buffers)
 
     def _pending_snapshot_keys(self) -> set[Any]:
         """Identities of the lazily captured values whose copy to host is not done."""
@@ -546,7 +448,7 @@ class Checkpointer:
                 job.copying = not job.superseded
             try:
                 if job.copying:
-                    self._copy_all(job.pending_lazy, job.buffers)
+                    copy_all(job.pending_lazy, job.buffers, self._copiers, self.policy.snapshot_threads)
             except BaseException as err:  # surfaced on the next save/wait
                 job.error = err
             job.snapshot_seconds = time.perf_counter() - t0
@@ -577,7 +479,7 @@ class Checkpointer:
                 with self._lock:
                     self._pending.remove(job)
 
-    def _flush(self, job: _Job, background: bool = True) -> None:
+    def _flush(self, job: Job, background: bool = True) -> None:
         t0 = time.perf_counter()
         dst = step_dir(self.root, job.step)
         pieces = self._pieces(job.leaves, job.buffers.arrays)
@@ -590,7 +492,7 @@ class Checkpointer:
                    reuse=reuse)
         committed = False
         if self.rank == 0:
-            self._await_ranks(stage)
+            await_ranks(stage, self.world_size, lambda: self._failed, self.commit_timeout)
             try:
                 commit_universal(dst, self.world_size, step=job.step, extra={"values": job.extra, "tree": job.tree},
                        provenance={"writer": "ckptbridge.Checkpointer", "world_size": self.world_size},
@@ -610,8 +512,8 @@ class Checkpointer:
                 t1 = time.perf_counter()
                 persist(dst, self.persistent)
                 persist_s = time.perf_counter() - t1
-            retired = self._retire() if self.policy.reuse_files else []
-            self._chores.submit(self._retain, retired)  # deleting old steps must not hold up the next flush
+            retired = retire_newest_dropped(self.root, self.keep_last, self.keep_every) if self.policy.reuse_files else []
+            self._chores.submit(retain, self.root, retired, self.keep_last, self.keep_every, self.commit_timeout)  # deleting old steps must not hold up the next flush
         stats = SaveStats(job.step, nbytes, job.stall, job.snapshot_seconds, flush_s, persist_s, committed)
         self.stats.append(stats)
         log.info("step %d: %.1f MB, stall %.4fs, snapshot %.3fs, flush %.3fs (%.2f GB/s)%s",
@@ -621,63 +523,9 @@ class Checkpointer:
         with self._lock:
             self._pending.remove(job)
 
-    def _await_ranks(self, stage: str) -> None:
-        deadline = time.monotonic() + self.commit_timeout
-        want = [os.path.join(stage, f"manifest.r{r:05d}.json") for r in range(self.world_size)]
-        while not all(os.path.exists(w) for w in want):
-            lost = sorted(r for r in self._failed if r < len(want) and not os.path.exists(want[r]))
-            if lost:
-                raise CheckpointError(f"{stage}: not committed, ranks {lost} failed before writing their pieces")
-            if time.monotonic() > deadline:
-                missing = [r for r, w in enumerate(want) if not os.path.exists(w)]
-                raise CheckpointError(f"{stage}: ranks {missing} did not finish within {self.commit_timeout}s")
-            time.sleep(0.01)
-
-    def _retire(self) -> list[str]:
-        """Uncommit the newest step retention drops and keep its data files for the next flush
-        to overwrite: here, in the flush thread, so that the next flush finds them (renames
-        only; the rest is removed by ``_retain``). Returns the retired step's directory."""
-        try:
-            drop = steps_to_drop(committed_steps(self.root), self.keep_last, self.keep_every)
-            if drop:
-                retire_checkpoint(step_dir(self.root, drop[-1]), reuse_dir(self.root))
-                return [step_dir(self.root, drop[-1])]
-        except OSError as err:  # _retain deletes it instead
-            log.warning("%s: keeping an old checkpoint's files failed: %s", self.root, err)
-        return []
-
-    def _retain(self, retired: list[str]) -> None:
-        try:
-            for path in retired:
-                remove_checkpoint(path)
-            steps = committed_steps(self.root)
-            if not steps:
-                return
-            clean_incomplete(self.root, steps[-1], self.commit_timeout)
-            for s in steps_to_drop(steps, self.keep_last, self.keep_every):
-                remove_checkpoint(step_dir(self.root, s))
-        except OSError as err:  # the next commit tries again
-            log.warning("%s: removing old checkpoints failed: %s", self.root, err)
-
     def _raise_background_error(self) -> None:
         with self._lock:
             if self._errors:
                 err = self._errors.pop(0)
                 raise CheckpointError(f"a background checkpoint failed: {err}") from err
-
-
-def _dist_info(rank: int | None, world_size: int | None) -> tuple[int, int]:
-    if rank is not None and world_size is not None:
-        return rank, world_size
-    import sys
-
-    dist = sys.modules.get("torch.distributed")
-    if dist is not None and dist.is_available() and dist.is_initialized():
-        return (dist.get_rank() if rank is None else rank,
-                dist.get_world_size() if world_size is None else world_size)
-    jax = sys.modules.get("jax")
-    if jax is not None and jax.distributed.is_initialized():
-        return (jax.process_index() if rank is None else rank,
-                jax.process_count() if world_size is None else world_size)
-    return (rank or 0, world_size or 1)
 

@@ -9,18 +9,23 @@ layout is known, instead of by the snapshot of the save that first uses them.
 from __future__ import annotations
 
 import contextlib
+import logging
 import mmap
 import threading
 from collections.abc import Callable
+from concurrent.futures import Executor
 from typing import Any
 
 import numpy as np
 
 from .. import _dtypes
-from .._hostmem import aligned_buffer
-from .._safetensors import FileSpec, file_layout
-from .._universal import Piece
+from .._formats.safetensors import FileSpec, file_layout
+from .._formats.universal import Piece
+from .._storage.hostmem import aligned_buffer
 from .leaves import Leaf, buffer_key
+from .policy import sets_that_fit
+
+log = logging.getLogger("ckptbridge.checkpointer")
 
 
 class BufferSet:
@@ -110,3 +115,60 @@ def available_memory() -> int | None:
 
 
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14 (not among Python's mmap constants before 3.13)
+
+
+def copy_all(leaves: list[Leaf], buffers: BufferSet, pool: Executor, threads: int) -> None:
+    """Copy leaves into their host buffers: every transfer started first, then the copies
+    on ``threads`` threads of ``pool``, largest first."""
+    for leaf in leaves:
+        if leaf.start is not None:
+            leaf.start()
+    if len(leaves) < 2 or threads == 1:
+        for leaf in leaves:
+            leaf.copy(buffers.get(leaf))
+        return
+    order = sorted(leaves, key=lambda leaf: -leaf.box.size * _dtypes.itemsize(leaf.dtype))
+    futures = [pool.submit(leaf.copy, buffers.get(leaf)) for leaf in order]
+    for f in futures:
+        f.result()
+
+
+def fit_sets(buffers: list[BufferSet], lock: threading.Lock, set_bytes: int, wanted: int) -> None:
+    """Keep only the host buffer sets the available memory holds (idle, never-used ones go)."""
+    keep = sets_that_fit(available_memory(), set_bytes, len(buffers))
+    with lock:
+        extra = len(buffers) - keep
+        spare = [b for b in buffers if not b.busy.is_set() and b.ready.is_set() and b.step is None][:extra]
+        if not spare:
+            return
+        for b in spare:
+            buffers.remove(b)
+            b.release()
+    log.warning("host memory holds %d set(s) of host buffers of %.2f GiB: keeping %d of "
+                "SavePolicy.host_buffers=%d; saves that find them busy wait, skip or coalesce as the policy says",
+                keep, set_bytes / (1 << 30), len(buffers), wanted)
+
+
+def warm_spares(buffers: list[BufferSet], lock: threading.Lock, laid: BufferSet,
+                plan: list[tuple[str, list[Piece], FileSpec]], pin: Callable[[Any], Callable[[], None]] | None,
+                pool: Executor) -> None:
+    """Lay out and pre-fault the idle buffer sets for a layout just seen (``laid``'s), on
+    ``pool``, so that the saves using them next do not pay for fresh memory."""
+    with lock:
+        spares = [b for b in buffers
+                  if b is not laid and not b.busy.is_set() and b.ready.is_set() and b.layout != laid.layout]
+        for b in spares:
+            b.ready.clear()
+            b.step = None
+
+    def warm(b: BufferSet) -> None:
+        try:
+            b.lay_out(plan, pin)
+            b.prefault()
+        except Exception as err:  # the save that uses this set lays it out again
+            log.warning("pre-faulting a host buffer set failed: %s", err)
+        finally:
+            b.ready.set()
+
+    for b in spares:
+        pool.submit(warm, b)

@@ -24,8 +24,8 @@ from typing import Any
 import numpy as np
 
 from .. import _dtypes
-from .._model import Box
 from .._plugins import PluginGroup
+from .._read.model import Box
 
 ENTRY_POINT_GROUP = "ckptbridge.leaf_providers"
 

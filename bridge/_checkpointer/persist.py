@@ -6,9 +6,9 @@ import os
 import shutil
 
 from .. import _storage
-from .._commit import fsync_tree, publish, staging_path, upload_dir
-from .._formats import require
-from .._universal import MARKER
+from .._formats.registry import require
+from .._formats.universal import MARKER
+from .._storage.commit import fsync_tree, publish, staging_path, upload_dir
 from .steps import remove_checkpoint
 
 
@@ -23,7 +23,7 @@ def persist(src: str, dest_root: str) -> None:
 
     A local destination (``file://`` included) is built in a staging directory and renamed
     into place; at a URL (``s3://``, ``gs://`` ... through fsspec) the commit rule of
-    ``ckptbridge._commit`` applies: every object first, the ``COMMITTED`` marker last (an earlier
+    ``ckptbridge._storage.commit`` applies: every object first, the ``COMMITTED`` marker last (an earlier
     copy of the same step loses its marker before its objects are replaced), so readers never
     take a half-copied step for a complete one.
     """

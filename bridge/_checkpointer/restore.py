@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from .._errors import CheckpointError, ShapeMismatchError, TensorNotFoundError
+from .._read.open import open as open_checkpoint
 from .leaves import LeafProvider, provider_for
 
 _PLAIN = (str, bytes, int, float, bool, np.generic)
@@ -178,3 +179,13 @@ def restore_into(state: Any, saved: Mapping[str, Any], saved_names: Sequence[str
         if o.provider.after_restore is not None:
             o.provider.after_restore(o.obj, _refill(o.live, o.name, saved))
     return RestoreResult(step, () if strict else missing, () if strict else unexpected)
+
+
+def load_step(path: str) -> tuple[dict[str, Any], Any]:
+    """A committed step's values (flat name -> array or value) and its saved tree's skeleton
+    (``None`` if not recorded)."""
+    with open_checkpoint(path) as ckpt:
+        out: dict[str, Any] = {name: ckpt[name].read() for name in ckpt}
+        out.update(ckpt.extra.get("values", {}))
+        tree = ckpt.extra.get("tree")
+    return out, tree if isinstance(tree, (dict, str)) else None

@@ -11,17 +11,21 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import re
 import shutil
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Sequence
 
-from .._commit import PARTIAL
-from .._universal import MARKER
+from .._errors import CheckpointError, IncompleteCheckpointError
+from .._formats.universal import MARKER
+from .._storage.commit import PARTIAL
 
 STEP_DIR = re.compile(r"^step_(\d{8,})$")
+
+log = logging.getLogger("ckptbridge.checkpointer")
 
 
 def step_dir(root: str, step: int) -> str:
@@ -170,3 +174,69 @@ def _abandoned(stage: str) -> bool:
         except (PermissionError, KeyError, ValueError, TypeError):
             return False
     return True
+
+
+def latest_step(root: str, persistent: str | None) -> int | None:
+    """The newest complete step under ``root`` (or under a local ``persistent`` if root has none)."""
+    steps = committed_steps(root)
+    if not steps and persistent and "://" not in persistent:
+        steps = committed_steps(persistent)
+    return steps[-1] if steps else None
+
+
+def complete_step_dir(root: str, persistent: str | None, step: int) -> str:
+    """The directory of ``step``'s complete checkpoint, under ``root`` or a local ``persistent``."""
+    local = step_dir(root, step)
+    if os.path.exists(os.path.join(local, MARKER)):
+        return local
+    if persistent and "://" not in persistent:
+        remote = step_dir(persistent, step)
+        if os.path.exists(os.path.join(remote, MARKER)):
+            return remote
+    raise IncompleteCheckpointError(f"{local}: step {step} has no complete checkpoint")
+
+
+def await_ranks(stage: str, world_size: int, failed: Callable[[], Collection[int]], timeout: float) -> None:
+    """Wait until every rank's manifest is in ``stage`` (rank 0, before it commits); raise once a
+    rank in ``failed()`` (asked again at every look: ranks are abandoned meanwhile) is found
+    without its own, or after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    want = [os.path.join(stage, f"manifest.r{r:05d}.json") for r in range(world_size)]
+    while not all(os.path.exists(w) for w in want):
+        lost = sorted(r for r in failed() if r < len(want) and not os.path.exists(want[r]))
+        if lost:
+            raise CheckpointError(f"{stage}: not committed, ranks {lost} failed before writing their pieces")
+        if time.monotonic() > deadline:
+            missing = [r for r, w in enumerate(want) if not os.path.exists(w)]
+            raise CheckpointError(f"{stage}: ranks {missing} did not finish within {timeout}s")
+        time.sleep(0.01)
+
+
+def retire_newest_dropped(root: str, keep_last: int | None, keep_every: int | None) -> list[str]:
+    """Uncommit the newest step retention drops and keep its data files for the next flush
+    to overwrite: in the flush thread, so that the next flush finds them (renames only; the
+    rest is removed by :func:`retain`). Returns the retired step's directory."""
+    try:
+        drop = steps_to_drop(committed_steps(root), keep_last, keep_every)
+        if drop:
+            retire_checkpoint(step_dir(root, drop[-1]), reuse_dir(root))
+            return [step_dir(root, drop[-1])]
+    except OSError as err:  # retain deletes it instead
+        log.warning("%s: keeping an old checkpoint's files failed: %s", root, err)
+    return []
+
+
+def retain(root: str, retired: Sequence[str], keep_last: int | None, keep_every: int | None,
+           commit_timeout: float) -> None:
+    """Remove ``retired`` steps, abandoned stages and the steps retention drops (off the save path)."""
+    try:
+        for path in retired:
+            remove_checkpoint(path)
+        steps = committed_steps(root)
+        if not steps:
+            return
+        clean_incomplete(root, steps[-1], commit_timeout)
+        for s in steps_to_drop(steps, keep_last, keep_every):
+            remove_checkpoint(step_dir(root, s))
+    except OSError as err:  # the next commit tries again
+        log.warning("%s: removing old checkpoints failed: %s", root, err)

@@ -6,7 +6,7 @@ lose key types (torch optimizer state is keyed by ``int``). So ``save`` also
 records the tree's skeleton as JSON, each leaf replaced by its stored name (a string), and
 ``restore`` fills it back in (pure functions)::
 
-    skel = skeleton({"model": {"0.weight": w}, "opt": {"state": {0: {"step": s}}}})
+    flat, skel = walk({"model": {"0.weight": w}, "opt": {"state": {0: {"step": s}}}})
     # {"dict": [["model", {"dict": [["0.weight", "model.0.weight"]]}],
     #           ["opt", {"dict": [["state", {"dict": [[0, {"dict": [["step", "opt.state.0.step"]]}]]}]]}]]}
     build(skel, {"model.0.weight": w2, "opt.state.0.step": s2}.__getitem__)
@@ -36,13 +36,9 @@ def _join(prefix: str, k: Any) -> str:
     return f"{prefix}.{k}" if prefix else str(k)
 
 
-def skeleton(state: Any, prefix: str = "") -> Node:
-    """The JSON skeleton of ``state``; leaf names are exactly those ``leaves.flatten`` gives."""
-    return walk(state, prefix)[1]
-
-
 def walk(state: Any, prefix: str = "") -> tuple[list[tuple[str, Any]], Node]:
-    """``(flatten(state), skeleton(state))`` in one pass (``save`` needs both)."""
+    """``(flat, skeleton)`` of ``state`` in one pass: its leaves under the names ``leaves.flatten``
+    gives, and its JSON skeleton (each leaf replaced by its name)."""
     flat: list[tuple[str, Any]] = []
     return flat, _walk(state, prefix, flat)
 

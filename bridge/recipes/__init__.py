@@ -51,16 +51,13 @@ from collections.abc import Sequence
 from typing import Any
 
 from .._errors import OptionError
-from .._rules import Rule, rules_to_json
+from ..rules import Rule, rules_to_json
 from ._configs import hf_config, megatron_args
 from ._family import Family, family, load_config, registry
 from ._gpt import RecipeConfig
 
 __all__ = ["Family", "RecipeConfig", "available", "config_from_hf", "config_type", "families", "family_from_hf",
            "hf_config", "megatron_args", "rules", "show"]
-
-SCHEMES = ("hf", "megatron", "maxtext")
-
 
 def families() -> tuple[str, ...]:
     """The family names, sorted."""

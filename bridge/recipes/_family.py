@@ -27,7 +27,7 @@ from functools import cache
 from typing import Any
 
 from .._errors import OptionError
-from .._rules import Expect, Rule, invert
+from ..rules import Expect, Rule, invert
 from ._gpt import RecipeConfig
 
 Builder = Callable[[Any], list[Rule]]

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._errors import OptionError
-from .._rules import Expect, Interleave, Rename, Rule, Scale, Split, SplitDim, Stack, Transpose
+from ..rules import Expect, Interleave, Rename, Rule, Scale, Split, SplitDim, Stack, Transpose
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,328 @@
+"""The data model: logical tensors made of fragments.
+
+A *logical tensor* is one consolidated tensor (a model weight, or one of its
+optimizer states) with a global shape. Its bytes live in *fragments*: boxes
+of the global index space (offset + shape) together with the place their
+bytes are stored. Every format is described this way:
+
+* a consolidated tensor in a file is one fragment;
+* a tensor-parallel shard is one fragment;
+* a ZeRO flat partition slice of a row-major tensor is a few boxes
+  (partial row, full rows, partial row), see :func:`flat_range_fragments`;
+* a transposed or stacked view is a fragment with permuted strides.
+
+Everything here is an immutable value; reading happens in ``_read``::
+
+    >>> w = LogicalTensor.single("w", {"fp32": TensorState("float32", (4, 6), (
+    ...     Fragment(Box((0, 0), (4, 6)), FileRegion("/tmp/w.bin", 0, "float32", (6, 1))),))})
+    >>> w.state("fp32").shape
+    (4, 6)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+from .. import _dtypes
+from .._errors import FormatError, ShapeMismatchError, TensorNotFoundError
+
+if TYPE_CHECKING:
+    import numpy as np
+
+# States with these names hold the weights themselves; the first present is the default.
+WEIGHT_STATES = ("fp32", "param")
+
+
+def weight_state_for(dtype: str) -> str:
+    """The state name weights of ``dtype`` take: ``param`` for 16-bit floats (the model's own
+    low-precision copy), ``fp32`` otherwise (the weights are their own master copy)."""
+    return "param" if dtype in ("bfloat16", "float16") else "fp32"
+
+
+@dataclass(frozen=True)
+class Box:
+    """A hyper-rectangle of a tensor's index space: ``offset`` and ``shape`` per dim."""
+
+    offset: tuple[int, ...]
+    shape: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.offset) != len(self.shape):
+            raise ShapeMismatchError(f"box offset {self.offset} and shape {self.shape} differ in rank")
+        if self.shape and (min(self.shape) < 0 or min(self.offset) < 0):  # min: cheap for 100k tensors
+            raise ShapeMismatchError(f"box {self.offset}+{self.shape} has a negative extent")
+
+    @staticmethod
+    def full(shape: Sequence[int]) -> Box:
+        return Box((0,) * len(shape), tuple(map(int, shape)))
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def stop(self) -> tuple[int, ...]:
+        return tuple(o + s for o, s in zip(self.offset, self.shape))
+
+    def intersect(self, other: Box) -> Box | None:
+        """The common part of two boxes, or ``None`` when they do not overlap."""
+        lo = tuple(max(a, b) for a, b in zip(self.offset, other.offset))
+        hi = tuple(min(a, b) for a, b in zip(self.stop, other.stop))
+        if any(h <= a for a, h in zip(lo, hi)) and self.ndim:
+            return None
+        return Box(lo, tuple(h - a for a, h in zip(lo, hi)))
+
+    def shift(self, origin: Sequence[int]) -> Box:
+        """This box in coordinates whose zero is at ``origin``."""
+        return Box(tuple(o - z for o, z in zip(self.offset, origin)), self.shape)
+
+    def contains(self, other: Box) -> bool:
+        return all(a <= b for a, b in zip(self.offset, other.offset)) and all(
+            a >= b for a, b in zip(self.stop, other.stop)
+        )
+
+    def slices(self) -> tuple[slice, ...]:
+        return tuple(slice(o, o + s) for o, s in zip(self.offset, self.shape))
+
+
+def c_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    """Row-major element strides of ``shape``."""
+    strides, acc = [], 1
+    for s in reversed(shape):
+        strides.append(acc)
+        acc *= max(int(s), 1)
+    return tuple(reversed(strides))
+
+
+class Reader(Protocol):
+    """What a location reads through (``ckptbridge._read.executor.FileCache`` is the one implementation):
+    open files shared by the reads of one checkpoint, and byte accounting."""
+
+    def copy_region(self, region: FileRegion, box: Box, out: np.ndarray) -> int: ...
+
+
+class Location(Protocol):
+    """Where a fragment's bytes are. Implementations are frozen dataclasses."""
+
+    dtype: str
+
+    def read_into(self, box: Box, out: np.ndarray, files: Reader) -> int:
+        """Copy the part ``box`` (relative to the fragment) into ``out``; return bytes read."""
+        ...
+
+    def describe(self) -> str:
+        """Short human text: file and offset."""
+        ...
+
+    def narrow(self, box: Box) -> Location:
+        """The location of sub-box ``box`` (relative to this fragment)."""
+        ...
+
+    def permute(self, perm: Sequence[int]) -> Location:
+        """The location of this fragment with its dims reordered (a transpose)."""
+        ...
+
+    def insert_dim(self, dim: int) -> Location:
+        """The same bytes seen with a new size-1 dim at ``dim`` (for stacking)."""
+        ...
+
+    def drop_dim(self, dim: int) -> Location:
+        """The same bytes without size-1 dim ``dim`` (for unstacking)."""
+        ...
+
+
+@dataclass(frozen=True)
+class FileRegion:
+    """Bytes in a local file: element ``idx`` of the fragment is at
+    ``offset + sum(idx[d] * strides[d]) * itemsize``.
+
+    ``strides`` are in elements and may be any permutation (a transposed view)
+    or the strides of a larger tensor (a box cut out of a flat buffer).
+    """
+
+    file: str
+    offset: int
+    dtype: str
+    strides: tuple[int, ...]
+
+    def read_into(self, box: Box, out: np.ndarray, files: Reader) -> int:
+        return files.copy_region(self, box, out)
+
+    def describe(self) -> str:
+        return f"{self.file}@{self.offset}"
+
+    def narrow(self, box: Box) -> FileRegion:
+        shift = sum(o * s for o, s in zip(box.offset, self.strides)) * _dtypes.itemsize(self.dtype)
+        return FileRegion(self.file, self.offset + shift, self.dtype, self.strides)
+
+    def permute(self, perm: Sequence[int]) -> FileRegion:
+        return FileRegion(self.file, self.offset, self.dtype, tuple(self.strides[p] for p in perm))
+
+    def insert_dim(self, dim: int) -> FileRegion:
+        return FileRegion(self.file, self.offset, self.dtype, (*self.strides[:dim], 0, *self.strides[dim:]))
+
+    def drop_dim(self, dim: int) -> FileRegion:
+        return FileRegion(self.file, self.offset, self.dtype, self.strides[:dim] + self.strides[dim + 1 :])
+
+    def extent(self, shape: Sequence[int]) -> int:
+        """Bytes from ``offset`` to one past the last element of a fragment of ``shape``."""
+        if any(s == 0 for s in shape):
+            return 0
+        last = sum((s - 1) * st for s, st in zip(shape, self.strides))
+        return (last + 1) * _dtypes.itemsize(self.dtype)
+
+
+@dataclass(frozen=True)
+class Fragment:
+    """A box of a logical tensor and where its bytes are.
+
+    ``checksum`` (``"crc32:xxxxxxxx"``) covers the fragment's elements in
+    row-major order as stored, when the writer recorded one.
+    """
+
+    box: Box
+    location: Any  # a Location
+    checksum: str | None = None
+
+
+@dataclass(frozen=True)
+class TensorState:
+    """One state of a logical tensor (``fp32``, ``exp_avg``, ...): its dtype, shape and fragments.
+
+    The fragments partition ``shape``: no overlaps, no holes.
+    """
+
+    dtype: str
+    shape: tuple[int, ...]
+    fragments: tuple[Fragment, ...]
+
+    def __post_init__(self) -> None:
+        _dtypes.to_numpy(self.dtype)
+        if len(self.fragments) == 1 and self.fragments[0].box.shape == self.shape and not any(
+                self.fragments[0].box.offset):  # one whole fragment (most tensors): nothing else to check
+            return
+        full = Box.full(self.shape)
+        for f in self.fragments:
+            if f.box.ndim != len(self.shape) or not full.contains(f.box):
+                raise ShapeMismatchError(
+                    f"fragment {f.box.offset}+{f.box.shape} lies outside shape {self.shape}"
+                )
+        covered = sum(f.box.size for f in self.fragments)
+        if covered != full.size:
+            raise ShapeMismatchError(
+                f"fragments cover {covered} of {full.size} elements of shape {self.shape}"
+            )
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * _dtypes.itemsize(self.dtype)
+
+
+@dataclass(frozen=True)
+class LogicalTensor:
+    """A named tensor of the consolidated model with its states.
+
+    ``scalars`` holds per-tensor numbers such as the Adam ``step``.
+    """
+
+    name: str
+    states: Mapping[str, TensorState]
+    scalars: Mapping[str, float | int] = field(default_factory=dict)
+
+    @staticmethod
+    def single(name: str, states: Mapping[str, TensorState], **scalars: float | int) -> LogicalTensor:
+        return LogicalTensor(name, dict(states), dict(scalars))
+
+    @property
+    def weight_state(self) -> str:
+        """The state that holds the weights: ``fp32`` if present, else ``param``, else the first."""
+        for s in WEIGHT_STATES:
+            if s in self.states:
+                return s
+        return next(iter(self.states))
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.states[self.weight_state].shape
+
+    def state(self, name: str | None = None) -> TensorState:
+        key = self.weight_state if name is None else name
+        try:
+            return self.states[key]
+        except KeyError:
+            raise TensorNotFoundError(
+                f"tensor {self.name!r} has no state {key!r}; it has {sorted(self.states)}"
+            ) from None
+
+
+def flat_range_boxes(shape: Sequence[int], start: int, stop: int) -> Iterator[Box]:
+    """Decompose the flat row-major range ``[start, stop)`` of ``shape`` into boxes.
+
+    Each box is contiguous in row-major order (leading dims 1, one partial dim,
+    trailing dims full), so a ZeRO partition slice becomes at most
+    ``2 * ndim - 1`` boxes::
+
+        >>> [b.shape for b in flat_range_boxes((4, 6), 3, 17)]
+        [(1, 3), (1, 6), (1, 5)]
+    """
+    shape = tuple(map(int, shape))
+    total = math.prod(shape)
+    if not 0 <= start <= stop <= total:
+        raise ShapeMismatchError(f"flat range [{start}, {stop}) outside a tensor of {total} elements")
+    if start == stop:
+        return
+    if not shape:
+        yield Box((), ())
+        return
+    inner = math.prod(shape[1:])
+    if inner == 0:
+        return
+    first, rem_a = divmod(start, inner)
+    last, rem_b = divmod(stop, inner)
+    if first == last:  # inside one slab of the leading dim
+        for b in flat_range_boxes(shape[1:], rem_a, rem_b):
+            yield Box((first, *b.offset), (1, *b.shape))
+        return
+    if rem_a:
+        for b in flat_range_boxes(shape[1:], rem_a, inner):
+            yield Box((first, *b.offset), (1, *b.shape))
+        first += 1
+    if last > first:
+        yield Box((first,) + (0,) * (len(shape) - 1), (last - first, *shape[1:]))
+    if rem_b:
+        for b in flat_range_boxes(shape[1:], 0, rem_b):
+            yield Box((last, *b.offset), (1, *b.shape))
+
+
+def flat_range_fragments(
+    shape: Sequence[int], start: int, stop: int, file: str, byte_offset: int, dtype: str
+) -> tuple[Fragment, ...]:
+    """Fragments for elements ``[start, stop)`` of a row-major tensor of ``shape``
+    stored contiguously in ``file`` from ``byte_offset`` on (element ``start`` first)."""
+    strides = c_strides(shape)
+    size = _dtypes.itemsize(dtype)
+    out = []
+    for box in flat_range_boxes(shape, start, stop):
+        flat = sum(o * s for o, s in zip(box.offset, strides))
+        out.append(Fragment(box, FileRegion(file, byte_offset + (flat - start) * size, dtype, strides)))
+    return tuple(out)
+
+
+def contiguous_fragment(shape: Sequence[int], file: str, byte_offset: int, dtype: str) -> Fragment:
+    """A whole tensor stored row-major at ``byte_offset`` of ``file``."""
+    shape = tuple(map(int, shape))
+    return Fragment(Box.full(shape), FileRegion(file, byte_offset, dtype, c_strides(shape)))
+
+
+def check_name(name: str, where: str) -> str:
+    """Reject tensor names that cannot be stored (empty, NUL bytes, absurd length)."""
+    if not isinstance(name, str) or not name or "\x00" in name or len(name) > 4096:
+        raise FormatError(f"{where}: invalid tensor name {name!r}")
+    return name

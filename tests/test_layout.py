@@ -1,0 +1,132 @@
+"""The package's shape: public names written once, a narrow plug-in interface, and the README's
+map of the repository checked against the tree."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import os
+import re
+import sys
+
+import pytest
+
+import ckptbridge
+import ckptbridge.plugin
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# for third-party plug-ins: the registration calls and the type of `storage`
+THIRD_PARTY = {"register_format", "register_leaf_provider", "register_job_store", "Storage",
+               "Derivation", "DerivedRegion"}  # the types a third-party derived tensor is written against
+
+
+def _type_checking_names(path: str) -> dict[str, tuple[str, str]]:
+    """Public name -> (module, attribute) from the ``if TYPE_CHECKING:`` block of ``path``."""
+    with open(path) as fh:
+        tree = ast.parse(fh.read())
+    block = next(n for n in tree.body if isinstance(n, ast.If) and ast.unparse(n.test).endswith("TYPE_CHECKING"))
+    return {a.asname or a.name: ("." * n.level + (n.module or ""), a.name)
+            for n in block.body if isinstance(n, ast.ImportFrom) for a in n.names}
+
+
+def test_every_public_name_is_written_once_and_resolves():
+    listed = _type_checking_names(os.path.join(ROOT, "bridge", "__init__.py"))
+    assert sorted(ckptbridge.__all__) == sorted([*listed, "__version__"])
+    assert dir(ckptbridge) == sorted([*ckptbridge.__all__, *ckptbridge._SUBMODULES])
+    for name, (module, attr) in listed.items():
+        value = getattr(ckptbridge, name)  # resolves through the lazy loader
+        assert value is getattr(importlib.import_module(module, "ckptbridge"), attr), name
+    for sub in ckptbridge._SUBMODULES:
+        assert getattr(ckptbridge, sub).__name__ == f"ckptbridge.{sub}"
+    assert ckptbridge.Rename is ckptbridge.rules.Rename  # the rules live in ckptbridge.rules
+    with pytest.raises(AttributeError, match="no attribute 'Renamee'"):
+        ckptbridge.Renamee  # noqa: B018
+
+
+def _adapter_plugin_imports() -> set[str]:
+    used = set()
+    for dirpath, _, files in os.walk(os.path.join(ROOT, "adapters")):
+        for f in files:
+            if f.endswith(".py"):
+                with open(os.path.join(dirpath, f)) as fh:
+                    tree = ast.parse(fh.read())
+                used |= {a.name for n in ast.walk(tree)
+                         if isinstance(n, ast.ImportFrom) and n.module == "ckptbridge.plugin" for a in n.names}
+    return used
+
+
+def test_the_plugin_interface_holds_what_adapters_use_and_nothing_private():
+    names = set(ckptbridge.plugin.__all__)
+    assert not [n for n in names if n.startswith("_")]
+    assert names == {n for n in vars(ckptbridge.plugin) if not n.startswith("_") and n != "annotations"}
+    used = _adapter_plugin_imports()
+    assert used <= names, sorted(used - names)
+    assert names - used <= THIRD_PARTY, f"exported but used by no adapter: {sorted(names - used - THIRD_PARTY)}"
+    # storage reaches adapters as the typed protocol, not the storage package
+    from ckptbridge.plugin import Storage, storage
+
+    assert not isinstance(storage, type(os)) and isinstance(storage, object)
+    assert {m for m in dir(Storage) if not m.startswith("_")} == {m for m in dir(storage) if not m.startswith("_")}
+    # a submodule named like a function of the path API would replace it once imported
+    import pkgutil
+
+    import ckptbridge._storage as pkg
+
+    subs = {m.name for m in pkgutil.iter_modules(pkg.__path__)}
+    assert not subs & set(pkg.__all__), sorted(subs & set(pkg.__all__))
+    for sub in subs:
+        importlib.import_module(f"ckptbridge._storage.{sub}")
+    assert storage.protocol("s3://bucket/key") == "s3" and storage.join("s3://b", "k") == "s3://b/k"
+
+
+def _layout_block() -> list[str]:
+    with open(os.path.join(ROOT, "README.md")) as fh:
+        text = fh.read()
+    section = text.split("## Layout of the repository", 1)[1]
+    return section.split("```", 2)[1].splitlines()[1:]
+
+
+def _named() -> dict[str, set[str]]:
+    """Folder -> the entries the README's map names under it ("" for the repository root)."""
+    out: dict[str, set[str]] = {"": set()}
+    parent = ""
+    for line in _layout_block():
+        indent = len(line) - len(line.lstrip(" "))
+        if not line.strip() or indent > 2:
+            continue  # a description's continuation
+        tokens = re.split(r"\s{2,}", line.strip())[0].split(" ")
+        if not all(re.fullmatch(r"[\w.]+/?", t) for t in tokens):
+            continue
+        if indent == 0:
+            out[""].update(tokens)
+            parent = tokens[0].rstrip("/")
+            out.setdefault(parent, set())
+        else:
+            out[parent].update(tokens)
+    return out
+
+
+def test_the_readme_layout_names_the_tree():
+    named = _named()
+    assert {"bridge/", "adapters/", "tests/"} <= named[""]
+    for entry in named[""]:
+        assert os.path.exists(os.path.join(ROOT, entry)), f"README names {entry}, which does not exist"
+    for folder in ("bridge", "adapters"):
+        for entry in named[folder]:
+            assert os.path.exists(os.path.join(ROOT, folder, entry)), f"README names {folder}/{entry}: missing"
+        base = os.path.join(ROOT, folder)
+        actual = {f"{e}/" for e in os.listdir(base) if os.path.isfile(os.path.join(base, e, "__init__.py"))}
+        actual |= {e for e in os.listdir(base) if e.endswith(".py") and e != "__main__.py"}
+        if folder == "adapters":
+            actual.discard("__init__.py")
+        assert actual <= named[folder], f"{folder}/ has {sorted(actual - named[folder])}, not in the README's map"
+
+
+def test_the_layout_check_fails_on_a_missing_entry(monkeypatch):
+    """Negative control: a map naming a folder that is not there fails the check."""
+    lines = _layout_block()
+    at = next(i for i, line in enumerate(lines) if line.startswith("bridge/")) + 1
+    broken = [*lines[:at], "  _gone/          a folder that does not exist", *lines[at:]]
+    monkeypatch.setattr(sys.modules[__name__], "_layout_block", lambda: broken)
+    with pytest.raises(AssertionError, match="bridge/_gone/"):
+        test_the_readme_layout_names_the_tree()
