@@ -13,23 +13,26 @@ import math
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from . import _storage
-from ._checkpoint import Checkpoint, TensorView
+from ._checkpoint import Checkpoint, CheckpointIndex, TensorView
 from ._commit import check_destination, staged_file
 from ._dtypes import to_numpy
 from ._errors import TensorNotFoundError
 from ._formats import Format, WriteOptions
 from ._jsonable import jsonable
 from ._model import Box
-from ._open import as_checkpoint
+from ._open import Source, as_checkpoint
 from ._rules import Rule, apply_rules, rules_to_json
 from ._safetensors import Entry, write_file
 from ._universal import Piece, commit_universal, detect, index, write_rank, write_universal
 from ._version import __version__
+
+if TYPE_CHECKING:
+    from ._scaleout import World
 
 
 class _Filler:
@@ -95,8 +98,8 @@ def _manifest_fragment(ckpt: Checkpoint, name: str, state: str, frag: Any) -> di
         return None
     import json
 
-    frags = json.loads(_storage.read_text(_storage.join(ckpt.path, "manifest.json")))
-    frags = frags["tensors"][name]["states"][state]["fragments"]
+    manifest = json.loads(_storage.read_text(_storage.join(ckpt.path, "manifest.json")))
+    frags: list[dict[str, Any]] = manifest["tensors"][name]["states"][state]["fragments"]
     for f in frags:
         if f["offset"] == list(frag.box.offset):
             return f
@@ -104,14 +107,14 @@ def _manifest_fragment(ckpt: Checkpoint, name: str, state: str, frag: Any) -> di
 
 
 def convert(
-    src: Any,
+    src: Source,
     dst: str | os.PathLike[str],
     *,
     states: Sequence[str] | None = None,
     rules: Sequence[Rule] = (),
     overwrite: bool = False,
     progress: Callable[[int, int], None] | None = None,
-    world: Any = None,
+    world: World | None = None,
 ) -> str:
     """Write a universal directory from any supported checkpoint.
 
@@ -301,7 +304,7 @@ def _write_universal(ckpt: Checkpoint, dst: str, options: UniversalWriteOptions)
     return convert(ckpt, dst, states=options.states, overwrite=options.overwrite, world=world)
 
 
-def _open_universal(path: str, _options: object) -> Any:
+def _open_universal(path: str, _options: object) -> CheckpointIndex:
     return index(path)
 
 

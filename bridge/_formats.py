@@ -32,12 +32,15 @@ import dataclasses
 import importlib
 import types
 import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from ._errors import MissingExtraError, OptionError, UnknownFormatError
 from ._plugins import PluginGroup
+
+if TYPE_CHECKING:
+    from ._checkpoint import Checkpoint, CheckpointIndex
 
 ENTRY_POINT_GROUP = "ckptbridge.formats"
 
@@ -62,13 +65,49 @@ class WriteOptions(Options):
     overwrite: bool = False
 
 
+OpenT = TypeVar("OpenT", bound=OpenOptions, contravariant=True)
+WriteT = TypeVar("WriteT", bound=WriteOptions, contravariant=True)
+
+
+class Detector(Protocol):
+    """``detect(path) -> bool``: is ``path`` (a local path or URL) in this format? Cheap (a few
+    listings or a header read) and never raises::
+
+        def detect(path: str) -> bool:
+            return path.endswith(".raw32")
+    """
+
+    def __call__(self, path: str, /) -> bool: ...
+
+
+class Indexer(Protocol[OpenT]):
+    """``index(path, options) -> CheckpointIndex``: the checkpoint's metadata (logical tensors,
+    fragments, rules), nothing read; ``options`` is an instance of the format's ``open_options``::
+
+        def index(path: str, options: MyOpenOptions) -> CheckpointIndex: ...
+    """
+
+    def __call__(self, path: str, options: OpenT, /) -> CheckpointIndex: ...
+
+
+class Writer(Protocol[WriteT]):
+    """``write(ckpt, dst, options) -> str``: write ``ckpt`` at ``dst`` (the format's suffix
+    already added) with an instance of the format's ``write_options``; returns the path written::
+
+        def write(ckpt: Checkpoint, dst: str, options: MyWriteOptions) -> str: ...
+    """
+
+    def __call__(self, ckpt: Checkpoint, dst: str, options: WriteT, /) -> str: ...
+
+
 @dataclass(frozen=True)
 class Format:
     """One checkpoint format, as registered by its adapter.
 
-    ``detect(path) -> bool`` must be cheap and never raise. ``index(path,
-    options) -> CheckpointIndex`` opens it (metadata only). ``write(ckpt, dst,
-    options) -> str`` writes a checkpoint (``None`` for read-only formats).
+    ``detect`` (a :class:`Detector`) must be cheap and never raise. ``index``
+    (an :class:`Indexer`) opens it (metadata only). ``write`` (a :class:`Writer`)
+    writes a checkpoint (``None`` for read-only formats); each takes an instance
+    of the format's own options class (hence ``Indexer[Any]``).
     ``priority``: detection order, lowest first (specific formats before
     generic ones). ``extra``: the ``pip install ckptbridge[extra]`` the format
     needs, named in errors when its imports fail. ``suffix``: the file
@@ -76,9 +115,9 @@ class Format:
     """
 
     name: str
-    detect: Callable[[str], bool] | None = None
-    index: Callable[[str, Any], Any] | None = None
-    write: Callable[[Any, str, Any], str] | None = None
+    detect: Detector | None = None
+    index: Indexer[Any] | None = None
+    write: Writer[Any] | None = None
     open_options: type[OpenOptions] = OpenOptions
     write_options: type[WriteOptions] = WriteOptions
     priority: int = 50

@@ -24,10 +24,13 @@ from collections.abc import Sequence
 from typing import Any
 
 from . import _storage
-from ._checkpoint import Checkpoint, CheckpointIndex
+from ._checkpoint import Checkpoint, CheckpointIndex, RuleLike
 from ._errors import CheckpointError, MissingShardError, UnknownFormatError
 from ._formats import Format, broken_hint, formats, get_format, make_options
 from ._read import FileCache
+
+Source = str | os.PathLike[str] | Checkpoint
+"""What ``reshard``, ``convert`` and ``diff`` read: a path or URL, or a :class:`Checkpoint` already open."""
 
 
 def detect_format(path: str | os.PathLike[str]) -> str:
@@ -68,7 +71,7 @@ def open(
     path: str | os.PathLike[str],
     format: str | None = None,
     *,
-    rules: Sequence[Any] | None = None,
+    rules: Sequence[RuleLike] | None = None,
     verify: bool = True,
     storage_options: dict[str, Any] | None = None,
     **options: Any,
@@ -92,7 +95,7 @@ def open(
     return ckpt.with_rules(rules) if rules else ckpt
 
 
-def as_checkpoint(src: Any, rules: Sequence[Any] | None = None) -> Checkpoint:
+def as_checkpoint(src: Source, rules: Sequence[RuleLike] | None = None) -> Checkpoint:
     """``src`` if it is a :class:`Checkpoint` already, else :func:`open` it; then view it through ``rules``."""
     ckpt = src if isinstance(src, Checkpoint) else open(src)
     return ckpt.with_rules(rules) if rules else ckpt

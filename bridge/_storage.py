@@ -497,7 +497,7 @@ class FsspecStorage:
 
     # -- paths
     def path_of(self, url: str) -> str:
-        return type(self.fs)._strip_protocol(url)
+        return str(type(self.fs)._strip_protocol(url))
 
     def _key(self, url: str) -> str:
         return url.rstrip("/")

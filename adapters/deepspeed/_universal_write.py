@@ -84,8 +84,7 @@ def _native(view: TensorView) -> Tensor:
 
 
 def _step_value(ckpt: Checkpoint) -> float | None:
-    steps = {t.scalars.get("step") for t in ckpt.tensors.values() if "step" in t.scalars}
-    steps.discard(None)
+    steps = {t.scalars["step"] for t in ckpt.tensors.values() if "step" in t.scalars}
     return float(max(steps)) if steps else None
 
 
