@@ -24,7 +24,7 @@ from ._dtypes import to_numpy
 from ._errors import TensorNotFoundError
 from ._formats import Format, WriteOptions
 from ._jsonable import jsonable
-from ._model import Box
+from ._model import Box, Fragment
 from ._open import Source, as_checkpoint
 from ._rules import Rule, apply_rules, rules_to_json
 from ._safetensors import Entry, write_file
@@ -65,7 +65,7 @@ def _pieces(ckpt: Checkpoint, states: Sequence[str] | None) -> list[Piece]:
     return out
 
 
-def lineage(frag: Any) -> dict[str, Any]:
+def lineage(frag: Fragment) -> dict[str, Any]:
     """Where a source fragment's bytes were: its box, location and checksum (for manifests)."""
     entry = {"offset": list(frag.box.offset), "shape": list(frag.box.shape),
              "location": frag.location.describe(), "dtype": frag.location.dtype}
@@ -74,7 +74,7 @@ def lineage(frag: Any) -> dict[str, Any]:
     return entry
 
 
-def trace(ckpt: Any, name: str, index: tuple[int, ...], state: str | None = None) -> dict[str, Any]:
+def trace(ckpt: Source, name: str, index: tuple[int, ...], state: str | None = None) -> dict[str, Any]:
     """Which stored fragment holds element ``index`` of a tensor, and where that came from.
 
     For a universal checkpoint written by ``convert`` the answer includes the
@@ -93,7 +93,7 @@ def trace(ckpt: Any, name: str, index: tuple[int, ...], state: str | None = None
     raise TensorNotFoundError(f"{ckpt.path}: tensor {name!r} has no element {index}")
 
 
-def _manifest_fragment(ckpt: Checkpoint, name: str, state: str, frag: Any) -> dict[str, Any] | None:
+def _manifest_fragment(ckpt: Checkpoint, name: str, state: str, frag: Fragment) -> dict[str, Any] | None:
     if ckpt.format != "universal":
         return None
     import json
@@ -181,7 +181,7 @@ def _provenance(ckpt: Checkpoint) -> dict[str, Any]:
 
 
 def export(
-    src: Any,
+    src: Source,
     out: str | os.PathLike[str],
     *,
     state: str | None = None,
@@ -259,7 +259,7 @@ def _compare(a: TensorView, b: TensorView, atol: float, rtol: float,
     return worst, close
 
 
-def diff(a: Any, b: Any, *, state: str | None = None, atol: float = 0.0, rtol: float = 0.0) -> list[DiffRow]:
+def diff(a: Source, b: Source, *, state: str | None = None, atol: float = 0.0, rtol: float = 0.0) -> list[DiffRow]:
     """Compare two checkpoints of any formats, tensor by tensor (streaming).
 
     ``state`` compares that state (default: each tensor's weights); a state neither
