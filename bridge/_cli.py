@@ -27,6 +27,7 @@ import json
 import os
 import sys
 import threading
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NoReturn
 
@@ -544,7 +545,9 @@ def _silence_stdout() -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return int(args.fn(args))
+        with warnings.catch_warnings():  # a renamed format's old name (--format torch) is said on stderr
+            warnings.filterwarnings("default", message="format name ", category=DeprecationWarning)
+            return int(args.fn(args))
     except (CheckpointError, OSError) as err:  # bad input or a failed write: one line, exit 2
         if isinstance(err, BrokenPipeError):
             _silence_stdout()

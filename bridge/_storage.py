@@ -62,8 +62,8 @@ from ._errors import (
     StorageError,
     TruncatedError,
     WriteError,
+    require,
 )
-from ._formats import require
 from ._paths import file_url_path
 
 # ------------------------------------------------------------------ paths

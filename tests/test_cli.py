@@ -31,7 +31,7 @@ def test_inspect_json_contract(ckpt, capsys):
     path, _ = ckpt
     assert main(["inspect", str(path), "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
-    assert info["format"] == "torch" and info["step"] == 5
+    assert info["format"] == "torch-save" and info["step"] == 5
     assert [t["name"] for t in info["tensors"]] == ["embed.weight", "head.weight"]
     t = info["tensors"][1]
     assert t["shape"] == [3, 4] and t["dtype"] == "bfloat16" and t["states"] == ["param"]

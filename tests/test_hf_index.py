@@ -69,7 +69,7 @@ def test_library_written_index_reads_bitwise(saved, label: str, index: str) -> N
     shards = set(weight_map.values())
     assert len(shards) >= 3, shards  # really sharded
     c = ckptbridge.open(path)
-    assert c.format == ("torch" if label == "bin" else "safetensors")
+    assert c.format == ("torch-save" if label == "bin" else "safetensors")
     assert set(c) == set(weight_map)  # exactly what the library's index names
     sd = model.state_dict()
     for name in c:

@@ -529,7 +529,7 @@ def test_legacy_torch_save_files_are_read_safely(tmp_path):
     torch.save(sd, path, _use_new_zipfile_serialization=False)
     assert path.read_bytes()[:2] != b"PK"  # really the legacy layout
     ckpt = ckptbridge.open(path)
-    assert ckpt.format == "torch" and ckpt.step == 9
+    assert ckpt.format == "torch-save" and ckpt.step == 9
     ref = torch.load(path)
     for name in ("a", "b", "c", "t", "view"):
         assert ckpt[name].read().tobytes() == ref[name].contiguous().view(torch.uint8).numpy().tobytes(), name

@@ -7,7 +7,7 @@ import shutil
 
 from .. import _storage
 from .._commit import fsync_tree, publish, staging_path, upload_dir
-from .._formats import require
+from .._errors import require
 from .._universal import MARKER
 from .steps import remove_checkpoint
 
