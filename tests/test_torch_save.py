@@ -14,6 +14,7 @@ import zipfile
 import numpy as np
 import pytest
 import torch
+from _common import cli, one_line_error, small_model
 
 import ckptbridge
 from ckptbridge import _formats
@@ -198,3 +199,46 @@ def test_save_torch_names_a_tensor_of_the_wrong_size(tmp_path):
         save_torch({"w": Tensor(lambda: np.zeros(5, np.float32), "float32", (4,))}, str(tmp_path / "a.pt"))
     with pytest.raises(ckptbridge.FormatError, match="data/0 got 20 bytes, expected 16"):
         save_torch({"w": Tensor(lambda: iter([np.zeros(5, np.float32)]), "float32", (4,))}, str(tmp_path / "b.pt"))
+
+
+# ---------------------------------------------------------------- whole pickled objects, legacy files
+
+
+def test_a_pickled_module_is_a_clear_error(tmp_path):
+    model = small_model()
+    torch.save(model, tmp_path / "model.pt")
+    with pytest.raises(ckptbridge.FormatError, match=r"pickled torch\.nn\..*Sequential object.*state_dict"):
+        ckptbridge.open(tmp_path / "model.pt")
+    torch.save({"model": model, "step": 3}, tmp_path / "wrapped.pt")
+    one_line_error(cli("inspect", str(tmp_path / "wrapped.pt")), "wrapped.pt", "'model'", "state_dict()")
+    torch.save({"model": model.state_dict(), "step": 3}, tmp_path / "ok.pt")  # the fix it suggests
+    assert len(ckptbridge.open(tmp_path / "ok.pt")) == 4
+
+
+def test_legacy_torch_save_files_are_read_safely(tmp_path):
+    sd = {"a": torch.randn(4, 3), "b": torch.arange(10), "c": torch.randn(6).bfloat16(),
+          "t": torch.randn(4, 6).t(), "view": torch.arange(20.0)[5:9], "nested": {"x": torch.ones(2)},
+          "iteration": 9}
+    path = tmp_path / "legacy.pt"
+    torch.save(sd, path, _use_new_zipfile_serialization=False)
+    assert path.read_bytes()[:2] != b"PK"  # really the legacy layout
+    ckpt = ckptbridge.open(path)
+    assert ckpt.format == "torch-save" and ckpt.step == 9
+    ref = torch.load(path)
+    for name in ("a", "b", "c", "t", "view"):
+        assert ckpt[name].read().tobytes() == ref[name].contiguous().view(torch.uint8).numpy().tobytes(), name
+    np.testing.assert_array_equal(ckpt["nested.x"].read(), np.ones(2, np.float32))
+    # truncated copies and code in the pickle are refused, naming the file
+    cut = tmp_path / "cut.pt"
+    cut.write_bytes(path.read_bytes()[:-10])
+    with pytest.raises(ckptbridge.TruncatedError, match="cut.pt"):
+        ckptbridge.open(cut)
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {tmp_path / 'pwned'}",))
+
+    torch.save({"w": torch.ones(2), "x": Payload()}, tmp_path / "evil.pt", _use_new_zipfile_serialization=False)
+    with pytest.raises(ckptbridge.UnsafePickleError, match="evil.pt"):
+        ckptbridge.open(tmp_path / "evil.pt")
+    assert not os.path.exists(tmp_path / "pwned")
