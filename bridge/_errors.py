@@ -11,6 +11,9 @@ Every class subclasses a built-in as well, so callers that already catch
 
 from __future__ import annotations
 
+import importlib
+from typing import Any
+
 
 class CheckpointError(Exception):
     """Base class of every error ckptbridge raises about a checkpoint."""
@@ -91,3 +94,14 @@ class StorageError(CheckpointError, OSError):
 
 class AccessDeniedError(StorageError, PermissionError):
     """The object store refused the credentials (or the permission) for an object; names it."""
+
+
+def require(module: str, extra: str, what: str) -> Any:
+    """Import ``module`` or raise :class:`MissingExtraError` with the ``pip install`` hint."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as err:
+        raise MissingExtraError(
+            f"{what} needs {module!r}, which is not installed ({err}); "
+            f"install it with: pip install 'ckptbridge[{extra}]'"
+        ) from None

@@ -50,7 +50,7 @@ A minimal read-only format::
 
 from __future__ import annotations
 
-from . import _dtypes as dtypes  # noqa: F401 (listed in __all__, derived)
+from . import _dtypes
 from ._checkpointer.leaves import Leaf as Leaf
 from ._checkpointer.leaves import LeafProvider as LeafProvider
 from ._checkpointer.leaves import register_leaf_provider as register_leaf_provider
@@ -103,7 +103,7 @@ from ._storage.commit import check_destination as check_destination
 from ._storage.commit import staged_dir as staged_dir
 from ._storage.commit import staging_path as staging_path
 from ._storage.hostmem import fresh_array as fresh_array
-from ._storage.interface import STORAGE as storage  # noqa: F401 (listed in __all__, derived)
+from ._storage.interface import STORAGE as _STORAGE
 from ._storage.interface import Storage as Storage
 from .health._jobstore import BoundedCaller as BoundedCaller
 from .health._jobstore import JobStore as JobStore
@@ -129,5 +129,8 @@ from .rules import fuse as fuse
 from .rules import pad as pad
 from .rules import rules_to_json as rules_to_json
 from .rules import unstack as unstack
+
+dtypes = _dtypes  # dtype names <-> numpy (a module)
+storage: Storage = _STORAGE  # the path API every adapter reads through
 
 __all__ = sorted(n for n in dict(globals()) if not n.startswith("_") and n != "annotations")

@@ -26,13 +26,9 @@ from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from _common import free_port
+
 S3_KEY, S3_SECRET = "testing", "testing"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait_http(url: str, proc: subprocess.Popen[bytes], what: str, log: Any, timeout: float = 60.0) -> None:

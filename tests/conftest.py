@@ -11,3 +11,19 @@ _FLAG = "--xla_force_host_platform_device_count=8"
 if _FLAG.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAG).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+import pytest  # noqa: E402  (after the XLA flag above)
+
+
+@pytest.fixture()
+def pt(tmp_path):
+    """A small real checkpoint: a torch.save file (fp32 and bf16 tensors, a step) and its state dict,
+    as ``(path, state_dict)``."""
+    import torch
+
+    torch.manual_seed(0)
+    sd = {"embed.weight": torch.randn(9, 4), "head.weight": torch.randn(3, 4).bfloat16(), "iteration": 5}
+    path = tmp_path / "m.pt"
+    torch.save(sd, path)
+    return str(path), sd

@@ -20,7 +20,7 @@ import time
 import numpy as np
 import psutil
 import pytest
-from _dist import free_port
+from _common import free_port
 
 import ckptbridge
 

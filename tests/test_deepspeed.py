@@ -17,6 +17,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 import torch
+from _common import same_bits
 
 import ckptbridge
 from ckptbridge import Checkpoint, FormatError, MissingShardError, TruncatedError
@@ -75,11 +76,6 @@ def _engine_reference(run: str) -> dict[str, dict[str, np.ndarray]]:
     return {n: {"fp32": _np(v), **{k: _np(x) for k, x in opt[n].items()}} for n, v in fp32.items()}
 
 
-def _same(a: np.ndarray, b: np.ndarray) -> bool:
-    """Bitwise equality (also for NaN payloads and signed zeros)."""
-    return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
-
-
 @pytest.mark.parametrize("name", sorted(BY_NAME))
 def test_matches_deepspeed_tools_and_engine(runs_dir: str, name: str) -> None:
     info = BY_NAME[name]
@@ -98,7 +94,7 @@ def test_matches_deepspeed_tools_and_engine(runs_dir: str, name: str) -> None:
             break
         for k, want in states.items():
             got = ckpt[n].state(k).read()
-            assert _same(got, want.reshape(got.shape)), f"{name}: {n}/{k} differs from the live engine"
+            assert same_bits(got, want.reshape(got.shape)), f"{name}: {n}/{k} differs from the live engine"
         assert ckpt[n].scalars["step"] == info["global_steps"]
 
     compared_universal = 0
@@ -118,7 +114,7 @@ def test_matches_deepspeed_tools_and_engine(runs_dir: str, name: str) -> None:
                     got = ckpt[n].state(k).read()
                 else:  # ds_to_universal writes module.float() for frozen and tied parameters
                     got = ckpt[n].state("param" if "param" in ckpt[n].states else "fp32").read(dtype="float32")
-                assert _same(got.reshape(-1), want.reshape(-1)), f"{name}: {n}/{k} != ds_to_universal"
+                assert same_bits(got.reshape(-1), want.reshape(-1)), f"{name}: {n}/{k} != ds_to_universal"
                 compared_universal += 1
             sfile = os.path.join(zero, n, "step.pt")
             if os.path.exists(sfile):
@@ -130,7 +126,7 @@ def test_matches_deepspeed_tools_and_engine(runs_dir: str, name: str) -> None:
         assert set(z) == set(ckpt), f"{name}: tensor names differ from zero_to_fp32's"
         for n, t in z.items():
             view = ckpt[n].state("fp32") if "fp32" in ckpt[n].states else ckpt[n]
-            assert _same(view.read(), _np(t)), f"{name}: {n} != zero_to_fp32"
+            assert same_bits(view.read(), _np(t)), f"{name}: {n} != zero_to_fp32"
 
 
 @pytest.mark.parametrize("name", sorted(n for n, r in BY_NAME.items() if r["dtype"] in ("bf16", "fp16")))
@@ -150,9 +146,9 @@ def test_16bit_module_weights(runs_dir: str, name: str) -> None:
         got = ckpt[n].state("param").read()
         assert got.dtype == half
         if "fp32" in ckpt[n].states:  # engine-independent: 16-bit weights = round(fp32 master)
-            assert _same(got, ckpt[n].state("fp32").read().astype(half))
+            assert same_bits(got, ckpt[n].state("fp32").read().astype(half))
         if ref is not None:
-            assert _same(got, _np(ref[n]))
+            assert same_bits(got, _np(ref[n]))
 
 
 def test_round_robin_uses_flat_order_not_deepspeeds_slice_mappings(runs_dir: str) -> None:
@@ -165,9 +161,9 @@ def test_round_robin_uses_flat_order_not_deepspeeds_slice_mappings(runs_dir: str
     for n in ckpt:
         module_bf16 = ckpt[n].state("param").read()  # the weights the engine trained with
         ours = ckpt[n].state("fp32").read()
-        assert _same(ours.astype(ml_dtypes.bfloat16), module_bf16)
-        assert _same(ours, _np(z[n]))
-        wrong += not _same(theirs[n].state("fp32").read().astype(ml_dtypes.bfloat16), module_bf16)
+        assert same_bits(ours.astype(ml_dtypes.bfloat16), module_bf16)
+        assert same_bits(ours, _np(z[n]))
+        wrong += not same_bits(theirs[n].state("fp32").read().astype(ml_dtypes.bfloat16), module_bf16)
     assert wrong, "DeepSpeed fixed its round-robin conversion: move the run out of DS_MAPPING_WRONG"
 
 
@@ -195,7 +191,7 @@ def test_megatron_deepspeed_tensor_parallel(runs_dir: str, name: str) -> None:
     assert mp1 and all(f.box.offset[0] >= 48 for f in mp1)
     if ckpt.extra["ds_config"]["bf16"]["enabled"] and BY_NAME[name]["stage"] < 3:  # ZeRO-3: no 16-bit copy
         for n in ckpt:
-            assert _same(ckpt[n].state("param").read(), ckpt[n].state("fp32").read().astype(ml_dtypes.bfloat16))
+            assert same_bits(ckpt[n].state("param").read(), ckpt[n].state("fp32").read().astype(ml_dtypes.bfloat16))
 
 
 def test_pipeline_parallel_layer_files(runs_dir: str) -> None:
@@ -223,7 +219,7 @@ def test_3d_pipeline_tensor_data_parallel(runs_dir: str) -> None:
     last_stage = {os.path.basename(f.location.file) for f in ckpt["4.lm_head.weight"].state("exp_avg").fragments}
     assert last_stage and all(re.search(r"mp_rank_0[23]_optim", f) for f in last_stage)
     for n in ckpt:  # the module's bf16 weights agree with the fp32 master, TP shards included
-        assert _same(ckpt[n].state("param").read(), ckpt[n].state("fp32").read().astype(ml_dtypes.bfloat16))
+        assert same_bits(ckpt[n].state("param").read(), ckpt[n].state("fp32").read().astype(ml_dtypes.bfloat16))
 
 
 def test_extra_is_json_and_names_the_optimizer(runs_dir: str) -> None:
@@ -269,12 +265,12 @@ def test_slice_reads_only_overlapping_fragments(runs_dir: str) -> None:
     full = view.read()
     ckpt.stats.reset()
     got = view[0:2]  # the first two rows live in one rank file
-    assert _same(got, full[0:2])
+    assert same_bits(got, full[0:2])
     assert ckpt.stats.bytes_read == 2 * cols * 4
     assert len(ckpt.stats.per_file) == 1
     ckpt.stats.reset()
     last = view[rows - 1:rows]
-    assert _same(last, full[rows - 1:rows])
+    assert same_bits(last, full[rows - 1:rows])
     assert ckpt.stats.bytes_read == cols * 4
     assert len(ckpt.stats.per_file) == 1
     assert {f.location.file for f in frags} >= set(ckpt.stats.per_file)
@@ -334,7 +330,7 @@ def test_deepspeed_universal_folder_opens_too(runs_dir: str) -> None:
         assert set(univ) == set(native)
         for n in native:
             for k in STATES:
-                assert _same(univ[n].state(k).read(), native[n].state(k).read())
+                assert same_bits(univ[n].state(k).read(), native[n].state(k).read())
             assert univ[n].scalars == native[n].scalars
 
 
@@ -346,7 +342,7 @@ def test_convert_to_universal_directory(runs_dir: str, tmp_path: object) -> None
     assert set(a) == set(b)
     for n in a:
         for k in a[n].states:
-            assert _same(b[n].state(k).read(), a[n].state(k).read())
+            assert same_bits(b[n].state(k).read(), a[n].state(k).read())
 
 
 def test_index_is_fast_and_reads_no_tensor_data(runs_dir: str) -> None:
@@ -371,7 +367,7 @@ def test_cli_convert_only_some_states(runs_dir: str, tmp_path: object) -> None:
     for n in a:
         assert set(b[n].states) == set(STATES)
         for k in STATES:
-            assert _same(b[n].state(k).read(), a[n].state(k).read())
+            assert same_bits(b[n].state(k).read(), a[n].state(k).read())
     bad = os.path.join(str(tmp_path), "bad")
     r = subprocess.run([*cli, bad, "--states", "fp32,exp_avgsq"], capture_output=True, text=True)
     assert r.returncode == 2 and "'exp_avgsq'" in r.stderr and not os.path.exists(bad)

@@ -30,7 +30,8 @@ import sys
 
 import numpy as np
 import pytest
-from test_deepspeed import _load, _np, _same, runs_dir  # noqa: F401  (session fixture)
+from _common import same_bits
+from test_deepspeed import _load, _np, runs_dir  # noqa: F401  (session fixture)
 
 from ckptbridge import open as cb_open
 from ckptbridge import reshard
@@ -67,7 +68,7 @@ def _assert_loaded_equals(loaded: dict, src_root: str) -> None:
     for n, states in params.items():
         assert set(states) == set(STATES)
         for k, t in states.items():
-            assert _same(_np(t), src[n].state(k).read()), f"{n}/{k} loaded wrong"
+            assert same_bits(_np(t), src[n].state(k).read()), f"{n}/{k} loaded wrong"
     assert loaded["steps"] == [3.0]
     assert [g["weight_decay"] for g in loaded["param_groups"]] == [0.1, 0.0]
 

@@ -12,7 +12,8 @@ import os
 import numpy as np
 import pytest
 import torch
-from test_deepspeed import _load, _np, _same, runs_dir  # noqa: F401  (session fixture)
+from _common import same_bits
+from test_deepspeed import _load, _np, runs_dir  # noqa: F401  (session fixture)
 
 import ckptbridge
 from ckptbridge import formats, reshard
@@ -56,7 +57,7 @@ def test_files_equal_ds_to_universal(runs_dir: str, tmp_path: object, name: str)
             got = _load(os.path.join(ours_zero, p, f"{k}.pt"))
             assert got["cat_dim"] in (0, 1) and got["param"].dtype == torch.float32
             assert tuple(got["param"].shape) == shapes[p]
-            assert _same(_np(got["param"]).reshape(-1), _np(want).reshape(-1)), f"{name}: {p}/{k}"
+            assert same_bits(_np(got["param"]).reshape(-1), _np(want).reshape(-1)), f"{name}: {p}/{k}"
             if isinstance(_load(os.path.join(theirs_zero, p, f"{k}.pt")), dict):  # tensor-parallel re-split keys
                 theirs_meta = {m: v for m, v in _load(os.path.join(theirs_zero, p, f"{k}.pt")).items()
                                if m in ("cat_dim", "vocab_tensor")}
@@ -80,7 +81,7 @@ def test_files_equal_ds_to_universal(runs_dir: str, tmp_path: object, name: str)
     assert ms["global_steps"] == src.step and ms["mp_world_size"] == 1
     for n, t in ms["module"].items():  # the module weights, in the model's own dtype
         state = "param" if "param" in src[n].states else "fp32"
-        assert _same(_np(t), src[n].state(state).read())
+        assert same_bits(_np(t), src[n].state(state).read())
 
 
 def test_round_trip_and_refusals(runs_dir: str, tmp_path: object) -> None:  # noqa: F811
@@ -91,7 +92,7 @@ def test_round_trip_and_refusals(runs_dir: str, tmp_path: object) -> None:  # no
     assert b.provenance["layout"] == "universal" and set(a) == set(b)
     for n in a:
         for k in STATES:
-            assert _same(b[n].state(k).read(), a[n].state(k).read())
+            assert same_bits(b[n].state(k).read(), a[n].state(k).read())
         assert b[n].scalars == a[n].scalars
     before = sorted(os.listdir(dst))
     with pytest.raises(FileExistsError):
@@ -110,7 +111,7 @@ def test_from_our_universal_directory(runs_dir: str, tmp_path: object) -> None: 
     native, out = cb_open(src), cb_open(dst)
     for n in native:
         for k in STATES:
-            assert _same(out[n].state(k).read(), native[n].state(k).read())
+            assert same_bits(out[n].state(k).read(), native[n].state(k).read())
         assert out[n].scalars.get("step") == 3
 
 

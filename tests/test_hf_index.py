@@ -17,6 +17,7 @@ import os
 import numpy as np
 import pytest
 import torch
+from _common import same_bits
 
 import ckptbridge
 from ckptbridge.adapters import torch as cbt
@@ -34,10 +35,6 @@ def _llama(tie: bool = False, dtype: torch.dtype = torch.float32):
 
 def _np(t: torch.Tensor) -> np.ndarray:
     return cbt.numpy_view(t.detach().contiguous())
-
-
-def _same(a: np.ndarray, b: np.ndarray) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
 
 
 @pytest.fixture(scope="module")
@@ -69,11 +66,11 @@ def test_library_written_index_reads_bitwise(saved, label: str, index: str) -> N
     shards = set(weight_map.values())
     assert len(shards) >= 3, shards  # really sharded
     c = ckptbridge.open(path)
-    assert c.format == ("torch" if label == "bin" else "safetensors")
+    assert c.format == ("torch-save" if label == "bin" else "safetensors")
     assert set(c) == set(weight_map)  # exactly what the library's index names
     sd = model.state_dict()
     for name in c:
-        assert _same(c[name].read(), _np(sd[name])), name
+        assert same_bits(c[name].read(), _np(sd[name])), name
         assert {os.path.basename(f.location.file) for f in c[name].fragments} == {weight_map[name]}, name
     if label == "bf16_tied":  # transformers saves the tied lm_head once, as the embedding
         assert "lm_head.weight" not in c and c["model.embed_tokens.weight"].dtype == "bfloat16"
@@ -81,7 +78,7 @@ def test_library_written_index_reads_bitwise(saved, label: str, index: str) -> N
     name = "model.layers.1.mlp.down_proj.weight"
     c.stats.reset()
     got = c[name][3:5]
-    assert _same(got, _np(sd[name][3:5]))
+    assert same_bits(got, _np(sd[name][3:5]))
     assert c.stats.bytes_read == 2 * sd[name].shape[1] * sd[name].element_size()
     assert [os.path.basename(f) for f in c.stats.per_file] == [weight_map[name]]
 

@@ -22,7 +22,7 @@ import ckptbridge as O
 from ckptbridge import MissingShardError
 from ckptbridge.adapters import megatron
 from ckptbridge.adapters.megatron._layout import MegatronConfig
-from ckptbridge.adapters.torchfile import TensorRef, TorchArchive, iter_tensors
+from ckptbridge.adapters.torch_save import TensorRef, TorchArchive, iter_tensors
 from ckptbridge.plugin import FileCache, read_state
 
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -14,7 +14,7 @@ FIX = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "mega
 
 
 def _rank_objects(path: str) -> list[dict]:
-    from ckptbridge.adapters.torchfile import TorchArchive
+    from ckptbridge.adapters.torch_save import TorchArchive
 
     files = sorted(os.path.join(r, f) for r, _, fs in os.walk(path) for f in fs if f == "model_optim_rng.pt")
     assert len(files) == 2  # TP1 x PP2

@@ -213,7 +213,7 @@ def test_live_deepspeed_zero2_run_reproduces_the_fixture_and_migrates(tmp_path):
 
     import deepspeed  # noqa: F401  (a missing extra must fail, not skip)
     import optax  # noqa: F401  (a missing extra must fail, not skip)
-    from _dist import free_port
+    from _common import free_port
 
     from examples.migrate_deepspeed_to_jax import continue_in_jax
 

@@ -20,6 +20,7 @@ import os
 import ml_dtypes
 import numpy as np
 import pytest
+from _common import same_bits
 
 import ckptbridge
 
@@ -49,10 +50,6 @@ def expected() -> dict[str, np.ndarray]:
     return out
 
 
-def _same(a: np.ndarray, b: np.ndarray) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
-
-
 def test_the_fixture_is_what_that_release_wrote() -> None:
     with open(os.path.join(FIX, "versions.json")) as fh:
         assert json.load(fh)["orbax-checkpoint"] == "0.4.2"
@@ -76,9 +73,9 @@ def test_old_release_train_state_reads_bitwise(layout: str, expected: dict[str, 
         weights = "param" if name.startswith("embed") else "fp32"  # bf16 weights are 'param'
         assert t.shape == shape and set(t.states) == {weights, "exp_avg", "exp_avg_sq"}, (name, t.states)
         assert t.scalars == {"step": 2}  # optax's count
-        assert _same(t.state(weights).read(), expected[f"params/{name}"]), name
+        assert same_bits(t.state(weights).read(), expected[f"params/{name}"]), name
         for state, prefix in STATES.items():
-            assert _same(t.state(state).read(), expected[prefix + name]), (name, state)
+            assert same_bits(t.state(state).read(), expected[prefix + name]), (name, state)
     # the shards the 2x2 mesh wrote are the fragments: P("x", "y") -> 4 chunks of 8 x 16
     frags = c["Dense_0/kernel"].fragments
     assert sorted((f.box.offset, f.box.shape) for f in frags) == [
@@ -91,8 +88,8 @@ def test_old_manager_earlier_step(expected: dict[str, np.ndarray]) -> None:
     for c in (ckptbridge.open(os.path.join(FIX, "manager"), step=1), ckptbridge.open(os.path.join(FIX, "manager", "1"))):
         assert c.step == 1
         for name in NAMES:
-            assert _same(c[name].state("exp_avg").read(), expected[f"step1:opt_state/0/mu/{name}"]), name
-            assert not _same(c[name].state("exp_avg").read(), expected[f"opt_state/0/mu/{name}"])  # a real step apart
+            assert same_bits(c[name].state("exp_avg").read(), expected[f"step1:opt_state/0/mu/{name}"]), name
+            assert not same_bits(c[name].state("exp_avg").read(), expected[f"opt_state/0/mu/{name}"])  # a real step apart
 
 
 @pytest.mark.parametrize("item", ["pytree_ocdbt", "pytree_zarr"])
@@ -109,7 +106,7 @@ def test_todays_orbax_restores_the_same_values(item: str) -> None:
     assert len(arrays) == 3 * len(NAMES)
     for key, want in arrays.items():
         got = raw[key].read()
-        assert _same(got, want.astype(got.dtype)) and got.dtype == want.dtype, key
+        assert same_bits(got, want.astype(got.dtype)) and got.dtype == want.dtype, key
 
 
 def test_old_release_converts_and_reshards_to_todays_orbax(tmp_path, expected: dict[str, np.ndarray]) -> None:
@@ -120,5 +117,5 @@ def test_old_release_converts_and_reshards_to_todays_orbax(tmp_path, expected: d
     assert ckptbridge.verify(tmp_path / "u") == []
     ckptbridge.reshard(tmp_path / "u", tmp_path / "new", to="orbax")
     restored = ocp.StandardCheckpointer().restore(str(tmp_path / "new"))
-    assert _same(np.asarray(restored["params"]["Dense_0"]["kernel"]), expected["params/Dense_0/kernel"])
-    assert _same(np.asarray(restored["opt_state"]["nu"]["Dense_1"]["kernel"]), expected["opt_state/0/nu/Dense_1/kernel"])
+    assert same_bits(np.asarray(restored["params"]["Dense_0"]["kernel"]), expected["params/Dense_0/kernel"])
+    assert same_bits(np.asarray(restored["opt_state"]["nu"]["Dense_1"]["kernel"]), expected["opt_state/0/nu/Dense_1/kernel"])

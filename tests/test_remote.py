@@ -19,7 +19,8 @@ os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")  # no gRPC p
 
 import numpy as np
 import pytest
-from _servers import RangeServer, free_port, gcs_server, make_bucket, s3_options, s3_server
+from _common import free_port, same_checkpoint
+from _servers import RangeServer, gcs_server, make_bucket, s3_options, s3_server
 
 import ckptbridge
 from ckptbridge import AccessDeniedError, IncompleteCheckpointError, MissingShardError, StorageError
@@ -59,17 +60,6 @@ def torch_file(tmp_path_factory):
     return str(path)
 
 
-def _same(a: ckptbridge.Checkpoint, b: ckptbridge.Checkpoint) -> None:
-    """Same names, step, states, and every state of every tensor bitwise equal."""
-    assert (list(a), a.step) == (list(b), b.step)
-    assert a.states() == b.states()
-    for state in a.states():
-        rows = ckptbridge.diff(a, b, state=state)
-        bad = [r.name for r in rows if r.in_a and r.in_b and not r.equal]
-        assert not bad, (state, bad[:5])
-        assert all(r.in_a == r.in_b for r in rows)
-
-
 def _upload(fs, local: str, url: str) -> None:
     fs.put(local, url.removeprefix("s3://"), recursive=True)
 
@@ -105,7 +95,7 @@ def test_every_reader_over_s3_equals_the_local_read(s3, tmp_path, torch_file):
             _upload(fs, local, url)
         a, b = ckptbridge.open(local), ckptbridge.open(url)
         assert b.path.startswith(url) and b.format == a.format
-        _same(a, b)
+        same_checkpoint(a, b)
         assert b.stats.bytes_read == a.stats.bytes_read
         if name == "megatron-legacy":
             # a missing rank file is named, as locally
@@ -196,7 +186,7 @@ def test_writers_to_urls_commit_last_and_refuse_committed_prefixes(s3, tmp_path)
     src = ckptbridge.open(DS)
     out = ckptbridge.convert(src, "s3://bkt/w/u")
     assert fs.exists("bkt/w/u/COMMITTED")
-    _same(ckptbridge.open(DS), ckptbridge.open(out))
+    same_checkpoint(ckptbridge.open(DS), ckptbridge.open(out))
     with pytest.raises(FileExistsError, match="s3://bkt/w/u"):
         ckptbridge.convert(src, "s3://bkt/w/u")
     # other formats are built locally and uploaded: objects first, the marker last
@@ -244,7 +234,7 @@ def test_a_write_that_dies_leaves_nothing_committed_and_a_rerun_succeeds(s3):
     ckptbridge.convert(src, "s3://bkt/dead/u")  # no marker: not a checkpoint, so no overwrite needed
     fs.invalidate_cache()
     assert not fs.exists(stale) and not any("zz-" in f for f in fs.find("bkt/dead/u"))
-    _same(ckptbridge.open(DS), ckptbridge.open("s3://bkt/dead/u"))
+    same_checkpoint(ckptbridge.open(DS), ckptbridge.open("s3://bkt/dead/u"))
 
 
 def test_checkpointer_persistent_level_at_s3(s3, tmp_path):

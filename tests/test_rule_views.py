@@ -223,3 +223,9 @@ def test_views_over_tensorstore_read_the_covering_box(tmp_path) -> None:
         np.testing.assert_array_equal(read_state(mapped, None, fc), ref)
         np.testing.assert_array_equal(read_state(mapped, Box((1, 1, 2), (3, 2, 5)), fc), ref[1:4, 1:3, 2:7])
     assert math.prod(mapped.shape) == arr.size
+
+
+def test_open_with_rules(pt):
+    ckpt = ckptbridge.open(pt[0], rules=[ckptbridge.Rename(r"^embed\.", "wte.")])
+    assert "wte.weight" in ckpt and "embed.weight" not in ckpt
+    np.testing.assert_array_equal(ckpt["wte.weight"].read(), pt[1]["embed.weight"].numpy())

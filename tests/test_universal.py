@@ -43,7 +43,7 @@ def test_state_dict_to_universal_to_export_is_bitwise(tmp_path, dtype):
             assert got.dtype == v.dtype and got.shape == v.shape
             assert got.reshape(-1).view(torch.uint8).tolist() == v.reshape(-1).view(torch.uint8).tolist()
     u = ckptbridge.open(tmp_path / "u")
-    assert u.format == "universal" and u.provenance["source_format"] == "torch"
+    assert u.format == "universal" and u.provenance["source_format"] == "torch-save"
     for k, v in sd.items():
         assert u[k].dtype == dtype
         raw = v.reshape(-1).view(torch.uint8).numpy().tobytes()

@@ -29,7 +29,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptbridge.adapters.torchfile import Opaque, TensorRef, TorchArchive, TorchDtype, safe_loads
+from ckptbridge.adapters.torch_save import Opaque, TensorRef, TorchArchive, TorchDtype, safe_loads
 from ckptbridge.plugin import (
     Box,
     FileRegion,

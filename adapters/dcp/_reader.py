@@ -8,7 +8,7 @@ import struct
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ckptbridge.adapters.torchfile import strip_tensors
+from ckptbridge.adapters.torch_save import strip_tensors
 from ckptbridge.plugin import (
     WEIGHT_STATES,
     Box,

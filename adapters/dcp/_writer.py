@@ -127,7 +127,7 @@ def _write_dcp(ckpt: Checkpoint, dst: str, stage: str, world: int, weight_state:
     # (fqn, key path, state to read or a scalar value, logical tensor name)
     entries: list[tuple[str, tuple[Any, ...], Any, str]] = []
     for name, t in ckpt.tensors.items():
-        ws = weight_state if weight_state in t.states else t.weight_state
+        ws = weight_state if weight_state is not None and weight_state in t.states else t.weight_state
         if ws in WEIGHT_STATES or not with_optim:
             path: tuple[Any, ...] = (model_key, name) if model_key else (name,)
             entries.append((".".join(path), path, t.states[ws], name))

@@ -2,7 +2,7 @@
 
 Opens a checkpoint root (with ``latest``) or one tag folder without torch
 and without running any pickled code: every optimizer/model-states file is
-parsed with ``ckptbridge.adapters.torchfile`` (safe unpickler, in-place storages), and each parameter becomes a
+parsed with ``ckptbridge.adapters.torch_save`` (safe unpickler, in-place storages), and each parameter becomes a
 :class:`~ckptbridge.plugin.LogicalTensor` whose states point straight into
 the rank files (nothing is copied at open time)::
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from ckptbridge.adapters.torchfile import Opaque, TensorRef, TorchArchive, strip_tensors
+from ckptbridge.adapters.torch_save import Opaque, TensorRef, TorchArchive, strip_tensors
 from ckptbridge.plugin import CheckpointError, FormatError
 
 FORMAT = "deepspeed"

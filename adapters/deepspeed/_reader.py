@@ -8,7 +8,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ckptbridge.adapters.torchfile import (
+from ckptbridge.adapters.torch_save import (
     TensorRef,
     TorchArchive,
     iter_tensors,

@@ -149,7 +149,7 @@ def load_engine(
     if hyperparameters not in ("checkpoint", "config"):
         raise OptionError(f"load_engine: hyperparameters must be 'checkpoint' or 'config', got {hyperparameters!r}")
     t0 = time.perf_counter()
-    ckpt, owned = as_checkpoint(source, **({"tag": tag} if tag else {})), not isinstance(source, Checkpoint)
+    ckpt, owned = as_checkpoint(source, None, **({"tag": tag} if tag else {})), not isinstance(source, Checkpoint)
     try:
         opt = engine.optimizer
         _check_supported(engine, opt, ckpt)

@@ -16,7 +16,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from ckptbridge.adapters.torchfile import TensorRef, read_scalar, unpickled_to_json
+from ckptbridge.adapters.torch_save import TensorRef, read_scalar, unpickled_to_json
 from ckptbridge.plugin import (
     CheckpointIndex,
     FormatError,

@@ -28,7 +28,7 @@ and one model-states file whose name depends on the *target* stage; writing both
 names (one hard link) is what lets a ZeRO-1/2 checkpoint resume under ZeRO-3 and
 back, which DeepSpeed's own ``ds_to_universal`` output cannot.
 
-The ``.pt`` files are written without torch (``ckptbridge.adapters.torchfile.save_torch`` emits the
+The ``.pt`` files are written without torch (``ckptbridge.adapters.torch_save.save_torch`` emits the
 ``torch.save`` zip format directly, streaming each tensor from the source's fragments), so
 this writer needs neither torch nor DeepSpeed. The destination is built in a staging
 directory and published atomically (``ckptbridge.plugin.staged_dir``); an existing ``dst``
@@ -47,7 +47,7 @@ from typing import Any
 
 import numpy as np
 
-from ckptbridge.adapters.torchfile import Size, Tensor, save_torch
+from ckptbridge.adapters.torch_save import Size, Tensor, save_torch
 from ckptbridge.plugin import (
     Checkpoint,
     FormatError,
@@ -84,8 +84,7 @@ def _native(view: TensorView) -> Tensor:
 
 
 def _step_value(ckpt: Checkpoint) -> float | None:
-    steps = {t.scalars.get("step") for t in ckpt.tensors.values() if "step" in t.scalars}
-    steps.discard(None)
+    steps = {t.scalars["step"] for t in ckpt.tensors.values() if "step" in t.scalars}
     return float(max(steps)) if steps else None
 
 

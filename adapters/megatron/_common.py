@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from ckptbridge.adapters.torchfile import Opaque, TensorRef, TorchDtype
+from ckptbridge.adapters.torch_save import Opaque, TensorRef, TorchDtype
 from ckptbridge.plugin import FormatError, MissingShardError, storage
 
 TRACKER = "latest_checkpointed_iteration.txt"

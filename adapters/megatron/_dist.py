@@ -21,7 +21,7 @@ import math
 import re
 from typing import Any
 
-from ckptbridge.adapters.torchfile import TorchArchive, read_scalar
+from ckptbridge.adapters.torch_save import TorchArchive, read_scalar
 from ckptbridge.plugin import (
     Box,
     FileRegion,

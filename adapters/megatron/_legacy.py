@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptbridge.adapters.torchfile import TensorRef, TorchArchive, read_scalar
+from ckptbridge.adapters.torch_save import TensorRef, TorchArchive, read_scalar
 from ckptbridge.plugin import (
     FormatError,
     MissingShardError,

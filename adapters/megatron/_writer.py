@@ -44,7 +44,7 @@ from typing import Any
 
 import numpy as np
 
-from ckptbridge.adapters.torchfile import (
+from ckptbridge.adapters.torch_save import (
     TORCH_DTYPE_NAMES,
     Global,
     Object,

@@ -12,7 +12,8 @@ a persistent directory or URL). See :class:`Checkpointer`.
 
 from __future__ import annotations
 
-from .core import Checkpointer, SaveStats
+from .core import Checkpointer
+from .jobs import SaveStats
 from .leaves import Capture, Leaf, LeafProvider, leaves_of, register_leaf_provider
 from .policy import SavePolicy
 from .restore import RestoreResult

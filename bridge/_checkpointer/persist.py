@@ -6,7 +6,7 @@ import os
 import shutil
 
 from .. import _storage
-from .._formats.registry import require
+from .._errors import require
 from .._formats.universal import MARKER
 from .._storage.commit import fsync_tree, publish, staging_path, upload_dir
 from .steps import remove_checkpoint

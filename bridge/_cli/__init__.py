@@ -22,6 +22,7 @@ stderr naming the file).
 from __future__ import annotations
 
 import sys
+import warnings
 from collections.abc import Sequence
 
 from .._errors import CheckpointError
@@ -34,7 +35,9 @@ __all__ = ["build_parser", "main"]
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return int(args.fn(args))
+        with warnings.catch_warnings():  # a renamed format's old name (--format torch) is said on stderr
+            warnings.filterwarnings("default", message="format name ", category=DeprecationWarning)
+            return int(args.fn(args))
     except (CheckpointError, OSError) as err:  # bad input or a failed write: one line, exit 2
         if isinstance(err, BrokenPipeError):
             silence_stdout()

@@ -13,7 +13,7 @@ import math
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -21,9 +21,9 @@ from .. import _storage
 from .._dtypes import to_numpy
 from .._errors import TensorNotFoundError
 from .._jsonable import jsonable
-from .._read.checkpoint import Checkpoint, TensorView
-from .._read.model import Box
-from .._read.open import as_checkpoint
+from .._read.checkpoint import Checkpoint, CheckpointIndex, TensorView
+from .._read.model import Box, Fragment
+from .._read.open import Source, as_checkpoint
 from .._storage.commit import check_destination, staged_file
 from .._version import __version__
 from ..rules import Rule, apply_rules, rules_to_json
@@ -31,6 +31,9 @@ from .registry import Format, WriteOptions
 from .safetensors import Entry
 from .safetensors_write import write_file
 from .universal import Piece, commit_universal, detect, index, write_rank, write_universal
+
+if TYPE_CHECKING:
+    from .scaleout import World
 
 
 class _Filler:
@@ -63,7 +66,7 @@ def _pieces(ckpt: Checkpoint, states: Sequence[str] | None) -> list[Piece]:
     return out
 
 
-def lineage(frag: Any) -> dict[str, Any]:
+def lineage(frag: Fragment) -> dict[str, Any]:
     """Where a source fragment's bytes were: its box, location and checksum (for manifests)."""
     entry = {"offset": list(frag.box.offset), "shape": list(frag.box.shape),
              "location": frag.location.describe(), "dtype": frag.location.dtype}
@@ -72,7 +75,7 @@ def lineage(frag: Any) -> dict[str, Any]:
     return entry
 
 
-def trace(ckpt: Any, name: str, index: tuple[int, ...], state: str | None = None) -> dict[str, Any]:
+def trace(ckpt: Source, name: str, index: tuple[int, ...], state: str | None = None) -> dict[str, Any]:
     """Which stored fragment holds element ``index`` of a tensor, and where that came from.
 
     For a universal checkpoint written by ``convert`` the answer includes the
@@ -91,13 +94,13 @@ def trace(ckpt: Any, name: str, index: tuple[int, ...], state: str | None = None
     raise TensorNotFoundError(f"{ckpt.path}: tensor {name!r} has no element {index}")
 
 
-def _manifest_fragment(ckpt: Checkpoint, name: str, state: str, frag: Any) -> dict[str, Any] | None:
+def _manifest_fragment(ckpt: Checkpoint, name: str, state: str, frag: Fragment) -> dict[str, Any] | None:
     if ckpt.format != "universal":
         return None
     import json
 
-    frags = json.loads(_storage.read_text(_storage.join(ckpt.path, "manifest.json")))
-    frags = frags["tensors"][name]["states"][state]["fragments"]
+    manifest = json.loads(_storage.read_text(_storage.join(ckpt.path, "manifest.json")))
+    frags: list[dict[str, Any]] = manifest["tensors"][name]["states"][state]["fragments"]
     for f in frags:
         if f["offset"] == list(frag.box.offset):
             return f
@@ -105,14 +108,14 @@ def _manifest_fragment(ckpt: Checkpoint, name: str, state: str, frag: Any) -> di
 
 
 def convert(
-    src: Any,
+    src: Source,
     dst: str | os.PathLike[str],
     *,
     states: Sequence[str] | None = None,
     rules: Sequence[Rule] = (),
     overwrite: bool = False,
     progress: Callable[[int, int], None] | None = None,
-    world: Any = None,
+    world: World | None = None,
 ) -> str:
     """Write a universal directory from any supported checkpoint.
 
@@ -179,7 +182,7 @@ def _provenance(ckpt: Checkpoint) -> dict[str, Any]:
 
 
 def export(
-    src: Any,
+    src: Source,
     out: str | os.PathLike[str],
     *,
     state: str | None = None,
@@ -257,7 +260,7 @@ def _compare(a: TensorView, b: TensorView, atol: float, rtol: float,
     return worst, close
 
 
-def diff(a: Any, b: Any, *, state: str | None = None, atol: float = 0.0, rtol: float = 0.0) -> list[DiffRow]:
+def diff(a: Source, b: Source, *, state: str | None = None, atol: float = 0.0, rtol: float = 0.0) -> list[DiffRow]:
     """Compare two checkpoints of any formats, tensor by tensor (streaming).
 
     ``state`` compares that state (default: each tensor's weights); a state neither
@@ -302,7 +305,7 @@ def _write_universal(ckpt: Checkpoint, dst: str, options: UniversalWriteOptions)
     return convert(ckpt, dst, states=options.states, overwrite=options.overwrite, world=world)
 
 
-def _open_universal(path: str, _options: object) -> Any:
+def _open_universal(path: str, _options: object) -> CheckpointIndex:
     return index(path)
 
 

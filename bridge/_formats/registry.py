@@ -29,15 +29,21 @@ not hide the others: its error becomes a hint naming the extra to install.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import types
 import typing
-from collections.abc import Callable, Mapping
+import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-from .._errors import MissingExtraError, OptionError, UnknownFormatError
+from .._errors import OptionError, UnknownFormatError
+from .._errors import (
+    require as require,  # adapters' import-or-hint, re-exported for ckptbridge.plugin
+)
 from .._plugins import PluginGroup
+
+if TYPE_CHECKING:
+    from .._read.checkpoint import Checkpoint, CheckpointIndex
 
 ENTRY_POINT_GROUP = "ckptbridge.formats"
 
@@ -62,23 +68,61 @@ class WriteOptions(Options):
     overwrite: bool = False
 
 
+OpenT = TypeVar("OpenT", bound=OpenOptions, contravariant=True)
+WriteT = TypeVar("WriteT", bound=WriteOptions, contravariant=True)
+
+
+class Detector(Protocol):
+    """``detect(path) -> bool``: is ``path`` (a local path or URL) in this format? Cheap (a few
+    listings or a header read) and never raises::
+
+        def detect(path: str) -> bool:
+            return path.endswith(".raw32")
+    """
+
+    def __call__(self, path: str, /) -> bool: ...
+
+
+class Indexer(Protocol[OpenT]):
+    """``index(path, options) -> CheckpointIndex``: the checkpoint's metadata (logical tensors,
+    fragments, rules), nothing read; ``options`` is an instance of the format's ``open_options``::
+
+        def index(path: str, options: MyOpenOptions) -> CheckpointIndex: ...
+    """
+
+    def __call__(self, path: str, options: OpenT, /) -> CheckpointIndex: ...
+
+
+class Writer(Protocol[WriteT]):
+    """``write(ckpt, dst, options) -> str``: write ``ckpt`` at ``dst`` (the format's suffix
+    already added) with an instance of the format's ``write_options``; returns the path written::
+
+        def write(ckpt: Checkpoint, dst: str, options: MyWriteOptions) -> str: ...
+    """
+
+    def __call__(self, ckpt: Checkpoint, dst: str, options: WriteT, /) -> str: ...
+
+
 @dataclass(frozen=True)
 class Format:
     """One checkpoint format, as registered by its adapter.
 
-    ``detect(path) -> bool`` must be cheap and never raise. ``index(path,
-    options) -> CheckpointIndex`` opens it (metadata only). ``write(ckpt, dst,
-    options) -> str`` writes a checkpoint (``None`` for read-only formats).
+    ``detect`` (a :class:`Detector`) must be cheap and never raise. ``index``
+    (an :class:`Indexer`) opens it (metadata only). ``write`` (a :class:`Writer`)
+    writes a checkpoint (``None`` for read-only formats); each takes an instance
+    of the format's own options class (hence ``Indexer[Any]``).
     ``priority``: detection order, lowest first (specific formats before
-    generic ones). ``extra``: the ``pip install ckptbridge[extra]`` the format
+    generic ones). ``aliases``: other names it answers to; ``deprecated_aliases``:
+    old names it still answers to, each with one ``DeprecationWarning`` per process
+    (a renamed format). ``extra``: the ``pip install ckptbridge[extra]`` the format
     needs, named in errors when its imports fail. ``suffix``: the file
     extension of single-file formats (added to a destination without one).
     """
 
     name: str
-    detect: Callable[[str], bool] | None = None
-    index: Callable[[str, Any], Any] | None = None
-    write: Callable[[Any, str, Any], str] | None = None
+    detect: Detector | None = None
+    index: Indexer[Any] | None = None
+    write: Writer[Any] | None = None
     open_options: type[OpenOptions] = OpenOptions
     write_options: type[WriteOptions] = WriteOptions
     priority: int = 50
@@ -86,6 +130,7 @@ class Format:
     suffix: str = ""
     description: str = ""
     aliases: tuple[str, ...] = field(default=())
+    deprecated_aliases: tuple[str, ...] = field(default=())
 
     @property
     def readable(self) -> bool:
@@ -101,12 +146,13 @@ _REGISTRY: dict[str, Format] = {}
 _BROKEN = _GROUP.broken  # entry-point name -> why it failed to load
 _LOCK = _GROUP.lock
 _INSTALLED: set[int] = set()  # ids of entry-point values already registered
+_WARNED: set[str] = set()  # deprecated names already warned about
 
 
 def register_format(fmt: Format, *, replace: bool = False) -> Format:
     """Add ``fmt`` to the registry (``replace=True`` to override a format of that name)."""
     with _LOCK:
-        for name in (fmt.name, *fmt.aliases):
+        for name in (fmt.name, *fmt.aliases, *fmt.deprecated_aliases):
             old = _REGISTRY.get(name)
             if old is not None and old is not fmt and not replace:
                 raise ValueError(f"format {name!r} is already registered")
@@ -142,7 +188,18 @@ def get_format(name: str) -> Format:
         hint = f"; adapters that failed to import: {broken_hint()}" if _BROKEN else ""
         raise UnknownFormatError(
             f"unknown format {name!r}; known: {', '.join(f.name for f in formats())}{hint}")
+    if name in fmt.deprecated_aliases:
+        _warn_renamed(name, fmt.name)
     return fmt
+
+
+def _warn_renamed(old: str, new: str) -> None:
+    with _LOCK:
+        if old in _WARNED:
+            return
+        _WARNED.add(old)
+    warnings.warn(f"format name {old!r} is deprecated and will be removed; use {new!r}",
+                  DeprecationWarning, stacklevel=3)
 
 
 def broken_hint() -> str:
@@ -264,14 +321,3 @@ def _field_docs(cls: type[Options]) -> dict[str, str]:
                 name, _, text = line[2:].partition("``:")
                 out[name] = text.strip()
     return out
-
-
-def require(module: str, extra: str, what: str) -> Any:
-    """Import ``module`` or raise :class:`MissingExtraError` with the ``pip install`` hint."""
-    try:
-        return importlib.import_module(module)
-    except ImportError as err:
-        raise MissingExtraError(
-            f"{what} needs {module!r}, which is not installed ({err}); "
-            f"install it with: pip install 'ckptbridge[{extra}]'"
-        ) from None

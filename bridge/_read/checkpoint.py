@@ -26,8 +26,11 @@ from .._errors import CheckpointError, TensorNotFoundError
 from ..rules import Rule, apply_rules, rule_from_json, rules_to_json
 from .executor import FileCache, ReadStats, read_state, read_states
 from .html import checkpoint_html, tensor_html
-from .model import Box, LogicalTensor, TensorState
+from .model import Box, Fragment, LogicalTensor, TensorState
 from .plan import normalize_index
+
+RuleLike = Rule | Mapping[str, Any]
+"""A mapping rule, as a rule object or its JSON form (what ``rules=`` arguments take)."""
 
 
 @dataclass(frozen=True)
@@ -58,14 +61,43 @@ class TensorView:
         self.state_name = tensor.weight_state if state is None else state
         self._state: TensorState = tensor.state(self.state_name)
 
-    name = property(lambda self: self.tensor.name)
-    shape = property(lambda self: self._state.shape)
-    dtype = property(lambda self: self._state.dtype)
-    fragments = property(lambda self: self._state.fragments)
-    states = property(lambda self: tuple(self.tensor.states))
-    scalars = property(lambda self: dict(self.tensor.scalars))
-    ndim = property(lambda self: len(self._state.shape))
-    nbytes = property(lambda self: self._state.nbytes)
+    @property
+    def name(self) -> str:
+        """The logical tensor's name."""
+        return self.tensor.name
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """This state's global shape (padding removed)."""
+        return self._state.shape
+
+    @property
+    def dtype(self) -> str:
+        """This state's dtype name as stored (``"bfloat16"``, ``"float32"`` ...)."""
+        return self._state.dtype
+
+    @property
+    def fragments(self) -> tuple[Fragment, ...]:
+        """The boxes this state is stored in, and where each one's bytes are."""
+        return self._state.fragments
+
+    @property
+    def states(self) -> tuple[str, ...]:
+        """Every state of the tensor (``fp32``, ``exp_avg`` ...)."""
+        return tuple(self.tensor.states)
+
+    @property
+    def scalars(self) -> dict[str, float | int]:
+        """Per-tensor scalars (e.g. the optimizer's ``step``)."""
+        return dict(self.tensor.scalars)
+
+    @property
+    def ndim(self) -> int:
+        return len(self._state.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self._state.nbytes
 
     def state(self, name: str) -> TensorView:
         """The same tensor's state ``name`` (``exp_avg``, ...)."""
@@ -78,7 +110,8 @@ class TensorView:
 
     def __getitem__(self, index: object) -> np.ndarray:
         box, post = normalize_index(index, self.shape)
-        return self.read(box)[post]
+        arr: np.ndarray = self.read(box)[post]
+        return arr
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
         arr = self.read()
@@ -104,13 +137,38 @@ class Checkpoint(Mapping[str, TensorView]):
         self.index = index
         self.files = files or FileCache()
 
-    format = property(lambda self: self.index.format)
-    path = property(lambda self: self.index.path)
-    step = property(lambda self: self.index.step)
-    extra = property(lambda self: self.index.extra)
-    rules = property(lambda self: self.index.rules)
-    provenance = property(lambda self: self.index.provenance)
-    tensors = property(lambda self: self.index.tensors)
+    @property
+    def format(self) -> str:
+        """The registered format that opened it (``"deepspeed"``, ``"universal"`` ...)."""
+        return self.index.format
+
+    @property
+    def path(self) -> str:
+        return self.index.path
+
+    @property
+    def step(self) -> int | None:
+        """The training step, when the checkpoint records one."""
+        return self.index.step
+
+    @property
+    def extra(self) -> Mapping[str, Any]:
+        """Non-tensor state (hyper-parameters, scheduler, RNG ...), JSON-able."""
+        return self.index.extra
+
+    @property
+    def rules(self) -> tuple[Mapping[str, Any], ...]:
+        """The mapping rules applied, in their JSON form."""
+        return self.index.rules
+
+    @property
+    def provenance(self) -> Mapping[str, Any]:
+        return self.index.provenance
+
+    @property
+    def tensors(self) -> Mapping[str, LogicalTensor]:
+        """The logical tensors' metadata by name (no data)."""
+        return self.index.tensors
 
     @property
     def stats(self) -> ReadStats:
@@ -157,7 +215,7 @@ class Checkpoint(Mapping[str, TensorView]):
             seen.update(dict.fromkeys(t.states))
         return tuple(seen)
 
-    def with_rules(self, rules: Sequence[Rule | Mapping[str, Any]]) -> Checkpoint:
+    def with_rules(self, rules: Sequence[RuleLike]) -> Checkpoint:
         """This checkpoint seen through mapping ``rules`` (rule objects or their JSON form):
         names, shapes and states after the rules, sharing this checkpoint's reader. Nothing is
         read; the rules are appended to ``rules`` (and recorded by ``convert``)::

@@ -310,7 +310,7 @@ def _execute(items: Sequence[tuple[CopyOp, np.ndarray, str]], files: FileCache) 
             many.setdefault(cls, []).append((op.fragment.location, op.src, dst))
         else:
             rest.append((op, dst, label))
-    total = sum(cls.read_many(group, files) for cls, group in many.items())
+    total: int = sum(cls.read_many(group, files) for cls, group in many.items())
     return total + _execute_each(rest, files)
 
 
@@ -322,7 +322,7 @@ def _execute_each(items: Sequence[tuple[CopyOp, np.ndarray, str]], files: FileCa
         if (files.verify and frag.checksum and op.src.shape == frag.box.shape and isinstance(loc, FileRegion)
                 and loc.strides == c_strides(frag.box.shape)):
             return files.copy_verified(frag, dst, label)
-        return loc.read_into(op.src, dst, files)
+        return int(loc.read_into(op.src, dst, files))
 
     if any("://" in getattr(op.fragment.location, "file", "") for op, _, _ in items):
         from .remote import execute_remote

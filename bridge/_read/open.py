@@ -26,8 +26,11 @@ from typing import Any
 from .. import _storage
 from .._errors import CheckpointError, MissingShardError, UnknownFormatError
 from .._formats.registry import Format, broken_hint, formats, get_format, make_options
-from .checkpoint import Checkpoint, CheckpointIndex
+from .checkpoint import Checkpoint, CheckpointIndex, RuleLike
 from .executor import FileCache
+
+Source = str | os.PathLike[str] | Checkpoint
+"""What ``reshard``, ``convert`` and ``diff`` read: a path or URL, or a :class:`Checkpoint` already open."""
 
 
 def detect_format(path: str | os.PathLike[str]) -> str:
@@ -68,7 +71,7 @@ def open(
     path: str | os.PathLike[str],
     format: str | None = None,
     *,
-    rules: Sequence[Any] | None = None,
+    rules: Sequence[RuleLike] | None = None,
     verify: bool = True,
     storage_options: dict[str, Any] | None = None,
     **options: Any,
@@ -92,8 +95,7 @@ def open(
     return ckpt.with_rules(rules) if rules else ckpt
 
 
-def as_checkpoint(src: str | os.PathLike[str] | Checkpoint, rules: Sequence[Any] | None = None,
-                  **options: Any) -> Checkpoint:
+def as_checkpoint(src: Source, rules: Sequence[RuleLike] | None = None, **options: Any) -> Checkpoint:
     """``src`` if it is a :class:`Checkpoint` already, else :func:`open` it (with the format's
     ``options``); then seen through mapping ``rules`` (:meth:`Checkpoint.with_rules`: errors name
     the checkpoint). The one way every verb and adapter takes "a path or a Checkpoint"::
@@ -101,8 +103,8 @@ def as_checkpoint(src: str | os.PathLike[str] | Checkpoint, rules: Sequence[Any]
         ckpt = as_checkpoint(source, rules)
         owned = not isinstance(source, Checkpoint)   # opened here: the caller closes it
     """
-    ckpt = src if isinstance(src, Checkpoint) else open(os.fspath(src), **options)
-    return ckpt.with_rules(list(rules)) if rules else ckpt
+    ckpt = src if isinstance(src, Checkpoint) else open(src, **options)
+    return ckpt.with_rules(rules) if rules else ckpt
 
 
 open_checkpoint = open

@@ -17,7 +17,8 @@ from typing import Any
 from .. import _storage
 from .._errors import UnknownFormatError
 from .._formats.registry import get_format, make_options, writable_formats
-from .open import as_checkpoint
+from .checkpoint import RuleLike
+from .open import Source, as_checkpoint
 
 
 def destination(dst: str | os.PathLike[str], to: str) -> str:
@@ -29,7 +30,7 @@ def destination(dst: str | os.PathLike[str], to: str) -> str:
     return dst
 
 
-def reshard(src: Any, dst: str | os.PathLike[str], to: str, *, rules: Sequence[Any] | None = None,
+def reshard(src: Source, dst: str | os.PathLike[str], to: str, *, rules: Sequence[RuleLike] | None = None,
             **options: Any) -> str:
     """Write ``src`` (a path or :class:`~ckptbridge.Checkpoint`, seen through ``rules`` if given) as
     format ``to`` at ``dst`` with the format's write ``options``; returns the path written."""

@@ -23,8 +23,8 @@ from .._errors import (
     StorageError,
     TruncatedError,
     WriteError,
+    require,
 )
-from .._formats.registry import require
 from .policy import Fetched, FetchStats, RemotePolicy, classify, coalesce, translate
 
 _EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "hf": "hf"}
@@ -154,7 +154,7 @@ class FsspecStorage:
 
     # -- paths
     def path_of(self, url: str) -> str:
-        return type(self.fs)._strip_protocol(url)
+        return str(type(self.fs)._strip_protocol(url))
 
     def _key(self, url: str) -> str:
         return url.rstrip("/")

@@ -77,4 +77,5 @@ def fresh_array(shape: Sequence[int], dtype: Any) -> np.ndarray:
         return np.frombuffer(_private(n, advice), dtype=dt).reshape(tuple(shape))
     raw = np.empty(n + mmap.PAGESIZE, dtype=np.uint8)
     start = (-raw.ctypes.data) % mmap.PAGESIZE
-    return raw[start:start + n].view(dt).reshape(tuple(shape))
+    out: np.ndarray = raw[start:start + n].view(dt).reshape(tuple(shape))
+    return out

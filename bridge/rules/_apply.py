@@ -46,7 +46,8 @@ def apply_rules(tensors: Mapping[str, LogicalTensor], rules: Sequence[Rule]) -> 
     return out
 
 
-def _per_state(rule: Rule, fn: Callable[[TensorState, str, str], TensorState]) -> Callable[..., Any]:
+def _per_state(rule: Rule, fn: Callable[[TensorState, str, str], TensorState]
+               ) -> Callable[[dict[str, LogicalTensor], Rule], dict[str, LogicalTensor]]:
     def run(tensors: dict[str, LogicalTensor], _rule: Rule) -> dict[str, LogicalTensor]:
         out = {}
         for name, t in tensors.items():

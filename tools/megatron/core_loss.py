@@ -122,7 +122,7 @@ def saved_args(path: str) -> tuple[dict[str, Any], int | None]:
         resolve_iter_dir,
     )
     from ckptbridge.adapters.megatron._layout import MegatronConfig
-    from ckptbridge.adapters.torchfile import TorchArchive
+    from ckptbridge.adapters.torch_save import TorchArchive
 
     it_dir, _ = resolve_iter_dir(path)
     if is_dist_dir(it_dir):

@@ -6,14 +6,19 @@ import argparse
 import os
 import pickle
 import struct
+import subprocess
+import sys
+import warnings
 import zipfile
 
 import numpy as np
 import pytest
 import torch
+from _common import cli, one_line_error, small_model
 
 import ckptbridge
-from ckptbridge.adapters.torchfile import Opaque, TorchArchive, safe_loads
+from ckptbridge._formats import registry as _formats
+from ckptbridge.adapters.torch_save import Opaque, TorchArchive, safe_loads
 
 
 def test_module_and_optimizer_state_read_in_place(tmp_path):
@@ -24,7 +29,7 @@ def test_module_and_optimizer_state_read_in_place(tmp_path):
     torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "iteration": 42,
                 "args": argparse.Namespace(lr=0.1, layers=3)}, tmp_path / "ckpt.pt")
     c = ckptbridge.open(tmp_path / "ckpt.pt")
-    assert c.format == "torch" and c.step == 42
+    assert c.format == "torch-save" and c.step == 42
     for k, v in model.state_dict().items():
         np.testing.assert_array_equal(c[f"model.{k}"].read(), v.numpy())
     np.testing.assert_array_equal(c["optimizer.state.0.exp_avg"].read(), opt.state[model[0].weight]["exp_avg"].numpy())
@@ -33,6 +38,26 @@ def test_module_and_optimizer_state_read_in_place(tmp_path):
     c.stats.reset()
     c["model.0.weight"][1:3]
     assert c.stats.bytes_read == 2 * 7 * 4
+
+
+def test_old_format_name_torch_still_works_with_one_deprecation_warning(tmp_path, monkeypatch):
+    """The format was renamed ``torch`` -> ``torch-save`` (``ckptbridge.adapters.torch`` is the
+    device loader); the old name opens the same format and says so once per process."""
+    torch.save({"w": torch.arange(6.0)}, tmp_path / "m.pt")
+    monkeypatch.setattr(_formats, "_WARNED", set())
+    with pytest.warns(DeprecationWarning, match="format name 'torch' is deprecated.*use 'torch-save'"):
+        c = ckptbridge.open(tmp_path / "m.pt", format="torch")
+    assert c.format == "torch-save" and c["w"].read().tolist() == [0, 1, 2, 3, 4, 5]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once: the second use is silent, the new name never warns
+        assert ckptbridge.open(tmp_path / "m.pt", format="torch").format == "torch-save"
+        assert ckptbridge.open(tmp_path / "m.pt", format="torch-save").format == "torch-save"
+    assert "torch" not in [f.name for f in ckptbridge.formats()]  # listed under its new name only
+    # the command line says it on stderr (Python hides DeprecationWarning outside __main__)
+    r = subprocess.run([sys.executable, "-m", "ckptbridge", "inspect", str(tmp_path / "m.pt"), "--format", "torch",
+                        "--json"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and '"format": "torch-save"' in r.stdout
+    assert r.stderr.count("format name 'torch' is deprecated") == 1, r.stderr
 
 
 def test_views_and_shared_storages(tmp_path):
@@ -100,7 +125,7 @@ def test_unknown_classes_become_inert_records():
 def test_legacy_and_damaged_files_give_clear_errors(tmp_path):
     (tmp_path / "legacy.pt").write_bytes(pickle.dumps({"a": 1}))
     with pytest.raises(ckptbridge.CheckpointError):
-        ckptbridge.open(tmp_path / "legacy.pt", format="torch")
+        ckptbridge.open(tmp_path / "legacy.pt", format="torch-save")
     torch.save({"w": torch.randn(100, 100)}, tmp_path / "ok.pt")
     raw = (tmp_path / "ok.pt").read_bytes()
     (tmp_path / "cut.pt").write_bytes(raw[: len(raw) // 2])
@@ -126,7 +151,7 @@ def test_save_torch_writes_what_torch_save_would(tmp_path, monkeypatch):
     data record 64-byte aligned also when zipfile adds zip64 fields to a record's header."""
     import signal
 
-    from ckptbridge.adapters.torchfile import Global, Object, Reduce, Tensor, save_torch
+    from ckptbridge.adapters.torch_save import Global, Object, Reduce, Tensor, save_torch
 
     a = np.arange(24, dtype=np.float32).reshape(4, 6)
     obj = {
@@ -168,9 +193,52 @@ def test_save_torch_writes_what_torch_save_would(tmp_path, monkeypatch):
 
 
 def test_save_torch_names_a_tensor_of_the_wrong_size(tmp_path):
-    from ckptbridge.adapters.torchfile import Tensor, save_torch
+    from ckptbridge.adapters.torch_save import Tensor, save_torch
 
     with pytest.raises(ckptbridge.FormatError, match=r"tensor 0 has shape \(5,\), expected \(4,\)"):
         save_torch({"w": Tensor(lambda: np.zeros(5, np.float32), "float32", (4,))}, str(tmp_path / "a.pt"))
     with pytest.raises(ckptbridge.FormatError, match="data/0 got 20 bytes, expected 16"):
         save_torch({"w": Tensor(lambda: iter([np.zeros(5, np.float32)]), "float32", (4,))}, str(tmp_path / "b.pt"))
+
+
+# ---------------------------------------------------------------- whole pickled objects, legacy files
+
+
+def test_a_pickled_module_is_a_clear_error(tmp_path):
+    model = small_model()
+    torch.save(model, tmp_path / "model.pt")
+    with pytest.raises(ckptbridge.FormatError, match=r"pickled torch\.nn\..*Sequential object.*state_dict"):
+        ckptbridge.open(tmp_path / "model.pt")
+    torch.save({"model": model, "step": 3}, tmp_path / "wrapped.pt")
+    one_line_error(cli("inspect", str(tmp_path / "wrapped.pt")), "wrapped.pt", "'model'", "state_dict()")
+    torch.save({"model": model.state_dict(), "step": 3}, tmp_path / "ok.pt")  # the fix it suggests
+    assert len(ckptbridge.open(tmp_path / "ok.pt")) == 4
+
+
+def test_legacy_torch_save_files_are_read_safely(tmp_path):
+    sd = {"a": torch.randn(4, 3), "b": torch.arange(10), "c": torch.randn(6).bfloat16(),
+          "t": torch.randn(4, 6).t(), "view": torch.arange(20.0)[5:9], "nested": {"x": torch.ones(2)},
+          "iteration": 9}
+    path = tmp_path / "legacy.pt"
+    torch.save(sd, path, _use_new_zipfile_serialization=False)
+    assert path.read_bytes()[:2] != b"PK"  # really the legacy layout
+    ckpt = ckptbridge.open(path)
+    assert ckpt.format == "torch-save" and ckpt.step == 9
+    ref = torch.load(path)
+    for name in ("a", "b", "c", "t", "view"):
+        assert ckpt[name].read().tobytes() == ref[name].contiguous().view(torch.uint8).numpy().tobytes(), name
+    np.testing.assert_array_equal(ckpt["nested.x"].read(), np.ones(2, np.float32))
+    # truncated copies and code in the pickle are refused, naming the file
+    cut = tmp_path / "cut.pt"
+    cut.write_bytes(path.read_bytes()[:-10])
+    with pytest.raises(ckptbridge.TruncatedError, match="cut.pt"):
+        ckptbridge.open(cut)
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {tmp_path / 'pwned'}",))
+
+    torch.save({"w": torch.ones(2), "x": Payload()}, tmp_path / "evil.pt", _use_new_zipfile_serialization=False)
+    with pytest.raises(ckptbridge.UnsafePickleError, match="evil.pt"):
+        ckptbridge.open(tmp_path / "evil.pt")
+    assert not os.path.exists(tmp_path / "pwned")

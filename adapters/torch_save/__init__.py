@@ -1,4 +1,8 @@
-"""The ``torch`` format: plain ``torch.save`` files (``.pt``/``.bin``/``.pth``), read in place without torch.
+"""The ``torch-save`` format: plain ``torch.save`` files (``.pt``/``.bin``/``.pth``), read in place without torch.
+
+Named after what writes these files, so that it cannot be taken for ``ckptbridge.adapters.torch``
+(the runtime: loading onto torch devices, Checkpointer leaves). Its old name ``"torch"`` still
+works as a format name (``format="torch"``, ``--format torch``) with a ``DeprecationWarning``.
 
 Nested dicts are flattened with dots (``{"model": {"w": t}}`` -> ``model.w``);
 non-tensor values go to ``extra``. HF sharded ``pytorch_model.bin.index.json``
@@ -107,7 +111,7 @@ def index(path: str, options: OpenOptions | None = None) -> CheckpointIndex:
             rest = {k: strip_tensors(v) for k, v in archive.obj.items() if not _all_tensors(v)}
             extra.update(rest)
     check_weight_map(index_json_of(path, ".bin.index.json"), found)
-    return CheckpointIndex("torch", path, tensors, step, extra)
+    return CheckpointIndex(FORMAT.name, path, tensors, step, extra)
 
 
 def _refuse_pickled_objects(path: str, obj: Any) -> None:
@@ -176,8 +180,9 @@ def _all_tensors(v: Any) -> bool:
     return False
 
 
-FORMAT = Format("torch", detect=detect, index=index, priority=90,
-                description="plain torch.save files and HF pytorch_model.bin indexes (read without torch)")
+FORMAT = Format("torch-save", detect=detect, index=index, priority=90, deprecated_aliases=("torch",),
+                description="plain torch.save files and HF pytorch_model.bin indexes (read without torch; "
+                            "formerly named 'torch')")
 
 __all__ = [
     "FORMAT",
