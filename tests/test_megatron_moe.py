@@ -8,7 +8,10 @@ resharded by Megatron itself onto each layout and trained on two iterations ther
   torch Adam (a ChainedOptimizer of dense + expert optimizers at EP > 1); layouts EP 2 (TP1 DP2),
   TP 2 x EP 2 with expert-TP 1 (2 ranks), TP 2 x EP 2 with expert-TP 2 (4 ranks);
 * ``G``: bf16, legacy GroupedMLP (``--moe-grouped-gemm``: ``experts.weight1``/``weight2`` buffers),
-  Float16 optimizer with fp32 master weights; layouts EP 2, TP 2 x EP 2 with expert-TP 1.
+  Float16 optimizer with fp32 master weights; layouts EP 2, TP 2 x EP 2 with expert-TP 1;
+* ``D``: fp32 SequentialMLP with the distributed optimizer (``--dist-ckpt-optim-fully-reshardable``;
+  the expert parameters' buffers sharded over their expert-data-parallel group), 4 ranks EP 2: read
+  from ``torch_dist``; its legacy copy (``distrib_optim.pt``) is refused by name (not supported yet).
 
 Each layout is there as ``torch_dist`` and as Megatron's own ``--ckpt-convert-format torch`` legacy
 per-rank files (``mp_rank_TT_EEE``). The reference is megatron-core's own gathered state of the
@@ -42,7 +45,9 @@ from ckptbridge.adapters.megatron import _legacy
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 FIX = os.path.join(HERE, "fixtures", "megatron_moe")
-LAYOUTS = ["M/tp1ep2", "M/tp2ep2etp1", "M/tp2ep2", "G/tp1ep2", "G/tp2ep2etp1"]
+LAYOUTS = ["M/tp1ep2", "M/tp2ep2etp1", "M/tp2ep2", "G/tp1ep2", "G/tp2ep2etp1", "D/tp1ep2dp4"]
+# (layout, format) pairs read; D's legacy copy (distrib_optim.pt of dense + expert optimizers) is refused
+CASES = [(lay, fmt) for lay in LAYOUTS for fmt in ("torch_dist", "torch") if (lay, fmt) != ("D/tp1ep2dp4", "torch")]
 EXPERT = re.compile(r"^decoder\.layers\.(\d+)\.mlp\.experts\.local_experts\.(\d+)\.(.*)$")
 LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 # the local spec's norms are saved under the Transformer-Engine names (megatron-core's keys map)
@@ -65,8 +70,10 @@ def refs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, np.nda
     return result
 
 
-def _ref_key(name: str, state: str, bf16: bool) -> tuple[str, tuple[int, ...]]:
-    """megatron-core's key and index of one logical tensor's state (written here, not taken from ckptbridge)."""
+def _ref_keys(name: str, state: str, bf16: bool) -> list[tuple[str, tuple[int, ...]]]:
+    """megatron-core's keys and index of one logical tensor's state (written here, not taken from
+    ckptbridge). fp32 runs: the weight is the model tensor and, with the distributed optimizer, also
+    its main-param copy ``optimizer.state.param.*`` (both must match)."""
     index: tuple[int, ...] = ()
     key = name
     if m := EXPERT.match(name):
@@ -77,9 +84,10 @@ def _ref_key(name: str, state: str, bf16: bool) -> tuple[str, tuple[int, ...]]:
             if rest.startswith(local):
                 rest = dist + rest[len(local):]
         key, index = f"decoder.layers.{rest}", (int(m.group(1)),)
-    prefix = {"exp_avg": "optimizer.state.exp_avg.", "exp_avg_sq": "optimizer.state.exp_avg_sq.",
-              "fp32": "optimizer.state.fp32_param." if bf16 else "", "param": ""}[state]
-    return prefix + key, index
+    prefixes = {"exp_avg": ["optimizer.state.exp_avg."], "exp_avg_sq": ["optimizer.state.exp_avg_sq."],
+                "fp32": ["optimizer.state.fp32_param."] if bf16 else ["", "optimizer.state.param."],
+                "param": [""]}[state]
+    return [(p + key, index) for p in prefixes]
 
 
 def _bits(a: np.ndarray) -> np.ndarray:
@@ -101,19 +109,21 @@ def check(ckpt: Any, ref: dict[str, np.ndarray]) -> tuple[dict[tuple[str, str], 
     errors: dict[tuple[str, str], float] = {}
     for name, t in ckpt.index.tensors.items():
         for state in t.states:
-            key, index = _ref_key(name, state, bf16)
-            want = ref[key][index] if index else ref[key]
-            if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
-                want = want[:vocab]  # ckptbridge strips the vocabulary padding
             got = ckpt[name].state(state)[...]
-            covered[key] = covered.get(key, 0) + want.size
-            bits = want.dtype == np.int16
-            if got.shape == want.shape and np.array_equal(_bits(got), want):
-                errors[(name, state)] = 0.0
-                continue
-            g, w = _as_float(_bits(got), bits), _as_float(want, bits)
-            errors[(name, state)] = float(np.max(np.abs(g - w)) / max(np.max(np.abs(w)), 1e-30)) \
-                if g.shape == w.shape else float("inf")
+            errors[(name, state)] = 0.0
+            for key, index in _ref_keys(name, state, bf16):
+                if key not in ref and key.startswith("optimizer.state.param."):
+                    continue  # no distributed optimizer
+                want = ref[key][index] if index else ref[key]
+                if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+                    want = want[:vocab]  # ckptbridge strips the vocabulary padding
+                covered[key] = covered.get(key, 0) + want.size
+                bits = want.dtype == np.int16
+                if got.shape == want.shape and np.array_equal(_bits(got), want):
+                    continue
+                g, w = _as_float(_bits(got), bits), _as_float(want, bits)
+                err = float(np.max(np.abs(g - w)) / max(np.max(np.abs(w)), 1e-30)) if g.shape == w.shape else float("inf")
+                errors[(name, state)] = max(errors[(name, state)], err)
     missing = set()
     for key, arr in ref.items():
         rows = arr.size
@@ -124,13 +134,12 @@ def check(ckpt: Any, ref: dict[str, np.ndarray]) -> tuple[dict[tuple[str, str], 
     return errors, missing
 
 
-@pytest.mark.parametrize("fmt", ["torch_dist", "torch"])
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout,fmt", CASES)
 def test_every_expert_layout_reads_bitwise_equal_to_megatron_core(refs: dict, layout: str, fmt: str) -> None:
     ckpt = ckptbridge.open(os.path.join(FIX, layout, fmt))
     moe = ckpt.extra["megatron"]["moe"]
     assert moe["num_experts"] == 4 and moe["ep"] == 2
-    assert moe["etp"] == (1 if "etp1" in layout or layout.endswith("tp1ep2") else 2)
+    assert moe["etp"] == (1 if "etp1" in layout or "/tp1ep2" in layout else 2)
     assert moe["grouped_gemm"] == layout.startswith("G")
     names = set(ckpt.index.tensors)
     experts = {n for n in names if EXPERT.match(n)}
@@ -146,6 +155,11 @@ def test_every_expert_layout_reads_bitwise_equal_to_megatron_core(refs: dict, la
     assert not missing, sorted(missing)
     bad = {k: v for k, v in errors.items() if v != 0.0}
     assert not bad, bad
+
+
+def test_moe_with_legacy_distributed_optimizer_is_refused_by_name() -> None:
+    with pytest.raises(ckptbridge.FormatError, match=r"mp_rank_00_000/model_optim_rng.pt: MoE with the distributed optimizer"):
+        ckptbridge.open(os.path.join(FIX, "D/tp1ep2dp4", "torch"))
 
 
 def test_split_fused_gives_each_experts_gate_and_up(refs: dict) -> None:

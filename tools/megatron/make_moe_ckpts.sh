@@ -18,12 +18,16 @@
 #       expert bias (sigmoid scores, aux-loss-free balancing), torch Adam (ChainedOptimizer at EP>1:
 #       dense + expert optimizers); layouts ep2 (TP1 DP2 EP2), tp2ep2etp1 (TP2 EP2 ETP1, 2 ranks),
 #       tp2ep2 (TP2 DP2 EP2 ETP2, 4 ranks)
+#   D : as M without shared expert / expert bias, with the distributed optimizer
+#       (--use-distributed-optimizer --dist-ckpt-optim-fully-reshardable: expert parameters' buffers in
+#       their expert-data-parallel groups); layout tp1ep2dp4 (4 ranks: DP 4, EP 2, expert-DP 2), trained
+#       there from scratch (iterations 1..5)
 #   G : bf16, legacy GroupedMLP (--moe-grouped-gemm: experts.weight1/weight2, the shim's pure-torch
 #       grouped GEMM), Float16 optimizer (fp32 master copies); layouts ep2, tp2ep2etp1
-# Usage: tools/megatron/make_moe_ckpts.sh OUT [M|G|all]
+# Usage: tools/megatron/make_moe_ckpts.sh OUT [M|D|G|all]
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
-OUT=${1:?usage: make_moe_ckpts.sh OUT [M|G|all]}
+OUT=${1:?usage: make_moe_ckpts.sh OUT [M|D|G|all]}
 ONLY=${2:-all}
 PY=${MEGATRON_VENV:-$ROOT/.megatron/venv}/bin
 export MEGATRON_CPU_SHIM=1 CUDA_DEVICE_MAX_CONNECTIONS=1 OMP_NUM_THREADS=1 PYTHONWARNINGS=ignore
@@ -49,6 +53,7 @@ COMMON=(--seq-length 32 --micro-batch-size 2 --global-batch-size 4
   --log-interval 1 --eval-iters 0 --eval-interval 100000 --exit-on-missing-checkpoint)
 M_X=(--moe-shared-expert-intermediate-size 16 --moe-router-score-function sigmoid --moe-router-enable-expert-bias)
 G_X=(--bf16 --moe-grouped-gemm)
+D_X=(--use-distributed-optimizer --dist-ckpt-optim-fully-reshardable)
 
 run() {  # run NAME NPROC ARGS...
   local name=$1 np=$2; shift 2
@@ -60,13 +65,16 @@ run() {  # run NAME NPROC ARGS...
   return $rc
 }
 
-layout_args() {  # tpXepY[etpZ] -> LARGS, NP (world = TP x DP with DP = EP x ETP / TP rounded up to 1)
+layout_args() {  # tpXepY[etpZ][dpW] -> LARGS, NP (world = TP x DP; DP = EP x ETP / TP rounded up to 1 unless dpW)
   local l=$1 tp ep etp
   tp=$(sed -E 's/^tp([0-9]+).*/\1/' <<<"$l"); ep=$(sed -E 's/^tp[0-9]+ep([0-9]+).*/\1/' <<<"$l")
   etp=$tp; [[ $l =~ etp([0-9]+) ]] && etp=${BASH_REMATCH[1]}
   LARGS=(--tensor-model-parallel-size "$tp" --expert-model-parallel-size "$ep" --expert-tensor-parallel-size "$etp")
   [ "$tp" -gt 1 ] && LARGS+=(--sequence-parallel)
   NP=$((ep * etp > tp ? ep * etp : tp))
+  # an explicit DP of 4: micro-batch 1 (the global batch of 4 stays)
+  [[ $l =~ dp([0-9]+) ]] && NP=$((tp * BASH_REMATCH[1])) && LARGS+=(--micro-batch-size 1)
+  return 0
 }
 
 make_family() {  # make_family TAG EXTRA_ARRAY_NAME [GG] LAYOUTS...
@@ -87,6 +95,20 @@ make_family() {  # make_family TAG EXTRA_ARRAY_NAME [GG] LAYOUTS...
 }
 
 if [[ $ONLY == all || $ONLY == M ]]; then make_family M M_X tp1ep2 tp2ep2etp1 tp2ep2; fi
+make_scratch() {  # make_scratch TAG EXTRA_ARRAY_NAME LAYOUT: train 1..5 at LAYOUT from scratch, save, convert
+  local tag=$1; local -n sargs=$2; local l=$3 base=$OUT/$1
+  rm -rf "$base"; mkdir -p "$base"
+  layout_args "$l"
+  run "${tag}_${l}_train" "$NP" "${MODEL[@]}" "${COMMON[@]}" "${sargs[@]}" "${LARGS[@]}" --train-iters 5 \
+      --save-interval 5 --ckpt-format torch_dist --save "$base/$l/torch_dist" || return 1
+  run "${tag}_${l}_convert" "$NP" "${MODEL[@]}" "${COMMON[@]}" "${sargs[@]}" "${LARGS[@]}" --no-load-rng \
+      --load "$base/$l/torch_dist" --train-iters 5 --save-interval 5 --ckpt-format torch_dist \
+      --ckpt-convert-format torch --ckpt-convert-save "$base/$l" --save "$base/$l/unused"
+}
+
+# D trains at its layout from scratch: the shim's EP1 -> EP>1 optimizer mend covers torch Adam only,
+# not the distributed optimizer's state dict (KeyError: 'state' in ChainedOptimizer.load_state_dict)
+if [[ $ONLY == all || $ONLY == D ]]; then make_scratch D D_X tp1ep2dp4; fi
 if [[ $ONLY == all || $ONLY == G ]]; then MEGATRON_CPU_SHIM_GG=1 make_family G G_X tp1ep2 tp2ep2etp1; fi
 rm -rf "$OUT/cache"
 find "$OUT" -type d -name unused -prune -exec rm -rf {} +
