@@ -159,7 +159,7 @@ def test_each_layout_pattern_cuts_as_deepspeed(tmp_path) -> None:
 
 def test_unsupported_engines_are_refused_by_name(tmp_path) -> None:
     """What load_engine cannot fill is refused before anything is read, naming the checkpoint and
-    the reason: no optimizer, NVMe-offloaded state, MoE (expert-parallel) layers, an optimizer
+    the reason: no optimizer, NVMe-offloaded state, ZeRO-3 with MoE (expert-parallel) layers, an optimizer
     wrapper that is not ZeRO / BF16_Optimizer, and TP layouts cut by sub-parameter shapes."""
     from types import SimpleNamespace
 
@@ -175,13 +175,14 @@ def test_unsupported_engines_are_refused_by_name(tmp_path) -> None:
     cases = [
         (SimpleNamespace(optimizer=None), None, "has no optimizer"),
         (SimpleNamespace(), SimpleNamespace(swap_optimizer=True), "NVMe-offloaded"),
-        (SimpleNamespace(has_moe_layers=True), zero, "MoE"),
+        (SimpleNamespace(has_moe_layers=True), SimpleNamespace(fp32_partitioned_groups_flat=[]), "ZeRO-3 .*MoE"),
         (SimpleNamespace(), SimpleNamespace(optimizer=object()), "is not a ZeRO-1/2/3 or BF16_Optimizer"),
     ]
     for engine, opt, why in cases:
         with pytest.raises(OptionError, match=rf"m\.safetensors: load_engine: .*{why}"):
             _check_supported(engine, opt if opt is not None else engine.optimizer, ckpt)
     _check_supported(SimpleNamespace(has_moe_layers=False), zero, ckpt)  # a ZeRO-1/2 engine passes
+    _check_supported(SimpleNamespace(has_moe_layers=True), zero, ckpt)  # with MoE layers too
 
     class Mpu:
         def get_tensor_model_parallel_rank(self) -> int:

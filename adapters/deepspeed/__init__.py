@@ -30,6 +30,12 @@ states (replicated / row-parallel (dim 1) / vocabulary padding / two fused
 sub-parameters, default: concatenate on dim 0). Pipeline stages contribute
 their own parameters; pipeline-replicated (tied) ones are taken from stage 0.
 
+Mixture-of-experts (``deepspeed.moe.layer.MoE``, ZeRO-1/2, any EP and DP): the
+expert param groups (``'moe': True``) are partitioned over each expert-parallel
+rank's expert-data-parallel group; every expert becomes one logical tensor under
+its global id (``moe.deepspeed_moe.experts.deepspeed_experts.E.fc.weight``, local
+``K`` of EP rank ``r`` is ``r * num_local + K``, see ``_moe.py``).
+
 DeepSpeed's *universal* folders (``ds_to_universal`` output or
 ``ckptbridge reshard --to deepspeed-universal``) open here too.
 
@@ -39,6 +45,9 @@ its new partition: no ``ds_to_universal``, no ``load_universal``::
 
     engine, *_ = deepspeed.initialize(model=model, model_parameters=groups, config=cfg)
     load_engine(engine, "run/ckpt")
+
+Engines with MoE layers (ZeRO-1/2) load at a new EP/DP the same way: each expert
+parameter reads the tensor of its global expert id.
 """
 
 from __future__ import annotations

@@ -39,6 +39,7 @@ from ckptbridge.plugin import (
 
 from ._common import FORMAT, as_int, get, hyper, open_archive, shape_of
 from ._files import TagFiles, list_tag_files, looks_like_deepspeed, require_grid, resolve_tag_dir
+from ._moe import edp_members, global_expert, moe_group_ep
 from ._universal_read import index_universal
 from ._zero import FlatBuffer, RankPartition, zero3_fragments, zero12_fragments
 
@@ -90,6 +91,7 @@ class _Reader:
     def __init__(self, files: TagFiles) -> None:
         self.files = files
         self.where = files.tag_dir
+        self._model0: Mapping[str, Any] = {}  # rank 0's model states (set by index)
 
     # -- model states -------------------------------------------------------
 
@@ -114,6 +116,7 @@ class _Reader:
     def index(self) -> CheckpointIndex:
         models = self._model_states()
         m0 = models[min(models)].obj
+        self._model0 = m0
         if not isinstance(m0, Mapping):
             raise FormatError(f"{self.where}: model states are not a dict")
         dims = get(m0, "checkpoint_parallel_dimensions") or {}
@@ -214,43 +217,26 @@ class _Reader:
         align = o0.get("param_alignment_paddings")
         tensors: dict[str, LogicalTensor] = {}
         groups_hyper = []
+        pgs = (bos0.get("param_groups") or []) if isinstance(bos0, Mapping) else []
+        num_experts = get(self._model0, "num_experts") or []
+        if elastic and num_experts:
+            raise FormatError(f"{ranks[0].path}: MoE with elastic_checkpoint is not supported yet")
         for g in range(n_groups):
-            parts = []
-            partition = None
-            step = None
-            for r, (arch, o) in enumerate(zip(ranks, osds)):
-                pads = o.get("group_paddings")
-                if not isinstance(pads, (list, tuple)) or len(pads) != n_groups:
-                    raise FormatError(f"{arch.path}: 'group_paddings' missing or of the wrong length")
-                pad = int(pads[g])
-                fp32 = _buffer(arch, fp32_groups[r][g], f"single_partition_of_fp32_groups[{g}]")
-                size = fp32.numel + (pad if stripped else 0)
-                if partition is None:
-                    partition = size
-                elif size != partition:
-                    raise FormatError(
-                        f"{arch.path}: group {g} partition of {size} elements, rank 0 has {partition} "
-                        "(files from different runs?)"
-                    )
-                st = self._group_state(o, g, arch.path)
-                bufs = {"fp32": fp32}
-                for k in ADAM_STATES:
-                    if k in st:
-                        bufs[k] = _buffer(arch, st[k], f"{k} of group {g}")
-                if r == 0 and "step" in st:
-                    step = read_scalar(arch, st["step"])
-                elif r == 0 and o.get("base_optimizer_state_step") is not None:
-                    step = read_scalar(arch, o["base_optimizer_state_step"])
-                parts.append(RankPartition(r, r * size, size - pad, bufs))
-            group_align = list(align[g]) if isinstance(align, (list, tuple)) else [0] * len(shapes[g])
-            frags = zero12_fragments(shapes[g], group_align, parts, where=f"{self.where} group {g}")
-            for name, shape in shapes[g]:
-                states = {
-                    k: TensorState(parts[0].buffers[k].dtype, shape, frags[name].get(k, ()))
-                    for k in parts[0].buffers
-                }
-                scalars = {} if step is None else {"step": step}
-                tensors[name] = LogicalTensor(name, states, scalars)
+            ep = moe_group_ep(pgs[g]) if g < len(pgs) and isinstance(pgs[g], Mapping) else None
+            # an MoE group is partitioned over each expert-parallel rank's expert-data-parallel group
+            blocks = edp_members(len(ranks), ep).items() if ep else [(0, list(range(len(ranks))))]
+            for e, members in blocks:
+                parts, step = self._group_parts(ranks, osds, members, g, n_groups, stripped)
+                group_align = list(align[g]) if isinstance(align, (list, tuple)) else [0] * len(shapes[g])
+                frags = zero12_fragments(shapes[g], group_align, parts, where=f"{self.where} group {g}")
+                for name, shape in shapes[g]:
+                    states = {
+                        k: TensorState(parts[0].buffers[k].dtype, shape, frags[name].get(k, ()))
+                        for k in parts[0].buffers
+                    }
+                    scalars = {} if step is None else {"step": step}
+                    glob = global_expert(name, e, self._local_experts(num_experts, ep)) if ep else name
+                    tensors[glob] = LogicalTensor(glob, states, scalars)
             if not elastic and isinstance(bos0, Mapping):
                 pg = bos0.get("param_groups") or []
                 groups_hyper.append(hyper(pg[g]) if g < len(pg) else {})
@@ -270,6 +256,46 @@ class _Reader:
             "parameter_alignment": any(any(int(x) for x in a) for a in align) if isinstance(align, list) else False,
         }
         return tensors, meta
+
+    def _group_parts(self, ranks: Sequence[TorchArchive], osds: Sequence[dict[str, Any]], members: Sequence[int],
+                     g: int, n_groups: int, stripped: bool) -> tuple[list[RankPartition], Any]:
+        """The flat partitions of group ``g`` held by ``members`` (in partition order), and the Adam step."""
+        parts = []
+        partition = None
+        step = None
+        fp32_groups: list[Any] = [o.get("single_partition_of_fp32_groups") for o in osds]
+        for i, r in enumerate(members):
+            arch, o = ranks[r], osds[r]
+            pads = o.get("group_paddings")
+            if not isinstance(pads, (list, tuple)) or len(pads) != n_groups:
+                raise FormatError(f"{arch.path}: 'group_paddings' missing or of the wrong length")
+            pad = int(pads[g])
+            fp32 = _buffer(arch, fp32_groups[r][g], f"single_partition_of_fp32_groups[{g}]")
+            size = fp32.numel + (pad if stripped else 0)
+            if partition is None:
+                partition = size
+            elif size != partition:
+                raise FormatError(
+                    f"{arch.path}: group {g} partition of {size} elements, rank {members[0]} has {partition} "
+                    "(files from different runs?)"
+                )
+            st = self._group_state(o, g, arch.path)
+            bufs = {"fp32": fp32}
+            for k in ADAM_STATES:
+                if k in st:
+                    bufs[k] = _buffer(arch, st[k], f"{k} of group {g}")
+            if i == 0 and "step" in st:
+                step = read_scalar(arch, st["step"])
+            elif i == 0 and o.get("base_optimizer_state_step") is not None:
+                step = read_scalar(arch, o["base_optimizer_state_step"])
+            parts.append(RankPartition(r, i * size, size - pad, bufs))
+        return parts, step
+
+    def _local_experts(self, num_experts: Any, ep: int) -> int:
+        counts = {as_int(n) for n in num_experts} if isinstance(num_experts, (list, tuple)) else {as_int(num_experts)}
+        if len(counts) != 1 or next(iter(counts)) % ep:
+            raise FormatError(f"{self.where}: MoE layers with experts {num_experts} do not split over EP={ep}")
+        return next(iter(counts)) // ep
 
     @staticmethod
     def _ds_config(archive: TorchArchive) -> Mapping[str, Any]:

@@ -46,7 +46,8 @@ checkpoint's), as Megatron-DeepSpeed records it; without it, from the one
 dimension the shapes differ in. Pipeline engines (``PipelineModule``, also in
 Megatron-DeepSpeed's TP x PP x DP layout) load the same way: each stage's engine
 names its parameters as the checkpoint does (``<layer>.<name>``) and fills only
-its own. Not supported: NVMe offload, expert parallelism, and the
+its own. MoE engines (``deepspeed.moe.layer.MoE``, ZeRO-1/2) load at any EP/DP: each expert
+parameter reads the checkpoint tensor of its global expert id. Not supported: NVMe offload, ZeRO-3 MoE, and the
 ``parameter_with_sub_params`` (``sub_param_shape``) and averaged layouts. Call it
 on every rank (the ZeRO-1/2 weight update is a collective).
 """
@@ -80,6 +81,8 @@ from ckptbridge.plugin import (
     pad,
     read_state,
 )
+
+from ._moe import engine_expert_names
 
 ADAM_STATES = ("exp_avg", "exp_avg_sq")
 WEIGHTS = ("fp32", "param")
@@ -159,7 +162,8 @@ def load_engine(
         if hasattr(opt, "fp32_partitioned_groups_flat"):
             _load_stage3(engine, opt, ckpt, tp, load_optimizer_states, workers)
         else:
-            _load_stage12(opt, ckpt, tp, load_optimizer_states, workers)
+            experts = engine_expert_names(engine) if getattr(engine, "has_moe_layers", False) else {}
+            _load_stage12(opt, ckpt, tp, load_optimizer_states, workers, experts)
         _load_frozen_and_buffers(engine, ckpt, tp, workers)
         if load_optimizer_states:
             _load_hyperparameters(opt, ckpt, hyperparameters)
@@ -185,8 +189,8 @@ def _check_supported(engine: Any, opt: Any, ckpt: Checkpoint) -> None:
         raise OptionError(f"{where}: the engine has no optimizer (build it with an optimizer config)")
     if getattr(opt, "swap_optimizer", False) or getattr(opt, "optimizer_swapper", None) is not None:
         raise OptionError(f"{where}: NVMe-offloaded optimizer state is not supported")
-    if getattr(engine, "has_moe_layers", False):
-        raise OptionError(f"{where}: engines with MoE (expert-parallel) layers are not supported")
+    if getattr(engine, "has_moe_layers", False) and hasattr(opt, "fp32_partitioned_groups_flat"):
+        raise OptionError(f"{where}: ZeRO-3 engines with MoE (expert-parallel) layers are not supported")
     known = hasattr(opt, "fp32_partitioned_groups_flat") or _lp_groups(opt) is not None
     if not known:
         raise OptionError(
@@ -369,7 +373,9 @@ def _step_value(opt: Any, hp: Any, step: float) -> Any:
 # ------------------------------------------------------------------ ZeRO-1/2, BF16_Optimizer
 
 
-def _load_stage12(opt: Any, ckpt: Checkpoint, tp: _TP, with_optimizer: bool, workers: int | None) -> None:
+def _load_stage12(opt: Any, ckpt: Checkpoint, tp: _TP, with_optimizer: bool, workers: int | None,
+                  experts: Mapping[int, str]) -> None:
+    """``experts``: the checkpoint name (global expert id) of each MoE expert parameter, by ``id``."""
     lp_groups = _lp_groups(opt) or []
     inner = opt.optimizer
     jobs: list[_Fill] = []
@@ -383,7 +389,7 @@ def _load_stage12(opt: Any, ckpt: Checkpoint, tp: _TP, with_optimizer: bool, wor
             mapping = getattr(lp, "_hp_mapping", None)
             if mapping is None:
                 continue
-            name = opt.param_names[lp]
+            name = experts.get(id(lp)) or opt.param_names[lp]
             names.append(name)
             lp_a, hp_a = mapping.lp_fragment_address, mapping.hp_fragment_address
             weights = _weights(ckpt, name)
@@ -534,7 +540,7 @@ def _load_hyperparameters(opt: Any, ckpt: Checkpoint, how: str) -> None:
             "pass hyperparameters='config' to keep the engine's own")
     for group, saved in zip(live, groups):
         for k, v in (saved or {}).items():
-            if k in ("params", "step") or k not in group:
+            if k in ("params", "step", "name", "moe") or k not in group:  # name/moe: the engine's EP groups
                 continue
             group[k] = tuple(v) if isinstance(group[k], tuple) and isinstance(v, list) else v
 

@@ -36,8 +36,19 @@ objects may need safe-loader support),
 GQA/MHA, SwiGLU or plain MLP, tied or untied embeddings, biases, uniform or
 uneven pipeline stages, virtual pipeline (reading), fp32 / bf16 / fp16 runs,
 torch Adam, the distributed optimizer (``distrib_optim.pt``, torch_dist
-``dp_reshardable`` and ``fully_reshardable``). Refused with a clear error:
-mixture-of-experts / expert parallelism, multi-latent attention,
+``dp_reshardable`` and ``fully_reshardable``). Mixture-of-experts, read (see
+``_moe.py``): expert parallelism with or without ``--expert-tensor-parallel-size``,
+``SequentialMLP`` and legacy ``GroupedMLP`` experts, shared experts, the router and
+its expert bias, torch Adam / Float16 optimizers (a ChainedOptimizer at EP > 1),
+both formats; every expert is one logical tensor under its global id
+(``decoder.layers.L.mlp.experts.local_experts.E.linear_fc1.weight``)::
+
+    ckpt = ckptbridge.open("moe_run")                         # written at TP 2 x EP 2
+    ckpt["decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight"].state("exp_avg")
+
+Refused with a clear error: writing MoE checkpoints, MoE with the distributed
+optimizer in the legacy format or torch_dist ``dp_reshardable``, Transformer
+Engine's ``TEGroupedMLP``, dense layers between MoE layers, multi-latent attention,
 ``--pipeline-model-parallel-layout``, several grad buffers per rank in the
 distributed optimizer.
 """

@@ -47,9 +47,12 @@ def is_dist_dir(path: str) -> bool:
         return False
 
 
-def rank_dirs(it_dir: str) -> dict[tuple[int, int], str]:
-    """``mp_rank_TT[_PPP]`` directories of a legacy iteration dir: (tp, pp) -> path."""
-    out = {}
+def rank_dirs(it_dir: str) -> dict[tuple[int, ...], str]:
+    """``mp_rank_TT[_PPP][_EEE]`` directories of a legacy iteration dir: the numbers in the name -> path.
+
+    ``(tp, pp)`` for dense runs (``pp`` 0 without pipelining); with expert parallelism the EP rank
+    follows (``mp_rank_TT_EEE`` without pipelining reads as ``(tp, ep)``: only the args can tell)."""
+    out: dict[tuple[int, ...], str] = {}
     try:
         names = storage.listdir(it_dir)
     except OSError:
@@ -57,14 +60,15 @@ def rank_dirs(it_dir: str) -> dict[tuple[int, int], str]:
     for n in names:
         m = RANK_RE.match(n)
         if m and storage.isdir(storage.join(it_dir, n)):
-            if m.group(3) is not None:
-                raise FormatError(f"{it_dir}/{n}: expert-parallel checkpoints are not supported yet")
-            out[(int(m.group(1)), int(m.group(2) or 0))] = storage.join(it_dir, n)
+            nums = tuple(int(g) for g in m.groups() if g is not None)
+            out[nums if len(nums) > 1 else (nums[0], 0)] = storage.join(it_dir, n)
     return out
 
 
-def rank_dir_name(tp: int, pp: int, pp_size: int) -> str:
-    return f"mp_rank_{tp:02d}" if pp_size == 1 else f"mp_rank_{tp:02d}_{pp:03d}"
+def rank_dir_name(tp: int, pp: int, pp_size: int, ep: int | None = None) -> str:
+    """Megatron-LM's ``get_checkpoint_name``: ``mp_rank_TT[_PPP][_EEE]`` (EEE only when EP > 1)."""
+    name = f"mp_rank_{tp:02d}" if pp_size == 1 else f"mp_rank_{tp:02d}_{pp:03d}"
+    return name if ep is None else f"{name}_{ep:03d}"
 
 
 def plain(obj: Any) -> Any:

@@ -45,6 +45,7 @@ from ..dcp import (
 from ._common import args_dict
 from ._layout import MegatronConfig, consolidate, from_dist_key, local_params, tp_layout
 from ._legacy import RawCheckpoint
+from ._moe import DIST_EXPERTS, dist_experts
 from ._optim import buffer_layout, ddp_bucket_size
 
 _OPT_RE = re.compile(r"^optimizer\.state\.(exp_avg|exp_avg_sq|fp32_param|param)\.(.*)$")
@@ -82,6 +83,8 @@ def read_dist(it_dir: str, iteration: int | None) -> RawCheckpoint:
         else:
             _add(raw, key, "model", tensor_state(meta, key), local_spec)
     opt = common.get("optimizer") or {}
+    if isinstance(opt, dict) and 0 in opt:  # a ChainedOptimizer (EP > 1: dense + expert optimizers)
+        opt = opt[0]
     inner = opt.get("optimizer", opt) if isinstance(opt, dict) else {}
     groups = inner.get("param_groups") or []
     step = next((g["step"] for g in groups if "step" in g), None)
@@ -90,6 +93,9 @@ def read_dist(it_dir: str, iteration: int | None) -> RawCheckpoint:
         step = read_scalar(TorchArchive.open(common_path), cs)
     sharding = (common.get("content_metadata") or {}).get("distrib_optim_sharding_type")
     if sharding == "dp_reshardable" or any(_BUCKET_RE.match(k) for k in meta.tensors):
+        if cfg.num_experts:
+            raise FormatError(f"{it_dir}: MoE with the dp_reshardable distributed-optimizer format is not "
+                              "supported yet (save with --dist-ckpt-optim-fully-reshardable)")
         groups, step = _dp_reshardable(raw, cfg, meta)
         raw.extra["optimizer_kind"] = "distributed"
     elif any("exp_avg" in s for p in raw.pieces.values() for s in p):
@@ -111,7 +117,9 @@ def _add(raw: RawCheckpoint, key: str, state: str, full: TensorState, local_spec
         return
     if key.startswith("decoder.layers."):
         for i, part in enumerate(unstack(full, 0)):
-            raw.pieces.setdefault(from_dist_key(key, i, local_spec), {}).setdefault(state, {})[0] = part
+            name = from_dist_key(key, i, local_spec)
+            for n, p in dist_experts(name, part) if DIST_EXPERTS in name else [(name, part)]:
+                raw.pieces.setdefault(n, {}).setdefault(state, {})[0] = p
     else:
         raw.pieces.setdefault(key, {}).setdefault(state, {})[0] = full
 

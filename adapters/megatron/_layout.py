@@ -51,6 +51,8 @@ from ckptbridge.plugin import (
     crop,
 )
 
+from ._moe import moe_fields, moe_rules
+
 LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 
 # Local-spec names <-> the names mcore's dist-checkpointing uses (sharded_state_dict_keys_map).
@@ -85,6 +87,12 @@ class MegatronConfig:
     fp16: bool
     distributed_optimizer: bool
     dp: int
+    num_experts: int = 0  # 0: a dense model
+    ep: int = 1  # expert-model-parallel size
+    etp: int = 1  # expert-tensor-parallel size (Megatron's default: the TP size)
+    moe_ffn: int = 0  # each routed expert's FFN width
+    grouped_gemm: bool = False  # legacy GroupedMLP: experts.weight1 / weight2 buffers
+    shared_ffn: int = 0  # the shared expert's FFN width (0: none)
 
     @staticmethod
     def from_args(args: Mapping[str, Any], vocab_size: int | None = None, where: str = "args") -> MegatronConfig:
@@ -96,8 +104,7 @@ class MegatronConfig:
         heads = int(need("num_attention_heads"))
         hidden = int(need("hidden_size"))
         groups = int(args.get("num_query_groups") or heads) if args.get("group_query_attention") else heads
-        if args.get("expert_model_parallel_size", 1) not in (1, None) or args.get("num_experts"):
-            raise FormatError(f"{where}: mixture-of-experts checkpoints are not supported yet")
+        moe = moe_fields(args, where)
         if args.get("multi_latent_attention"):
             raise FormatError(f"{where}: multi-latent attention checkpoints are not supported yet")
         if args.get("pipeline_model_parallel_layout"):
@@ -122,6 +129,7 @@ class MegatronConfig:
             fp16=bool(args.get("fp16")),
             distributed_optimizer=bool(args.get("use_distributed_optimizer")),
             dp=int(args.get("data_parallel_size") or 1),
+            **moe,
         )
 
     def padded_vocab_for(self, tp: int) -> int | None:
@@ -171,6 +179,8 @@ def tp_layout(name: str, cfg: MegatronConfig, ndim: int) -> TpLayout:
         return TpLayout("column", 0)
     if module in _ROW:
         return TpLayout("row", 1) if attr == "weight" else TpLayout("replicated")
+    if module == "router":  # the router's weight and expert bias are replicated over TP
+        return TpLayout("replicated")
     if name.startswith("embedding.position_embeddings") or ndim <= 1:
         return TpLayout("replicated")
     raise FormatError(
@@ -269,6 +279,8 @@ def layout_rules(cfg: MegatronConfig, offsets: Mapping[tuple[int, int], int],
         Replicate(r"(norm[^.]*\.(weight|bias)|layer_norm_(weight|bias)|\.(linear_proj|linear_fc2)\.bias"
                   r"|position_embeddings\.weight)$", axis="tp", check="equal"),
     ]
+    if cfg.num_experts:
+        rules += moe_rules(cfg.num_experts, cfg.ep)
     if strip_vocab and cfg.vocab is not None and cfg.vocab != cfg.padded_vocab:
         rules.append(Pad(r"^(embedding\.word_embeddings|output_layer)\.weight$", dim=0,
                          size=cfg.vocab, padded=cfg.padded_vocab))

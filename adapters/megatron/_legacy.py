@@ -27,6 +27,7 @@ from ckptbridge.plugin import (
 
 from ._common import args_dict, rank_dir_name, rank_dirs
 from ._layout import LAYER_RE, MegatronConfig
+from ._moe import GROUPED_RE, global_expert_name, grouped_experts, is_buffer, is_expert, rank_grid
 from ._optim import buffer_layout, ddp_bucket_size, group_order
 
 
@@ -62,38 +63,61 @@ def _params(model_sd: Mapping[str, Any]) -> list[tuple[str, TensorRef]]:
     return [(k, v) for k, v in model_sd.items() if isinstance(v, TensorRef) and not k.endswith("_extra_state")]
 
 
+def _rank_files(cfg: MegatronConfig, args: Mapping[str, Any], ranks: Mapping[tuple[int, ...], str],
+                it_dir: str) -> dict[tuple[int, int, int], tuple[str, int]]:
+    """The rank directories the args say Megatron-LM wrote: (tp, pp, ep) -> (directory, expert-TP rank).
+
+    Dense runs: one per (tp, pp). Expert parallelism: one per rank whose expert-data-parallel
+    rank is 0 (Megatron-LM's ``save_checkpoint``), named by its dense TP, PP and its EP rank."""
+    want: dict[tuple[int, int, int], tuple[tuple[int, ...], int]]
+    if cfg.ep == 1:
+        want = {(t, p, 0): ((t, p), t) for t in range(cfg.tp) for p in range(cfg.pp)}
+    else:
+        world = int(args.get("world_size") or cfg.tp * cfg.pp * cfg.dp)
+        want = {}
+        for c in rank_grid(cfg.tp, cfg.pp, cfg.ep, cfg.etp, world):
+            if c.edp == 0:
+                if (c.tp, c.pp, c.ep) in want:
+                    raise FormatError(f"{it_dir}: two ranks write {rank_dir_name(c.tp, c.pp, cfg.pp, c.ep)} "
+                                      f"(expert TP {cfg.etp} > TP {cfg.tp}): Megatron-LM kept only one of them")
+                want[(c.tp, c.pp, c.ep)] = ((c.tp, c.pp, c.ep) if cfg.pp > 1 else (c.tp, c.ep), c.etp)
+    missing = [rank_dir_name(t, p, cfg.pp, e if cfg.ep > 1 else None)
+               for (t, p, e), (key, _) in sorted(want.items()) if key not in ranks]
+    if missing:
+        raise MissingShardError(
+            f"{it_dir}: the args say TP={cfg.tp} PP={cfg.pp} EP={cfg.ep} but rank directories {missing} are "
+            "missing (incomplete copy?)"
+        )
+    extra = sorted(set(ranks) - {key for key, _ in want.values()})
+    if extra:
+        raise FormatError(f"{ranks[extra[0]]}: rank outside TP={cfg.tp} PP={cfg.pp} EP={cfg.ep} from the args")
+    return {k: (ranks[key], etp) for k, (key, etp) in want.items()}
+
+
 def read_legacy(it_dir: str, iteration: int | None) -> RawCheckpoint:
     ranks = rank_dirs(it_dir)
     if not ranks:
         raise FormatError(f"{it_dir}: no mp_rank_* directories")
-    first = ranks.get((0, 0))
+    first = ranks.get((0, 0)) or ranks.get((0, 0, 0))
     if first is None:
         raise MissingShardError(f"{it_dir}/mp_rank_00[_000]: rank 0 directory missing")
     arch0 = TorchArchive.open(storage.join(first, "model_optim_rng.pt"))
     args = args_dict(arch0.obj.get("args"), arch0.path)
     cfg = MegatronConfig.from_args(args, where=arch0.path)
-    missing = [rank_dir_name(t, p, cfg.pp) for t in range(cfg.tp) for p in range(cfg.pp) if (t, p) not in ranks]
-    if missing:
-        raise MissingShardError(
-            f"{it_dir}: the args say TP={cfg.tp} PP={cfg.pp} but rank directories {missing} are missing "
-            "(incomplete copy?)"
-        )
-    archives: dict[tuple[int, int], TorchArchive] = {(0, 0): arch0}
-    for (t, p), d in sorted(ranks.items()):
-        if (t, p) != (0, 0):
-            if t >= cfg.tp or p >= cfg.pp:
-                raise FormatError(f"{d}: rank outside TP={cfg.tp} PP={cfg.pp} from the args")
-            f = storage.join(d, "model_optim_rng.pt")
-            if not storage.isfile(f):
-                raise MissingShardError(f"{f}: rank file missing")
-            archives[(t, p)] = TorchArchive.open(f)
+    files = _rank_files(cfg, args, ranks, it_dir)
+    archives: dict[tuple[int, int, int], TorchArchive] = {}
+    for slot, (d, _) in sorted(files.items()):
+        f = storage.join(d, "model_optim_rng.pt")
+        if not storage.isfile(f):
+            raise MissingShardError(f"{f}: rank file missing")
+        archives[slot] = arch0 if d == first else TorchArchive.open(f)
     raw = RawCheckpoint(args, iteration if iteration is not None else arch0.obj.get("iteration"))
     raw.files = [a.path for a in archives.values()]
 
     # Pipeline: layer offsets from the cumulative layer counts of chunks in (vp, pp) order.
     counts: dict[tuple[int, int], int] = {}
     for p in range(cfg.pp):
-        for v, chunk in enumerate(_model_chunks(archives[(0, p)].obj, archives[(0, p)].path)):
+        for v, chunk in enumerate(_model_chunks(archives[(0, p, 0)].obj, archives[(0, p, 0)].path)):
             layers = {int(m.group(1)) for k in chunk if (m := LAYER_RE.match(k))}
             counts[(v, p)] = max(layers) + 1 if layers else 0
     total, offsets = 0, {}
@@ -106,35 +130,51 @@ def read_legacy(it_dir: str, iteration: int | None) -> RawCheckpoint:
 
     dist_opt = cfg.distributed_optimizer or storage.isfile(storage.join(first, "distrib_optim.pt"))
     opt_kind = None
-    for (t, p), arch in sorted(archives.items()):
+    num_local = cfg.num_experts // cfg.ep
+    for (t, p, e), arch in sorted(archives.items()):
+        etp = files[(t, p, e)][1]
         chunks = _model_chunks(arch.obj, arch.path)
         named: list[tuple[str, str, TensorRef]] = []  # (local name, global name, ref)
+        keys: dict[str, int] = {}  # global name -> the TP (expert-TP) rank its piece stands for
         for v, chunk in enumerate(chunks):
             for local, ref in _params(chunk):
                 m = LAYER_RE.match(local)
                 glob = f"decoder.layers.{int(m.group(1)) + offsets[(v, p)]}.{m.group(2)}" if m else local
-                named.append((local, glob, ref))
-                raw.pieces.setdefault(glob, {}).setdefault("model", {})[t] = _state_of(arch, ref, glob)
+                if is_expert(glob):
+                    glob = global_expert_name(glob, e, num_local)
+                    # GroupedMLP buffers hold all local experts: keep the EP rank until they are split
+                    keys[glob] = e * cfg.etp + etp if cfg.grouped_gemm else etp
+                else:
+                    keys[glob] = t
+                if not is_buffer(glob):
+                    named.append((local, glob, ref))
+                # dense parameters repeat in every EP rank's file: keep the first
+                raw.pieces.setdefault(glob, {}).setdefault("model", {}).setdefault(keys[glob], _state_of(arch, ref, glob))
         opt = arch.obj.get("optimizer")
         if opt is None:
             continue
         if dist_opt:
+            if cfg.num_experts:
+                raise FormatError(f"{arch.path}: MoE with the distributed optimizer in the legacy format "
+                                  "(distrib_optim.pt of dense + expert optimizers) is not supported yet")
             opt_kind = "distributed"
             _read_distrib_optim(raw, cfg, args, t, p, named, arch, it_dir)
-        elif isinstance(opt, Mapping) and "fp32_from_fp16_params" in opt:
-            opt_kind = "float16"
-            _read_torch_adam(raw, args, t, named, arch, opt["optimizer"], opt["fp32_from_fp16_params"])
-        elif isinstance(opt, Mapping) and "state" in opt:
-            opt_kind = "fp32"
-            _read_torch_adam(raw, args, t, named, arch, opt, None)
-        elif isinstance(opt, Mapping) and isinstance(opt.get("optimizer"), Mapping) and "state" in opt["optimizer"]:
-            opt_kind = "fp32"
-            _read_torch_adam(raw, args, t, named, arch, opt["optimizer"], None)
-        else:
-            raise FormatError(f"{arch.path}: unrecognised optimizer entry (chained / MoE optimizers are not supported yet)")
+            continue
+        # a ChainedOptimizer (EP > 1) saves [dense optimizer, expert optimizer]
+        subs = list(opt) if isinstance(opt, list) else [opt]
+        parts = [[n for n in named if not is_expert(n[1])], [n for n in named if is_expert(n[1])]] \
+            if len(subs) == 2 and cfg.num_experts else [named]
+        if len(parts) != len(subs):
+            raise FormatError(f"{arch.path}: {len(subs)} chained optimizers, expected {len(parts)}")
+        for sub, part in zip(subs, parts):
+            opt_kind = _read_optimizer(raw, args, keys, part, arch, sub)
+    if cfg.grouped_gemm:
+        _split_grouped(raw, cfg)
     raw.extra["optimizer_kind"] = opt_kind
     raw.extra["layers_per_chunk"] = {f"{v},{p}": n for (v, p), n in sorted(counts.items())}
     o = arch0.obj.get("optimizer")
+    if isinstance(o, list) and o:
+        o = o[0]
     if isinstance(o, Mapping):
         inner = o.get("optimizer", o) if "state" not in o else o
         raw.extra["param_groups"] = [
@@ -146,8 +186,38 @@ def read_legacy(it_dir: str, iteration: int | None) -> RawCheckpoint:
     return raw
 
 
-def _read_torch_adam(raw: RawCheckpoint, args: Mapping[str, Any], tp: int, named: list[tuple[str, str, TensorRef]],
-                     arch: TorchArchive, inner: Mapping[str, Any], fp32_from_16: Any) -> None:
+def _read_optimizer(raw: RawCheckpoint, args: Mapping[str, Any], keys: Mapping[str, int],
+                    named: list[tuple[str, str, TensorRef]], arch: TorchArchive, opt: Any) -> str:
+    """One (non-distributed) optimizer's state dict; returns its kind."""
+    if isinstance(opt, Mapping) and "fp32_from_fp16_params" in opt:
+        _read_torch_adam(raw, args, keys, named, arch, opt["optimizer"], opt["fp32_from_fp16_params"])
+        return "float16"
+    if isinstance(opt, Mapping) and "state" in opt:
+        _read_torch_adam(raw, args, keys, named, arch, opt, None)
+        return "fp32"
+    if isinstance(opt, Mapping) and isinstance(opt.get("optimizer"), Mapping) and "state" in opt["optimizer"]:
+        _read_torch_adam(raw, args, keys, named, arch, opt["optimizer"], None)
+        return "fp32"
+    raise FormatError(f"{arch.path}: unrecognised optimizer entry")
+
+
+def _split_grouped(raw: RawCheckpoint, cfg: MegatronConfig) -> None:
+    """Legacy GroupedMLP ``experts.weight1/weight2`` pieces (keyed ``ep * ETP + etp``) -> per-expert pieces."""
+    for name in [n for n in raw.pieces if GROUPED_RE.match(n)]:
+        states = raw.pieces.pop(name)
+        scalars = raw.scalars.pop(name, {})
+        for state, parts in states.items():
+            for key, piece in parts.items():
+                ep, etp = divmod(key, cfg.etp)
+                for glob, st in grouped_experts(name, piece, cfg.hidden, cfg.num_experts // cfg.ep, ep):
+                    raw.pieces.setdefault(glob, {}).setdefault(state, {})[etp] = st
+                    if scalars:
+                        raw.scalars[glob] = dict(scalars)
+
+
+def _read_torch_adam(raw: RawCheckpoint, args: Mapping[str, Any], keys: Mapping[str, int],
+                     named: list[tuple[str, str, TensorRef]], arch: TorchArchive, inner: Mapping[str, Any],
+                     fp32_from_16: Any) -> None:
     groups = inner.get("param_groups") or []
     state = inner.get("state") or {}
     by_glob = {glob: ref for _, glob, ref in named}
@@ -167,14 +237,14 @@ def _read_torch_adam(raw: RawCheckpoint, args: Mapping[str, Any], tp: int, named
                                 f"{arch.path}: optimizer slot {idx} ({key}) has shape {r.shape} but "
                                 f"{glob!r} is {ref.shape}: param-group order differs from Megatron's"
                             )
-                        slots.setdefault(key, {})[tp] = _state_of(arch, r, glob)
+                        slots.setdefault(key, {}).setdefault(keys[glob], _state_of(arch, r, glob))
                 if "step" in st:
                     raw.scalars.setdefault(glob, {})["step"] = read_scalar(arch, st["step"])
             if fp32_from_16 is not None:
                 r = fp32_from_16[gi][j]
                 if not isinstance(r, TensorRef) or r.shape != ref.shape:
                     raise FormatError(f"{arch.path}: fp32 master copy of {glob!r} missing or mis-shaped")
-                slots.setdefault("fp32_master", {})[tp] = _state_of(arch, r, glob)
+                slots.setdefault("fp32_master", {}).setdefault(keys[glob], _state_of(arch, r, glob))
 
 
 def _read_distrib_optim(raw: RawCheckpoint, cfg: MegatronConfig, args: Mapping[str, Any], tp: int, pp: int,

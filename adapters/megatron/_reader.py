@@ -26,6 +26,7 @@ from ._common import ITER_RE, TRACKER, is_dist_dir, plain, rank_dirs, resolve_it
 from ._dist import read_dist
 from ._layout import MegatronConfig, consolidate, layout_rules, tp_layout
 from ._legacy import read_legacy
+from ._moe import is_expert, moe_split_rules
 
 
 def detect(path: str) -> bool:
@@ -54,6 +55,8 @@ def split_rules(cfg: MegatronConfig) -> list[Split]:
     if cfg.swiglu:
         rules.append(Split(r"^(.*\.mlp\.linear_fc1)\.(weight|bias)$", to=r"\1.{part}.\2", dim=0,
                            parts=("gate", "up"), widths=(cfg.ffn, cfg.ffn), groups=1))
+        if cfg.num_experts:
+            rules += moe_split_rules(cfg.moe_ffn, cfg.shared_ffn)
     return rules
 
 
@@ -84,14 +87,15 @@ def index(path: str, *, split_fused: bool = False, strip_padding: bool = True, v
             continue
         ndim = len(next(iter(model.values())).shape)
         lay = tp_layout(name, cfg, ndim)
+        tp_size = cfg.etp if is_expert(name) else cfg.tp  # experts are split over expert-TP
         full: dict[str, TensorState] = {}
         for state, parts in states.items():
             if global_pieces:
                 st = parts[0]
             else:
-                if sorted(parts) != list(range(cfg.tp)):
+                if sorted(parts) != list(range(tp_size)):
                     raise FormatError(f"{it_dir}: {name!r} state {state!r} present on TP ranks {sorted(parts)} only")
-                ordered = [parts[t] for t in range(cfg.tp)]
+                ordered = [parts[t] for t in range(tp_size)]
                 if check_replicas and lay.kind == "replicated":
                     _check_equal(name, state, ordered)
                 st = consolidate(name, ordered, lay, cfg)
@@ -127,6 +131,10 @@ def index(path: str, *, split_fused: bool = False, strip_padding: bool = True, v
             **{k: plain(v) for k, v in raw.extra.items()},
         }
     }
+    if cfg.num_experts:
+        extra["megatron"]["moe"] = {"num_experts": cfg.num_experts, "ep": cfg.ep, "etp": cfg.etp,
+                                    "moe_ffn_hidden_size": cfg.moe_ffn, "grouped_gemm": cfg.grouped_gemm,
+                                    "shared_expert_ffn": cfg.shared_ffn}
     prov = {"source_format": f"megatron/{fmt}", "tp": cfg.tp, "pp": cfg.pp, "dp": cfg.dp,
             "path": storage.abspath(os.fspath(path)), "files": len(raw.files)}
     return CheckpointIndex("megatron", storage.abspath(os.fspath(path)), tensors, raw.iteration, extra,

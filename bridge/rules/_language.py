@@ -113,10 +113,25 @@ class Fuse(Rule):
 
 @dataclass(frozen=True)
 class Renumber(Rule):
-    """Layout: layer numbers local to a pipeline stage; the global number adds ``offset``."""
+    """Layout: numbers local to a rank (pipeline stage layers, an expert-parallel rank's experts);
+    the global number adds ``offset``. The pattern's first group is the number::
+
+        Renumber(r"\\.local_experts\\.(\\d+)\\.", axis="ep=1", offset=2).apply("l.local_experts.1.w")
+        # -> 'l.local_experts.3.w'
+    """
 
     axis: str = "pp"
     offset: int = 0
+
+    def apply(self, name: str, count: int | None = None) -> str:
+        """``name`` with its local number made global; ``count``: how many a rank holds (checked)."""
+        m = re.search(self.pattern, name)
+        if m is None:
+            return name
+        local = int(m.group(1))
+        if count is not None and local >= count:
+            raise FormatError(f"{name}: local number {local} but each rank of {self.axis} holds {count}")
+        return f"{name[:m.start(1)]}{local + self.offset}{name[m.end(1):]}"
 
 
 @dataclass(frozen=True)

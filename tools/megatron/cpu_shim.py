@@ -211,6 +211,32 @@ def patch_megatron_training():
     _patch(fk, "load", lambda args: None, "needs nvcc; unused by mcore local spec")
 
 
+# 3b. Legacy GroupedMLP (--moe-grouped-gemm with the local spec) needs the CUDA-only `grouped_gemm`
+#     package (fanshiqing/grouped_gemm: ops.gmm = CUTLASS grouped GEMM).  With
+#     MEGATRON_CPU_SHIM_GG=1 register a pure-torch stand-in with the same semantics:
+#     gmm(a [sum(batch_sizes), k], b [groups, k, n] (or [groups, n, k] if trans_b), batch_sizes
+#     (int64, CPU)) -> [sum(batch_sizes), n], rows of group i multiplied by b[i]; autograd through
+#     torch ops.
+if os.environ.get("MEGATRON_CPU_SHIM_GG") == "1":
+    _gg = _types.ModuleType("grouped_gemm")
+    _gg_ops = _types.ModuleType("grouped_gemm.ops")
+
+    def _gmm(a, b, batch_sizes, trans_b=False):
+        outs, start = [], 0
+        for i, n in enumerate([int(x) for x in batch_sizes.tolist()]):
+            w = b[i].t() if trans_b else b[i]
+            outs.append(a[start:start + n] @ w)
+            start += n
+        return torch.cat(outs, dim=0)
+
+    _gg_ops.gmm = _gmm
+    _gg.ops = _gg_ops
+    _sys.modules["grouped_gemm"] = _gg
+    _sys.modules["grouped_gemm.ops"] = _gg_ops
+    PATCHES.append("sys.modules: pure-torch stand-in for the CUDA `grouped_gemm` package (ops.gmm), "
+                   "used by legacy GroupedMLP (--moe-grouped-gemm, local spec)")
+
+
 # 4. CUDA streams/events used by Megatron-LM's get_model (DDP side stream), timers,
 #    DDP communication stream: CPU has one implicit "stream"; make them inert.
 import contextlib as _contextlib
@@ -265,6 +291,187 @@ _patch(torch.cuda, "stream", lambda s=None: _contextlib.nullcontext(), "nullcont
 _patch(torch.cuda, "set_stream", lambda *a, **k: None, "no-op")
 
 
+def patch_moe_no_te():
+    """megatron/core/transformer/moe/moe_utils.py (v0.16.1) imports te_general_gemm and the
+    fused_* MoE kernels from megatron.core.extensions.transformer_engine inside a
+    `try: import transformer_engine ... except ImportError: HAVE_TE = False` block, but never
+    binds the names in the except branch.  RouterGatingLinearFunction.forward (line 1192) then
+    tests `te_general_gemm is not None` -> NameError on ANY install without Transformer Engine
+    (GPU or CPU).  Bind the missing names to None (the non-TE code paths are taken)."""
+    import megatron.core.transformer.moe.moe_utils as mu
+    if not getattr(mu, "HAVE_TE", False):
+        missing = []
+        for n in ("te_general_gemm", "fused_compute_score_for_moe_aux_loss", "fused_moe_aux_loss",
+                  "fused_permute", "fused_permute_with_probs", "fused_sort_chunks_by_index",
+                  "fused_sort_chunks_by_index_with_probs", "fused_topk_with_score_function",
+                  "fused_unpermute"):
+            if not hasattr(mu, n):
+                setattr(mu, n, None)
+                missing.append(n)
+        PATCHES.append(f"megatron.core.transformer.moe.moe_utils.{{{','.join(missing)}}} = None: "
+                       "unbound without Transformer Engine -> NameError in RouterGatingLinearFunction")
+
+
+def patch_moe_cpu_splits():
+    """CPU-only: MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize moves the all-to-all split
+    sizes to the host with moe_utils.maybe_move_tensor_to_cpu(t, as_numpy=True), which only acts
+    on CUDA tensors.  On CPU the splits stay torch tensors and
+    torch.distributed.all_to_all_single(output_split_sizes=<Tensor>) raises TypeError
+    (pybind wants a sequence of ints; on a GPU box they arrive as numpy arrays).  Make the
+    function return what it returns on GPU: a CPU tensor, or numpy when as_numpy=True."""
+    import megatron.core.transformer.moe.moe_utils as mu
+    import megatron.core.transformer.moe.token_dispatcher as td
+    orig = mu.maybe_move_tensor_to_cpu
+
+    def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
+        if torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy() if as_numpy else tensor
+        return orig(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    _patch(mu, "maybe_move_tensor_to_cpu", maybe_move_tensor_to_cpu,
+           "CPU tensors -> numpy when as_numpy=True (as for CUDA tensors); all_to_all_single needs int splits")
+    _patch(td, "maybe_move_tensor_to_cpu", maybe_move_tensor_to_cpu, "same (imported by name)")
+
+
+def patch_torch_norm_sequence_parallel():
+    """megatron/core/transformer/torch_norm.py (v0.16.1) WrappedTorchNorm -- the norm of the
+    local (non-TE) spec, the only one available without TE/Apex and the only one for RMSNorm --
+    asserts `not config.sequence_parallel`.  Megatron-LM in turn REFUSES MoE + TP without
+    --sequence-parallel ("performance may degrade if MoE and tensor parallelism are enabled
+    without also enabling sequence parallelism"), so TP>1 MoE cannot run on the local spec.
+    Build the same torch.nn.RMSNorm/LayerNorm and mark its params `sequence_parallel=True`, as
+    TE's and Apex's norms do, so finalize_model_grads all-reduces their grads over TP
+    (_allreduce_layernorm_grads).  Parameter names and shapes are unchanged."""
+    import copy
+
+    import megatron.core.transformer.torch_norm as tn
+    orig_new = tn.WrappedTorchNorm.__new__
+
+    def __new__(cls, config, hidden_size, *a, **k):
+        if not getattr(config, "sequence_parallel", False):
+            return orig_new(cls, config, hidden_size, *a, **k)
+        c = copy.copy(config)
+        object.__setattr__(c, "sequence_parallel", False)
+        m = orig_new(cls, c, hidden_size, *a, **k)
+        for p in m.parameters():
+            p.sequence_parallel = True
+        return m
+
+    _patch(tn.WrappedTorchNorm, "__new__", staticmethod(__new__),
+           "allow --sequence-parallel (needed for MoE+TP); norm params tagged sequence_parallel like TE/Apex norms")
+
+
+def patch_gloo_uneven_all_gather():
+    """gloo limitation (torch 2.13): ProcessGroupGloo::allgather requires equal-size tensors, but
+    megatron/core/tensor_parallel/mappings.py _gather_along_first_dim with output_split_sizes
+    (used by MoEAlltoAllTokenDispatcher to all-gather the EP-dispatched tokens over the
+    expert-TP group, uneven per rank, and in the backward of the uneven reduce-scatter) calls
+    torch.distributed.all_gather(list of uneven splits).  On gloo: pad every rank's input to
+    the max split, all_gather equal sizes, then copy the valid rows into the output (same
+    result as NCCL's all-gather-v)."""
+    import megatron.core.tensor_parallel.mappings as mp
+    orig = mp._gather_along_first_dim
+
+    def _gather_along_first_dim(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if output_split_sizes is None or group is None or group.size() == 1:
+            return orig(input_, group, output_split_sizes, use_global_buffer)
+        sizes = [int(s) for s in output_split_sizes]
+        if len(set(sizes)) == 1:
+            return orig(input_, group, sizes, use_global_buffer)
+        m = max(sizes)
+        inp = input_.contiguous()
+        padded = inp.new_zeros([m, *list(inp.shape[1:])])
+        padded[: inp.shape[0]].copy_(inp)
+        bufs = [torch.empty_like(padded) for _ in sizes]
+        torch.distributed.all_gather(bufs, padded, group=group)
+        return torch.cat([b[:n] for b, n in zip(bufs, sizes)], dim=0)
+
+    _patch(mp, "_gather_along_first_dim", _gather_along_first_dim,
+           "gloo has no uneven all_gather: pad to max split, gather, trim")
+
+
+def patch_chained_optimizer_ep_reshard():
+    """megatron/core/optimizer/__init__.py builds ONE optimizer when no parameter is expert-parallel
+    (EP1: experts are ordinary params, `allreduce=True`) but a ChainedOptimizer of TWO (dense +
+    expert) when EP>1.  The non-sharded optimizer part of a torch_dist checkpoint (common.pt:
+    param_groups hyper-parameters + 'common_step') is stored in that run-dependent structure --
+    EP1: {'param_groups', 'state'}; EP>1: {0: {...}, 1: {...}} -- and dist_checkpointing.load merges
+    it as-is with the sharded part built for the NEW run.  So any EP1 <-> EP>1 reshard of a
+    checkpoint with (non-distributed) optimizer state dies in ChainedOptimizer.load_state_dict:
+    "Expected 2 entries in state dict, but got 4" (EP1 -> EP2), or FP32Optimizer.load_state_dict
+    gets param groups without hyper-parameters (EP2 -> EP1).  The sharded tensors
+    (optimizer.state.exp_avg.* etc.) are fine -- their keys do not depend on EP.
+    Fix: rebuild each running optimizer's param_groups from the checkpoint's groups matched by
+    (wd_mult, lr_mult, is_decoupled_lr) -- is_expert_parallel taken from the running group -- and
+    hand every running optimizer the checkpoint's common_step (same for all groups)."""
+    import megatron.core.optimizer.optimizer as O
+    CO = O.ChainedOptimizer
+    ident_keys = [k for k in O.param_group_identifier_keys if k != "is_expert_parallel"]
+    orig = CO.load_state_dict
+
+    def inner(d):
+        return d.get("optimizer", d)
+
+    def regroup(cur_groups, loaded_groups, ckpt_groups):
+        out = []
+        for cur, ld in zip(cur_groups, loaded_groups):
+            ident = tuple(cur[k] for k in ident_keys)
+            cands = [g for g in ckpt_groups if tuple(g[k] for k in ident_keys) == ident]
+            assert cands, f"no checkpoint param group matches {ident}"
+            cands.sort(key=lambda g: g.get("is_expert_parallel") != cur["is_expert_parallel"])
+            g = {k: v for k, v in cands[0].items() if k != "params"}
+            g["is_expert_parallel"] = cur["is_expert_parallel"]
+            g["params"] = ld["params"]
+            out.append(g)
+        return out
+
+    def load_state_dict(self, state_dict):
+        n = len(self.chained_optimizers)
+        if isinstance(state_dict, dict):
+            ints = sorted(k for k in state_dict if isinstance(k, int))
+            strs = [k for k in state_dict if not isinstance(k, int)]
+            if ints and strs and n > 1 and len(ints) == n:
+                # checkpoint from a single-optimizer run (EP1) -> chained run (EP>1)
+                ck = inner(state_dict)
+                step = ck["state"].get("common_step")
+                new = {}
+                for i, opt in enumerate(self.chained_optimizers):
+                    sub = state_dict[i]
+                    si = inner(sub)
+                    si["param_groups"] = regroup(opt.optimizer.param_groups, si["param_groups"], ck["param_groups"])
+                    if step is not None:
+                        si["state"]["common_step"] = step
+                    for extra in ("grad_scaler",):
+                        if extra in state_dict and extra not in sub:
+                            sub[extra] = state_dict[extra]
+                    new[i] = sub
+                _event(f"ChainedOptimizer.load_state_dict: single-optimizer (EP1) checkpoint -> {n} chained optimizers")
+                return orig(self, new)
+            if ints and strs and n == 1:
+                # checkpoint from a chained run (EP>1) -> single-optimizer run (EP1)
+                cks = [state_dict.pop(k) for k in ints]
+                groups = [g for c in cks for g in inner(c)["param_groups"]]
+                step = inner(cks[0])["state"].get("common_step")
+                si = inner(state_dict)
+                si["param_groups"] = regroup(self.chained_optimizers[0].optimizer.param_groups,
+                                             si["param_groups"], groups)
+                if step is not None:
+                    si["state"]["common_step"] = step
+                if "grad_scaler" in cks[0] and "grad_scaler" not in state_dict:
+                    state_dict["grad_scaler"] = cks[0]["grad_scaler"]
+                _event(f"ChainedOptimizer.load_state_dict: {len(ints)}-optimizer (EP>1) checkpoint -> single optimizer")
+                return orig(self, state_dict)
+        return orig(self, state_dict)
+
+    _patch(CO, "load_state_dict", load_state_dict,
+           "load EP1 <-> EP>1 (1 vs 2 chained optimizers) non-sharded optimizer state")
+
+
+def _event(msg):
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"CPU_SHIM PATCH USED: {msg}", flush=True)
+
+
 _INSTALLED = False
 
 
@@ -284,6 +491,11 @@ def install():
     patch_megatron_rng()
     patch_distopt_state_dict()
     patch_distopt_load()
+    patch_moe_no_te()
+    patch_moe_cpu_splits()
+    patch_torch_norm_sequence_parallel()
+    patch_gloo_uneven_all_gather()
+    patch_chained_optimizer_ep_reshard()
     if os.environ.get("MEGATRON_CPU_SHIM_TRAINING", "1") == "1":
         pretend_cuda_available()
         patch_megatron_training()
