@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from .._errors import OptionError
-from ._family import load_config
+from ._family import load_config, registry
 from ._gpt import rope_theta
 
 
@@ -38,6 +38,9 @@ def megatron_args(config: Any, template: Mapping[str, Any] | None = None) -> dic
         make_vocab_size_divisible_by=int(args.get("make_vocab_size_divisible_by") or 1),
         max_position_embeddings=int(hf.get("max_position_embeddings") or 4096),
         bf16=dtype == "bfloat16", fp16=dtype == "float16")
+    extra = next((f.megatron_args for f in registry().values() if hf.get("model_type") in f.model_types), None)
+    if extra is not None:  # a family's own keys (q/k norms, MoE)
+        args.update(extra(hf))
     return args
 
 
