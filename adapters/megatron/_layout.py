@@ -96,8 +96,11 @@ class MegatronConfig:
         heads = int(need("num_attention_heads"))
         hidden = int(need("hidden_size"))
         groups = int(args.get("num_query_groups") or heads) if args.get("group_query_attention") else heads
-        if args.get("expert_model_parallel_size", 1) not in (1, None) or args.get("num_experts"):
-            raise FormatError(f"{where}: mixture-of-experts checkpoints are not supported yet")
+        if args.get("num_experts") and args.get("expert_model_parallel_size", 1) not in (1, None):
+            raise FormatError(f"{where}: expert-parallel checkpoints (expert_model_parallel_size > 1) are not "
+                              "supported yet")
+        if args.get("num_experts") and args.get("moe_grouped_gemm"):
+            raise FormatError(f"{where}: grouped-GEMM expert weights (moe_grouped_gemm) are not supported yet")
         if args.get("multi_latent_attention"):
             raise FormatError(f"{where}: multi-latent attention checkpoints are not supported yet")
         if args.get("pipeline_model_parallel_layout"):
@@ -163,8 +166,8 @@ def tp_layout(name: str, cfg: MegatronConfig, ndim: int) -> TpLayout:
         return TpLayout("vocab", 0)
     leaf = name.rsplit(".", 2)
     module, attr = (leaf[-2], leaf[-1]) if len(leaf) >= 2 else ("", name)
-    if attr.startswith("layer_norm_") or "norm" in module or module.endswith("layernorm"):
-        return TpLayout("replicated")
+    if attr.startswith("layer_norm_") or "norm" in module or module.endswith("layernorm") or module == "router":
+        return TpLayout("replicated")  # the MoE router too (megatron-core's TopKRouter is not TP-split)
     if module in _COLUMN and attr in ("weight", "bias"):
         if module == "linear_fc1" and cfg.swiglu:
             return TpLayout("glu", 0)

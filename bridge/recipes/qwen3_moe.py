@@ -106,6 +106,7 @@ def megatron_to_hf(c: MoeConfig) -> list[Rule]:
         Rename(expert + r"linear_fc1\.(?P<w>gate|up)\.weight$", to + r"\g<w>_proj.weight"),
         Rename(expert + r"linear_fc2\.weight$", to + "down_proj.weight"),
         *_gpt.megatron_to_hf(c),
+        *hf_moe_expects(c),
     ]
 
 

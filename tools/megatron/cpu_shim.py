@@ -141,6 +141,16 @@ def pretend_cuda_available():
     _patch(torch.cuda, "get_device_name", lambda *a, **k: "fake-cpu", "")
 
 
+def patch_moe_without_te():
+    """megatron/core/transformer/moe/moe_utils.py (v0.16.1): RouterGatingLinearFunction tests
+    ``te_general_gemm is not None`` but the name is only bound when Transformer Engine imports, so
+    the MoE router raises NameError without TE. Bind it to None (the plain torch matmul path)."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        _patch(moe_utils, "te_general_gemm", None, "bind the TE gemm to None without TE (router's torch path)")
+
+
 def patch_distopt_state_dict():
     """megatron/core/optimizer/distrib_optimizer.py:640-642 (v0.16.1): without Apex/TE,
     DistributedOptimizer.state_dict() collects 'step' from the torch Adam state and asserts
