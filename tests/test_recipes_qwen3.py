@@ -138,6 +138,8 @@ def test_maxtext_to_hf_through_the_inverse_recipe_is_bitwise(run, name, scan):
 
 @pytest.mark.parametrize("label", list(CONTROLS))
 def test_negative_controls_move_the_logits(run, label):
+    """Measured: 2.6e-2 (q and k norms swapped), 5.8e-2 (experts 0 and 1 swapped), against <= 3.6e-7
+    for the recipes above."""
     name = CONTROLS[label][0]
     err = _err(np.load(run["work"] / f"{label}.logits.npy"), run["ref"][name])
     assert err > 50 * TOL, (label, err)
