@@ -49,6 +49,14 @@ def test_config_from_hf():
     assert args["moe_router_topk"] == 8 and args["moe_router_pre_softmax"] is False  # softmax over the top k
     assert args["moe_layer_freq"][:3] == [1, 0, 1] and args["kv_channels"] == 128
     assert recipes.megatron_args({**cfg, "model_type": "qwen3", "norm_topk_prob": False})["qk_layernorm"]
+    back = recipes.hf_config(args, family="qwen3_moe")  # Megatron args -> HF config, and back
+    assert back["model_type"] == "qwen3_moe" and back["mlp_only_layers"] == [1] and back["norm_topk_prob"]
+    assert recipes.config_from_hf(back) == recipes.config_from_hf({**cfg, "num_local_experts": 64})
+    assert recipes.megatron_args(back) == args
+    with pytest.raises(OptionError, match="no qk_layernorm"):
+        recipes.hf_config({**args, "qk_layernorm": False}, family="qwen3")
+    with pytest.raises(OptionError, match="no num_experts"):
+        recipes.hf_config({**args, "num_experts": None}, family="qwen3_moe")
 
 
 def test_both_hf_expert_layouts_give_the_same_maxtext_tensors(moe):

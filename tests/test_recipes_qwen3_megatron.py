@@ -9,7 +9,8 @@ over the Megatron fixture run's: ``qk_layernorm``, ``num_experts``, ``moe_*``) a
 ``q_layernorm`` / ``k_layernorm``, ``MoELayer`` with a ``TopKRouter`` and ``SequentialMLP``
 experts), loads each rank's file with ``load_state_dict(strict=True)`` and dumps its logits: they
 equal HF's (1e-4) and its loss is HF's cross-entropy. Back through the inverse recipe (Megatron ->
-HF) every tensor is the HF original, bitwise.
+HF) every tensor is the HF original, bitwise, and with ``recipes.hf_config(args, family=...)`` as its
+config.json transformers loads it with the original's logits.
 """
 
 from __future__ import annotations
@@ -93,6 +94,10 @@ def test_hf_to_megatron_loads_strictly_in_megatron_core_with_hfs_logits(run, lab
 
 @pytest.mark.parametrize("label", list(CASES))
 def test_megatron_to_hf_gives_the_same_tensors_back(run, label):
+    """Bitwise, and as an HF directory whose config.json is ``recipes.hf_config`` of the Megatron run's
+    args: transformers loads every key and gives the original's logits."""
+    import transformers
+
     name, _tp = CASES[label]
     cfg = run["dirs"][name] / "config.json"
     back = ckptbridge.open(run["work"] / label, rules=_rules(cfg, "megatron", "hf"))
@@ -100,3 +105,14 @@ def test_megatron_to_hf_gives_the_same_tensors_back(run, label):
     assert sorted(back) == sorted(orig)
     for key in orig:
         assert back[key].read().tobytes() == orig[key].read().tobytes(), key
+    out = run["work"] / f"back-{label}"
+    out.mkdir()
+    ckptbridge.export(back, out / "model.safetensors")
+    mg = back.extra["megatron"]
+    (out / "config.json").write_text(json.dumps(recipes.hf_config(mg["args"], mg["vocab_size"], family=name)))
+    assert recipes.config_from_hf(out / "config.json") == recipes.config_from_hf(cfg)
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(str(out), output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    tokens = run["dumps"][label]["tokens"]
+    got, want = hf.logits(model.eval(), tokens), hf.logits(run["models"][name], tokens)
+    assert float(np.abs(got.astype(np.float64) - want).max()) < TOL

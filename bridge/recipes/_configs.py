@@ -45,7 +45,8 @@ def megatron_args(config: Any, template: Mapping[str, Any] | None = None) -> dic
 
 
 def hf_config(args: Mapping[str, Any], vocab_size: int | None = None, family: str = "llama") -> dict[str, Any]:
-    """An HF ``config.json`` (``LlamaForCausalLM`` / ``Qwen2ForCausalLM``) for Megatron ``args``
+    """An HF ``config.json`` (``LlamaForCausalLM``, ``Qwen2ForCausalLM``, or a family's own, e.g.
+    ``family="qwen3_moe"``) for Megatron ``args``
     (as ``ckptbridge.open(megatron_run).extra["megatron"]["args"]`` gives them); ``vocab_size``:
     the vocabulary without Megatron's padding (the Megatron reader strips it)."""
     if args.get("normalization") != "RMSNorm" or not args.get("swiglu") or args.get("position_embedding_type") != "rope":
@@ -69,4 +70,7 @@ def hf_config(args: Mapping[str, Any], vocab_size: int | None = None, family: st
     }
     if args.get("rotary_interleaved"):
         raise OptionError("hf_config: Megatron's interleaved rotary layout has no HF Llama equivalent")
+    own = registry().get(family)
+    if own is not None and own.hf_config is not None:  # a family's own keys (model_type, q/k norms, MoE)
+        out.update(own.hf_config(args))
     return out

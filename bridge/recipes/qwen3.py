@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from .._errors import OptionError
 from .._rules import Rename, Rule
 from . import _gpt
 from ._family import Family
@@ -63,6 +64,13 @@ def megatron_args(hf: Mapping[str, Any]) -> dict[str, Any]:
     return {"qk_layernorm": True}
 
 
+def hf_config(args: Mapping[str, Any]) -> dict[str, Any]:
+    """The HF config keys of a Qwen3 Megatron run (over the Llama ones ``recipes.hf_config`` writes)."""
+    if not args.get("qk_layernorm"):
+        raise OptionError("hf_config: a Qwen3 has q/k norms; these Megatron args have no qk_layernorm")
+    return {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "use_sliding_window": False}
+
+
 FAMILY = Family(name="qwen3", model_types=("qwen3",), from_hf=config_from_hf, megatron_args=megatron_args,
-                defaults={"query_scale": False},
+                hf_config=hf_config, defaults={"query_scale": False},
                 base={("hf", "maxtext"): hf_to_maxtext, ("megatron", "hf"): megatron_to_hf})

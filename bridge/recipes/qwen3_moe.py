@@ -24,7 +24,7 @@ from typing import Any
 
 from .._errors import OptionError
 from .._rules import Expect, Rename, Rule, Split, Stack, Transpose
-from . import _gpt
+from . import _gpt, qwen3
 from ._family import Family
 from ._gpt import HF_LAYER, MX_LAYER, L, RecipeConfig
 from .qwen3 import megatron_qk_norm_names, qk_norm_names, spliced
@@ -136,6 +136,20 @@ def megatron_args(hf: Mapping[str, Any]) -> dict[str, Any]:
             "moe_layer_freq": [int(i not in dense and (i + 1) % step == 0) for i in range(layers)]}
 
 
+def hf_config(args: Mapping[str, Any]) -> dict[str, Any]:
+    """The HF config keys of a Qwen3-MoE Megatron run: Qwen3's, and the experts from the MoE args."""
+    if not args.get("num_experts"):
+        raise OptionError("hf_config: these Megatron args have no num_experts (not a mixture of experts)")
+    freq = args.get("moe_layer_freq", 1)
+    layers = int(args["num_layers"])
+    moe = list(freq) if isinstance(freq, (list, tuple)) else [int(i % int(freq) == 0) for i in range(layers)]
+    return {**qwen3.hf_config(args), "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"],
+            "num_experts": int(args["num_experts"]), "num_experts_per_tok": int(args["moe_router_topk"]),
+            "moe_intermediate_size": int(args.get("moe_ffn_hidden_size") or args["ffn_hidden_size"]),
+            "norm_topk_prob": not bool(args.get("moe_router_pre_softmax")), "decoder_sparse_step": 1,
+            "mlp_only_layers": [i for i, m in enumerate(moe) if not m], "router_aux_loss_coef": 0.0}
+
+
 FAMILY = Family(name="qwen3_moe", model_types=("qwen3_moe",), config=MoeConfig, from_hf=config_from_hf,
-                megatron_args=megatron_args, defaults={"query_scale": False},
+                megatron_args=megatron_args, hf_config=hf_config, defaults={"query_scale": False},
                 base={("hf", "maxtext"): hf_to_maxtext, ("megatron", "hf"): megatron_to_hf})
