@@ -10,7 +10,10 @@
 
 Families: ``llama`` (GQA; ``rope`` ``default`` or ``llama3`` scaling with the constants
 MaxText's ``LLaMARotaryEmbedding`` hard-codes), ``mistral``, ``qwen2`` (QKV biases),
-``mixtral`` (MoE; ``save_pretrained`` writes ``block_sparse_moe.experts.N.w1/w2/w3``).
+``mixtral`` (MoE; ``save_pretrained`` writes ``block_sparse_moe.experts.N.w1/w2/w3``), ``qwen3``
+(q/k norms), ``qwen3_moe`` (``mlp`` is each expert's width; ``save_pretrained`` writes
+``mlp.experts.N.gate_proj/up_proj/down_proj``, the module holds them fused as
+``mlp.experts.gate_up_proj`` / ``down_proj``).
 ``tied=True`` shares the embedding with the output layer.
 """
 
@@ -51,6 +54,7 @@ class HFSpec:
     experts: int = 4
     experts_per_tok: int = 2
     seed: int = 0
+    norm_topk_prob: bool = True  # qwen3_moe
 
 
 def config(spec: HFSpec) -> Any:
@@ -91,6 +95,14 @@ def config(spec: HFSpec) -> Any:
             router_aux_loss_coef=0.0,
             sliding_window=None,
         )
+    if spec.family == "qwen3":
+        return transformers.Qwen3Config(**common, attention_bias=False, use_sliding_window=False)
+    if spec.family == "qwen3_moe":  # every layer MoE; the dense width (unused) differs from the experts'
+        return transformers.Qwen3MoeConfig(
+            **{**common, "intermediate_size": 2 * spec.mlp}, moe_intermediate_size=spec.mlp,
+            num_experts=spec.experts, num_experts_per_tok=spec.experts_per_tok, norm_topk_prob=spec.norm_topk_prob,
+            decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=0.0, attention_bias=False,
+            use_sliding_window=False)
     raise ValueError(f"unknown family {spec.family!r}")
 
 
@@ -104,6 +116,8 @@ def build(spec: HFSpec) -> Any:
         "mistral": transformers.MistralForCausalLM,
         "qwen2": transformers.Qwen2ForCausalLM,
         "mixtral": transformers.MixtralForCausalLM,
+        "qwen3": transformers.Qwen3ForCausalLM,
+        "qwen3_moe": transformers.Qwen3MoeForCausalLM,
     }[spec.family]
     torch.manual_seed(spec.seed)
     model = cls(config(spec)).to(torch.float32).eval()

@@ -53,7 +53,7 @@ def spec_from_hf(cfg: dict[str, Any], *, scan: bool = True, mesh: dict[str, int]
     scaling constants MaxText hard-codes); everything else to ``rope_type=default``.
     """
     family = cfg["model_type"]
-    if family not in ("llama", "mistral", "qwen2", "mixtral"):
+    if family not in ("llama", "mistral", "qwen2", "mixtral", "qwen3", "qwen3_moe"):
         raise ValueError(f"model_type {family!r} has no MaxText counterpart here")
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     rope_kind = rope.get("rope_type", rope.get("type", "default"))
@@ -90,6 +90,9 @@ def spec_from_hf(cfg: dict[str, Any], *, scan: bool = True, mesh: dict[str, int]
     if family == "mixtral":
         spec["experts"] = cfg["num_local_experts"]
         spec["experts_per_tok"] = cfg["num_experts_per_tok"]
+    if family == "qwen3_moe":  # every layer MoE: MaxText's mlp dim is the experts'
+        spec |= {"experts": cfg.get("num_experts", cfg.get("num_local_experts")), "experts_per_tok": cfg["num_experts_per_tok"],
+                 "mlp": cfg["moe_intermediate_size"], "norm_topk_prob": bool(cfg["norm_topk_prob"])}
     return spec
 
 

@@ -171,16 +171,14 @@ def tp_layout(name: str, cfg: MegatronConfig, ndim: int) -> TpLayout:
         return TpLayout("vocab", 0)
     leaf = name.rsplit(".", 2)
     module, attr = (leaf[-2], leaf[-1]) if len(leaf) >= 2 else ("", name)
-    if attr.startswith("layer_norm_") or "norm" in module or module.endswith("layernorm"):
-        return TpLayout("replicated")
+    if attr.startswith("layer_norm_") or "norm" in module or module.endswith("layernorm") or module == "router":
+        return TpLayout("replicated")  # the MoE router too (megatron-core's TopKRouter is not TP-split)
     if module in _COLUMN and attr in ("weight", "bias"):
         if module == "linear_fc1" and cfg.swiglu:
             return TpLayout("glu", 0)
         return TpLayout("column", 0)
     if module in _ROW:
         return TpLayout("row", 1) if attr == "weight" else TpLayout("replicated")
-    if module == "router":  # the router's weight and expert bias are replicated over TP
-        return TpLayout("replicated")
     if name.startswith("embedding.position_embeddings") or ndim <= 1:
         return TpLayout("replicated")
     raise FormatError(

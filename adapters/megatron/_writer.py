@@ -245,9 +245,10 @@ def _write(ckpt: Any, tmp: str, tp: int | None, pp: int | None, dp: int | None,
     tp = int(tp or src_args.get("tensor_model_parallel_size") or 1)
     pp = int(pp or src_args.get("pipeline_model_parallel_size") or 1)
     src_cfg = MegatronConfig.from_args(src_args, info.get("vocab_size"), where=ckpt.path)
-    if src_cfg.num_experts:
-        raise FormatError(f"{ckpt.path}: writing mixture-of-experts checkpoints (new TP/EP/ETP) is not "
-                          "supported yet; they can be read")
+    if src_cfg.num_experts and (src_cfg.ep > 1 or src_cfg.grouped_gemm):
+        raise FormatError(f"{ckpt.path}: writing expert-parallel (EP={src_cfg.ep}) or grouped-GEMM "
+                          "mixture-of-experts checkpoints is not supported yet; they can be read, and "
+                          "EP 1 SequentialMLP layouts can be written")
     vocab = src_cfg.vocab
     if vocab is None:
         vocab = ckpt["embedding.word_embeddings.weight"].shape[0]

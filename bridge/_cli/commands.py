@@ -347,7 +347,7 @@ def _recipe_config(family: str, pairs: dict[str, str]) -> dict[str, Any]:
             if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
                 raise OptionError(f"-c {key}={value}: expected true or false")
             out[key] = value.lower() in ("true", "1", "yes")
-        elif kind == "int":
+        elif kind in ("int", "int | None"):
             try:
                 out[key] = int(value)
             except ValueError:

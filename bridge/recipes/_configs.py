@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from .._errors import OptionError
-from ._family import load_config
+from ._family import load_config, registry
 from ._gpt import rope_theta
 
 
@@ -38,11 +38,15 @@ def megatron_args(config: Any, template: Mapping[str, Any] | None = None) -> dic
         make_vocab_size_divisible_by=int(args.get("make_vocab_size_divisible_by") or 1),
         max_position_embeddings=int(hf.get("max_position_embeddings") or 4096),
         bf16=dtype == "bfloat16", fp16=dtype == "float16")
+    extra = next((f.megatron_args for f in registry().values() if hf.get("model_type") in f.model_types), None)
+    if extra is not None:  # a family's own keys (q/k norms, MoE)
+        args.update(extra(hf))
     return args
 
 
 def hf_config(args: Mapping[str, Any], vocab_size: int | None = None, family: str = "llama") -> dict[str, Any]:
-    """An HF ``config.json`` (``LlamaForCausalLM`` / ``Qwen2ForCausalLM``) for Megatron ``args``
+    """An HF ``config.json`` (``LlamaForCausalLM``, ``Qwen2ForCausalLM``, or a family's own, e.g.
+    ``family="qwen3_moe"``) for Megatron ``args``
     (as ``ckptbridge.open(megatron_run).extra["megatron"]["args"]`` gives them); ``vocab_size``:
     the vocabulary without Megatron's padding (the Megatron reader strips it)."""
     if args.get("normalization") != "RMSNorm" or not args.get("swiglu") or args.get("position_embedding_type") != "rope":
@@ -66,4 +70,7 @@ def hf_config(args: Mapping[str, Any], vocab_size: int | None = None, family: st
     }
     if args.get("rotary_interleaved"):
         raise OptionError("hf_config: Megatron's interleaved rotary layout has no HF Llama equivalent")
+    own = registry().get(family)
+    if own is not None and own.hf_config is not None:  # a family's own keys (model_type, q/k norms, MoE)
+        out.update(own.hf_config(args))
     return out

@@ -55,6 +55,8 @@ class Family:
     defaults: Mapping[str, Any] = field(default_factory=dict)
     required: tuple[str, ...] = ("n_heads", "n_kv_heads", "head_dim")
     from_hf: Callable[[Mapping[str, Any]], dict[str, Any]] | None = None  # HF config.json -> recipe config
+    megatron_args: Callable[[Mapping[str, Any]], dict[str, Any]] | None = None  # HF config.json -> extra Megatron args
+    hf_config: Callable[[Mapping[str, Any]], dict[str, Any]] | None = None  # Megatron args -> its HF config.json keys
 
     def pairs(self) -> list[tuple[str, str]]:
         """Every ``(src, dst)`` this family maps (all routes whose base steps it has)."""

@@ -62,7 +62,10 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-FAMILIES = ("llama", "mistral", "qwen2", "mixtral")
+import qwen3 as _qwen3  # tools/maxtext/qwen3.py (the script's own directory)
+
+FAMILIES = ("llama", "mistral", "qwen2", "mixtral", *_qwen3.FAMILIES)
+MOE_FAMILIES = ("mixtral", *_qwen3.MOE_FAMILIES)
 ROPE_TYPES = ("default", "llama3.1")
 
 
@@ -89,6 +92,7 @@ class Spec:
     batch: int = 8
     seq: int = 16
     weight_dtype: str = "float32"  # MaxText's weight_dtype (the parameter tree's dtype); compute stays fp32
+    norm_topk_prob: bool = False  # qwen3_moe: renormalise the top-k router weights
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Spec:
@@ -101,8 +105,8 @@ class Spec:
             raise SystemExit(f"spec: family {spec.family!r} is not one of {FAMILIES}")
         if spec.rope_type not in ROPE_TYPES:
             raise SystemExit(f"spec: rope_type {spec.rope_type!r} is not one of {ROPE_TYPES}")
-        if (spec.family == "mixtral") != (spec.experts > 0):
-            raise SystemExit("spec: experts > 0 exactly when family is mixtral")
+        if (spec.family in MOE_FAMILIES) != (spec.experts > 0):
+            raise SystemExit(f"spec: experts > 0 exactly when family is one of {MOE_FAMILIES}")
         return spec
 
     @property
@@ -157,6 +161,8 @@ def maxtext_overrides(spec: Spec) -> list[str]:
         ov["decoder_block"] = "mistral"
     elif spec.family == "qwen2":
         ov |= {"decoder_block": "qwen2", "attention_bias": True, "use_qk_norm": False}
+    elif spec.family in _qwen3.FAMILIES:
+        ov |= _qwen3.overrides(spec)
     else:  # mixtral: dense (non-megablox) experts, no token dropping: runs on XLA:CPU
         ov |= {
             "decoder_block": "mixtral",
@@ -622,6 +628,8 @@ def converter_key(spec: Spec) -> tuple[str, bool]:
     """
     if spec.family == "qwen2":
         return "qwen2.5-7b", False
+    if spec.family in _qwen3.CONVERTER_KEYS:
+        return _qwen3.CONVERTER_KEYS[spec.family], False
     if spec.family == "mixtral":
         if spec.rope_type != "default":
             raise SystemExit("mixtral: MaxText's converter has no rotary permutation; use rope_type=default")

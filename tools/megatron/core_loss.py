@@ -156,12 +156,15 @@ def transformer_config(args: Any, tp: int, pp: int) -> Any:
     import torch.nn.functional as F
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    if getattr(args, "multi_latent_attention", False) or getattr(args, "num_experts", None) or \
-            getattr(args, "heterogeneous_layers_config_path", None):
-        raise NotImplementedError("core_loss.py builds dense GPT models only (no MoE / MLA / heterogeneous)")
+    if getattr(args, "multi_latent_attention", False) or getattr(args, "heterogeneous_layers_config_path", None):
+        raise NotImplementedError("core_loss.py builds GPT models without MLA or heterogeneous layers")
+    freq = getattr(args, "moe_layer_freq", 1)
+    every_layer = freq in (1, None) or (isinstance(freq, list) and all(freq))
+    if getattr(args, "num_experts", None) and (getattr(args, "moe_grouped_gemm", False) or not every_layer):
+        raise NotImplementedError("core_loss.py builds MoE models with experts in every layer, no grouped GEMM")
     kw = {f.name: getattr(args, f.name) for f in dataclasses.fields(TransformerConfig) if hasattr(args, f.name)}
     kw.update(pipeline_dtype=args.params_dtype, batch_p2p_comm=not getattr(args, "overlap_p2p_comm", False),
-              num_moe_experts=None, rotary_interleaved=getattr(args, "rotary_interleaved", False),
+              num_moe_experts=getattr(args, "num_experts", None) or None, moe_layer_freq=1, rotary_interleaved=getattr(args, "rotary_interleaved", False),
               num_layers_in_first_pipeline_stage=getattr(args, "decoder_first_pipeline_num_layers", None),
               num_layers_in_last_pipeline_stage=getattr(args, "decoder_last_pipeline_num_layers", None),
               num_query_groups=args.num_query_groups if getattr(args, "group_query_attention", False) else None,
@@ -189,7 +192,7 @@ def build_model(args: Any, tp: int, pp: int) -> Any:
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     config = transformer_config(args, tp, pp)
-    spec = get_gpt_layer_local_spec(normalization=args.normalization,
+    spec = get_gpt_layer_local_spec(normalization=args.normalization, num_experts=config.num_moe_experts,
                                     qk_layernorm=bool(getattr(args, "qk_layernorm", False)))
     model = GPTModel(
         config=config, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
@@ -628,6 +631,7 @@ def worker(rank: int, world: int, port: int, opts: argparse.Namespace) -> None:
     # a checkpoint without these (cpu_shim.py says why; the fixtures' Megatron-LM runs had them too)
     cpu_shim.patch_distopt_state_dict()
     cpu_shim.patch_distopt_load()
+    cpu_shim.patch_moe_no_te()
     import torch
     import torch.distributed as dist
 

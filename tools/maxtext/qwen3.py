@@ -1,0 +1,26 @@
+"""The harness's Qwen3 and Qwen3-MoE models (imported by ``harness.py``; MaxText 0.2.5's venv).
+
+MaxText's ``decoder_block=qwen3`` / ``qwen3_moe`` (``models/qwen3.py``: ``Qwen3DecoderLayer``,
+``Qwen3MoeDecoderLayer``): per-head RMSNorm on query and key (``use_qk_norm``), the query scaled
+at run time by ``head_dim**-0.5``, no QKV bias; the MoE layer is ``RoutedMoE`` (``moe_block``) in
+every layer, its top-k weights renormalised when ``norm_topk_prob``. The converter's tables are
+``QWEN_MAXTEXT_TO_HF_PARAM_MAPPING`` / ``..._HOOK_FN`` under the keys below.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+FAMILIES = ("qwen3", "qwen3_moe")
+MOE_FAMILIES = ("qwen3_moe",)
+CONVERTER_KEYS = {"qwen3": "qwen3-0.6b", "qwen3_moe": "qwen3-30b-a3b"}  # keys of PARAM_MAPPING / HOOK_FNS
+
+
+def overrides(spec: Any) -> dict[str, Any]:
+    """MaxText config keys of a Qwen3 / Qwen3-MoE ``spec`` (on top of the harness's common ones)."""
+    out: dict[str, Any] = {"decoder_block": spec.family, "use_qk_norm": True, "attention_bias": False}
+    if spec.family == "qwen3_moe":  # dense (non-megablox) experts, no token dropping: runs on XLA:CPU
+        out |= {"num_experts": spec.experts, "num_experts_per_tok": spec.experts_per_tok,
+                "base_moe_mlp_dim": spec.mlp, "norm_topk_prob": spec.norm_topk_prob,
+                "capacity_factor": -1, "sparse_matmul": False, "megablox": False}
+    return out
