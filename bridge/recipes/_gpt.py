@@ -119,11 +119,12 @@ def hf_expects(c: RecipeConfig) -> list[Rule]:
     return out
 
 
-def maxtext_expects(c: RecipeConfig) -> list[Rule]:
-    """Checks on MaxText tensors (last in * -> maxtext, before anything else in maxtext -> *)."""
+def maxtext_expects(c: RecipeConfig, at: str = "") -> list[Rule]:
+    """Checks on MaxText tensors (last in * -> maxtext, before anything else in maxtext -> *);
+    ``at``: the layers' path prefix (default ``decoder/layers/`` scanned, ``decoder/layers_N/`` not)."""
     h, k, d = c.n_heads, c.n_kv_heads, c.head_dim
     lay = (None,) if c.scan else ()  # the layer axis (MaxText's axis 1) when scanned
-    at = r"^decoder/layers/" if c.scan else r"^decoder/layers_\d+/"
+    at = at or (r"^decoder/layers/" if c.scan else r"^decoder/layers_\d+/")
     q, kv = f"[embed, {'layers, ' if c.scan else ''}n_heads={h}, head_dim={d}]", \
         f"[embed, {'layers, ' if c.scan else ''}n_kv_heads={k}, head_dim={d}]"
     out: list[Rule] = [
@@ -152,13 +153,18 @@ def megatron_expects(c: RecipeConfig) -> list[Rule]:
 # ------------------------------------------------------------------ recipes, one direction each
 
 
-def hf_to_maxtext(c: RecipeConfig, moe: bool = False) -> list[Rule]:
+def hf_to_maxtext(c: RecipeConfig, moe: bool = False, table: tuple[tuple[str, str], ...] = HF_MAXTEXT_LAYER,
+                  scan: list[Rule] | None = None, expects: list[Rule] | None = None) -> list[Rule]:
     """HF -> MaxText (every rule invertible). The order: names per layer (experts apart), the
     rotary interleave on HF's ``[H*D, E]`` rows, kernels transposed to ``[in, out]``, heads split
-    out as an axis, the query scale folded in, experts stacked, layers stacked on axis 1."""
+    out as an axis, the query scale folded in, experts stacked, layers stacked on axis 1.
+
+    A family whose decoder differs passes its per-layer name ``table``, the rules that stack its
+    ``decoder/layers_N/`` leaves when ``c.scan`` (``scan``; default: all layers on axis 1 into
+    ``decoder/layers/``) and its MaxText shape checks (``expects``)."""
     h, k, d = c.n_heads, c.n_kv_heads, c.head_dim
     out: list[Rule] = hf_expects(c)
-    out += [Rename(HF_LAYER + hf + "$", MX_LAYER + mx) for hf, mx in HF_MAXTEXT_LAYER]
+    out += [Rename(HF_LAYER + hf + "$", MX_LAYER + mx) for hf, mx in table]
     if moe:
         out += [Rename(HF_LAYER + rf"block_sparse_moe\.experts\.(?P<expert>\d+)\.{w}\.weight$",
                        MX_LAYER + f"MoeBlock_0/{mx}/expert_\\g<expert>") for w, mx in HF_MAXTEXT_MOE]
@@ -180,9 +186,9 @@ def hf_to_maxtext(c: RecipeConfig, moe: bool = False) -> list[Rule]:
         out.append(Stack(r"^(?P<leaf>decoder/layers_\d+/MoeBlock_0/wi_[01]|decoder/layers_\d+/MoeBlock_0/wo)"
                          r"/expert_(?P<expert>\d+)$", r"\g<leaf>", dim=0, index="expert"))
     if c.scan:
-        out.append(Stack(r"^decoder/layers_(?P<layer>\d+)/(?P<leaf>.*)$", r"decoder/layers/\g<leaf>", dim=1,
-                         index="layer"))
-    return out + maxtext_expects(c)
+        out += scan if scan is not None else [
+            Stack(r"^decoder/layers_(?P<layer>\d+)/(?P<leaf>.*)$", r"decoder/layers/\g<leaf>", dim=1, index="layer")]
+    return out + (expects if expects is not None else maxtext_expects(c))
 
 
 def megatron_to_hf(c: RecipeConfig) -> list[Rule]:
