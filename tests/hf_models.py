@@ -120,8 +120,10 @@ def build_config(cls: Any, cfg: Any, seed: int = 0) -> Any:
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
-            elif name.endswith(("bias", "sinks")):
+            elif name.endswith("bias"):
                 p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+            elif name.endswith("sinks"):  # gpt-oss's per-head attention sink logits: O(1) when trained
+                p.copy_(torch.randn(p.shape, generator=gen))
     return model
 
 
@@ -260,3 +262,19 @@ def gemma3(*, emb: int = 64, layers: int = 8, heads: int = 4, kv_heads: int = 2,
         rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0},
                          "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}})
     return build_config(transformers.Gemma3ForCausalLM, cfg, seed)
+
+
+def gpt_oss(*, emb: int = 64, layers: int = 4, heads: int = 4, kv_heads: int = 2, head_dim: int = 24, mlp: int = 48,
+            experts: int = 4, experts_per_tok: int = 2, vocab: int = 256, window: int = 4, seed: int = 0) -> Any:
+    """A tiny ``GptOssForCausalLM``: sliding and full attention alternating (window 4), attention
+    biases and sinks, a router with bias, experts with biases and a fused ``gate_up_proj`` whose
+    gate and up columns interleave; the default rotary (MaxText's ``rope_type=default``)."""
+    import transformers
+
+    cfg = transformers.GptOssConfig(
+        vocab_size=vocab, hidden_size=emb, intermediate_size=mlp, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim, sliding_window=window,
+        num_local_experts=experts, num_experts_per_tok=experts_per_tok, router_aux_loss_coef=0.0,
+        max_position_embeddings=4096, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 150_000.0})
+    return build_config(transformers.GptOssForCausalLM, cfg, seed)

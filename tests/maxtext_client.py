@@ -253,4 +253,18 @@ def gemma3_spec(cfg: dict[str, Any], *, scan: bool = True, mesh: dict[str, int] 
                         extra=extra)
 
 
-MORE_SPECS = {"gemma3_text": gemma3_spec}
+def gpt_oss_spec(cfg: dict[str, Any], *, scan: bool = True, mesh: dict[str, int] | None = None, batch: int = 8,
+                 seq: int = 16) -> dict[str, Any]:
+    """The harness spec of a ``GptOssForCausalLM`` config.json: sliding and full layers alternating
+    (MaxText hard-codes sliding first), the window, the experts, the default rotary only."""
+    if cfg["layer_types"] != [("sliding_attention", "full_attention")[i % 2] for i in range(cfg["num_hidden_layers"])]:
+        raise ValueError(f"layer_types {cfg['layer_types']}: MaxText's gpt-oss alternates sliding and full")
+    rope = cfg["rope_parameters"]
+    if rope.get("rope_type", "default") != "default":
+        raise ValueError(f"rope {rope}: the harness maps the default rotary only")
+    spec = _common_spec("gpt_oss", cfg, scan=scan, mesh=mesh, batch=batch, seq=seq, theta=rope["rope_theta"],
+                        extra={"sliding_window_size": cfg["sliding_window"]})
+    return {**spec, "experts": cfg["num_local_experts"], "experts_per_tok": cfg["num_experts_per_tok"]}
+
+
+MORE_SPECS = {"gemma3_text": gemma3_spec, "gpt_oss": gpt_oss_spec}

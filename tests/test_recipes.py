@@ -27,6 +27,7 @@ A = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "megatr
 A_CFG = {"n_heads": 4, "n_kv_heads": 2, "head_dim": 16}
 MORE_CFG = {  # the config keys a family needs beyond A_CFG's
     "gemma3": {"n_layers": 8, "hidden": 64},
+    "gpt_oss": {"n_layers": 4, "moe_mlp": 48},
 }
 
 

@@ -19,7 +19,6 @@ boxed tree on a 2x2 mesh (fsdp x tensor) with its logical-axis shardings:
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import sys
 
@@ -29,8 +28,8 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import hf_models as hf
-import maxtext_client as mx
-from test_recipes_maxtext import _err, _export_hf, _from_pretrained
+from maxtext_family import SEQ, back, leaves_bitwise, prepare, recipe
+from test_recipes_maxtext import _err, _from_pretrained
 
 import ckptbridge
 from ckptbridge import Offset, Scale, recipes
@@ -38,12 +37,6 @@ from ckptbridge import Offset, Scale, recipes
 pytestmark = pytest.mark.heavy
 
 TOL = 1e-4
-BATCH, SEQ = 4, 16
-MESH = {"fsdp": 2, "tensor": 2}
-
-
-def recipe(cfg: dict, scan: bool, src: str = "hf", dst: str = "maxtext") -> tuple:
-    return recipes.rules(recipes.family_from_hf(cfg), src=src, dst=dst, **{**recipes.config_from_hf(cfg), "scan": scan})
 
 
 def _without(rules: tuple, kind: type) -> tuple:
@@ -52,55 +45,24 @@ def _without(rules: tuple, kind: type) -> tuple:
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    work = tmp_path_factory.mktemp("gemma3")
     model = hf.gemma3()
-    hf_dir = hf.save(model, work / "hf")
-    cfg = json.loads((hf_dir / "config.json").read_text())
-    tokens = hf.tokens(BATCH, SEQ, cfg["vocab_size"], seed=1)
-    np.save(work / "tokens.npy", tokens)
-    jobs = []
-    for scan in (True, False):
-        spec = mx.spec_from_hf(cfg, scan=scan, mesh=MESH, batch=BATCH, seq=SEQ)
-        k = f"scan{int(scan)}"
-        jobs += [mx.convert_job(spec, hf_dir, work / f"{k}.conv.safetensors"),
-                 mx.load_job(spec, hf_dir, recipe(cfg, scan), dump=work / f"{k}.dump.safetensors",
-                             tokens=work / "tokens.npy", logits=work / f"{k}.logits.npy", report=work / f"{k}.json"),
-                 mx.to_hf_job(spec, work / f"{k}.conv.safetensors", hf_dir / "config.json", work / f"{k}.mt2hf")]
-    spec = mx.spec_from_hf(cfg, scan=True, mesh=MESH, batch=BATCH, seq=SEQ)
-    for label, kind in (("no_offset", Offset), ("no_embed_scale", Scale)):
-        jobs.append(mx.load_job(spec, hf_dir, _without(recipe(cfg, True), kind), tokens=work / "tokens.npy",
-                                logits=work / f"{label}.logits.npy"))
-    mx.run_jobs(jobs)
-    return {"work": work, "cfg": cfg, "hf_dir": hf_dir, "tokens": tokens, "model": model,
-            "ref": hf.logits_bf16_table(model, tokens), "ref_fp32": hf.logits(model, tokens)}
+    run = prepare(tmp_path_factory.mktemp("gemma3"), model, lambda cfg: {
+        "no_offset": _without(recipe(cfg, True), Offset), "no_embed_scale": _without(recipe(cfg, True), Scale)})
+    return {**run, "ref": hf.logits_bf16_table(model, run["tokens"]), "ref_fp32": hf.logits(model, run["tokens"])}
 
 
 @pytest.mark.parametrize("scan", [True, False], ids=["scan1", "scan0"])
 def test_hf_to_maxtext_every_leaf_bitwise_and_logits(run, scan):
-    work, k = run["work"], f"scan{int(scan)}"
-    report = json.loads((work / f"{k}.json").read_text())
-    assert report["not_boxed"] == [] and report["not_maxtext_sharding"] == [] and report["devices"] == 4
-    mine, theirs = mx.read_params(work / f"{k}.dump.safetensors"), mx.read_params(work / f"{k}.conv.safetensors")
-    assert sorted(mine) == sorted(theirs) and len(theirs) == report["leaves"]
+    theirs = leaves_bitwise(run["work"], scan)
     if scan:  # one block of 6 stacked on axis 1, the 2 layers left over unstacked
         assert theirs["decoder/layers/layers_5/self_attention/query/kernel"].shape == (64, 1, 4, 32)
         assert theirs["decoder/layers_remainder/layers_1/self_attention/query/kernel"].shape == (64, 4, 32)
-    for key, value in theirs.items():
-        assert mine[key].dtype == value.dtype and mine[key].tobytes() == value.tobytes(), key
-    assert _err(np.load(work / f"{k}.logits.npy"), run["ref"]) < TOL
+    assert _err(np.load(run["work"] / f"scan{int(scan)}.logits.npy"), run["ref"]) < TOL
 
 
 @pytest.mark.parametrize("scan", [True, False], ids=["scan1", "scan0"])
 def test_maxtext_to_hf_through_the_inverse_recipe_is_maxtexts_export(run, scan):
-    from safetensors.numpy import load_file
-
-    work, cfg, k = run["work"], run["cfg"], f"scan{int(scan)}"
-    d = _export_hf(work / f"{k}.dump.safetensors", recipe(cfg, scan, "maxtext", "hf"), run["hf_dir"] / "config.json",
-                   work / f"{k}.back")
-    mine, theirs = load_file(str(d / "model.safetensors")), load_file(str(work / f"{k}.mt2hf" / "model.safetensors"))
-    assert sorted(mine) == sorted(theirs) == sorted(ckptbridge.open(run["hf_dir"]))
-    for name, value in theirs.items():
-        assert mine[name].dtype == value.dtype and mine[name].tobytes() == value.tobytes(), name
+    mine, d = back(run["work"], run["cfg"], scan)  # bitwise MaxText's own export
     orig = ckptbridge.open(run["hf_dir"])
     norm = "model.layers.0.input_layernorm.weight"  # (w + 1) - 1 in float32: not w, within an ulp of 1
     assert mine[norm].tobytes() != orig[norm].read().tobytes()

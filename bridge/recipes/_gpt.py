@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from .._errors import OptionError
 from .._rules import Expect, Interleave, Rename, Rule, Scale, Split, SplitDim, Stack, Transpose
@@ -31,9 +31,10 @@ class RecipeConfig:
     qkv_bias: bool = False
     query_scale: bool = True
     megatron_norms: str = "local"
+    positive: ClassVar[tuple[str, ...]] = ("n_heads", "n_kv_heads", "head_dim")  # keys that must be >= 1
 
     def __post_init__(self) -> None:
-        for key in ("n_heads", "n_kv_heads", "head_dim"):
+        for key in self.positive:
             if int(getattr(self, key)) < 1:
                 raise OptionError(f"recipe config: {key} must be a positive integer, got {getattr(self, key)!r}")
         if self.n_heads % self.n_kv_heads:
@@ -189,6 +190,23 @@ def hf_to_maxtext(c: RecipeConfig, moe: bool = False, table: tuple[tuple[str, st
         out += scan if scan is not None else [
             Stack(r"^decoder/layers_(?P<layer>\d+)/(?P<leaf>.*)$", r"decoder/layers/\g<leaf>", dim=1, index="layer")]
     return out + (expects if expects is not None else maxtext_expects(c))
+
+
+def block_scan(n_layers: int, period: int) -> list[Rule]:
+    """MaxText's scan of a decoder that repeats a block of ``period`` different layers (Gemma 3's
+    5 sliding + 1 global, gpt-oss's sliding + full): layer ``i`` of the first ``period * (n_layers //
+    period)`` goes to ``decoder/layers/layers_{i % period}/...``, stacked on axis 1 at ``i // period``;
+    the rest, unstacked, to ``decoder/layers_remainder/layers_{r}/...``."""
+    full = n_layers - n_layers % period
+    out: list[Rule] = [
+        Rename(f"^decoder/layers_{i}/(?P<leaf>.*)$",
+               f"decoder/layers/layers_{i % period}/repeat_{i // period}/\\g<leaf>" if i < full
+               else f"decoder/layers_remainder/layers_{i - full}/\\g<leaf>")
+        for i in range(n_layers)
+    ]
+    out.append(Stack(r"^decoder/layers/layers_(?P<block>\d+)/repeat_(?P<repeat>\d+)/(?P<leaf>.*)$",
+                     r"decoder/layers/layers_\g<block>/\g<leaf>", dim=1, index="repeat"))
+    return out
 
 
 def megatron_to_hf(c: RecipeConfig) -> list[Rule]:

@@ -24,13 +24,12 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, ClassVar
 
 from .._dtypes import to_numpy
-from .._errors import OptionError
-from .._rules import Offset, Rename, Rule, Scale, Stack
+from .._rules import Offset, Rule, Scale
 from ._family import Family
-from ._gpt import RecipeConfig, config_from_hf, hf_to_maxtext, maxtext_expects
+from ._gpt import RecipeConfig, block_scan, config_from_hf, hf_to_maxtext, maxtext_expects
 
 PATTERN = 6  # MaxText's GEMMA3_ATTENTION_PATTERN: 5 sliding + 1 global, the scanned block
 
@@ -59,12 +58,7 @@ class Gemma3Config(RecipeConfig):
 
     n_layers: int = 0
     hidden: int = 0
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        for key in ("n_layers", "hidden"):
-            if int(getattr(self, key)) < 1:
-                raise OptionError(f"recipe config: {key} must be a positive integer, got {getattr(self, key)!r}")
+    positive: ClassVar[tuple[str, ...]] = (*RecipeConfig.positive, "n_layers", "hidden")
 
 
 def embed_scale(hidden: int) -> float:
@@ -72,26 +66,12 @@ def embed_scale(hidden: int) -> float:
     return float(to_numpy("bfloat16").type(math.sqrt(hidden)))
 
 
-def _scan(c: Gemma3Config) -> list[Rule]:
-    """Layer ``i`` -> its block position and repeat (or the remainder), then the repeats stacked."""
-    full = c.n_layers - c.n_layers % PATTERN
-    out: list[Rule] = [
-        Rename(f"^decoder/layers_{i}/(?P<leaf>.*)$",
-               f"decoder/layers/layers_{i % PATTERN}/repeat_{i // PATTERN}/\\g<leaf>" if i < full
-               else f"decoder/layers_remainder/layers_{i - full}/\\g<leaf>")
-        for i in range(c.n_layers)
-    ]
-    out.append(Stack(r"^decoder/layers/layers_(?P<block>\d+)/repeat_(?P<repeat>\d+)/(?P<leaf>.*)$",
-                     r"decoder/layers/layers_\g<block>/\g<leaf>", dim=1, index="repeat"))
-    return out
-
-
 def hf_to_maxtext_gemma3(c: Gemma3Config) -> list[Rule]:
     """HF -> MaxText: the Llama-like relayout with Gemma 3's names and scan, then the values."""
     expects = maxtext_expects(c, r"^decoder/layers/layers_\d+/") if c.scan else maxtext_expects(c)
     if c.scan and c.n_layers % PATTERN:
         expects += maxtext_expects(replace(c, scan=False), r"^decoder/layers_remainder/layers_\d+/")
-    out = hf_to_maxtext(c, table=HF_MAXTEXT_LAYER, scan=_scan(c), expects=[])
+    out = hf_to_maxtext(c, table=HF_MAXTEXT_LAYER, scan=block_scan(c.n_layers, PATTERN), expects=[])
     out += [Offset(r"norm/scale$", 1.0), Scale(r"^token_embedder/embedding$", embed_scale(c.hidden))]
     return out + expects
 

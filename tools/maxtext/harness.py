@@ -162,9 +162,10 @@ def maxtext_overrides(spec: Spec) -> list[str]:
         ov["decoder_block"] = "mistral"
     elif spec.family == "qwen2":
         ov |= {"decoder_block": "qwen2", "attention_bias": True, "use_qk_norm": False}
-    else:  # mixtral: dense (non-megablox) experts, no token dropping: runs on XLA:CPU
+    else:
+        ov["decoder_block"] = "mixtral"
+    if spec.experts:  # dense (non-megablox) experts, no token dropping: runs on XLA:CPU
         ov |= {
-            "decoder_block": "mixtral",
             "num_experts": spec.experts,
             "num_experts_per_tok": spec.experts_per_tok,
             "base_moe_mlp_dim": spec.mlp,
