@@ -51,14 +51,15 @@ def jobs(work: Path, cfg: dict[str, Any], controls: dict[str, tuple]) -> list[di
     return out
 
 
-def prepare(work: Path, model: Any, controls: Callable[[dict[str, Any]], dict[str, tuple]]) -> dict[str, Any]:
-    """Save ``model`` in ``work/hf``, draw the tokens and run :func:`jobs` (with ``controls(cfg)``) in
-    one harness process: ``{"work", "cfg", "hf_dir", "tokens"}``."""
+def prepare(work: Path, model: Any, controls: Callable[[dict[str, Any]], dict[str, tuple]],
+            more: Callable[[dict[str, Any]], list[dict[str, Any]]] = lambda cfg: []) -> dict[str, Any]:
+    """Save ``model`` in ``work/hf``, draw the tokens and run :func:`jobs` (with ``controls(cfg)``)
+    and ``more(cfg)`` in one harness process: ``{"work", "cfg", "hf_dir", "tokens"}``."""
     hf_dir = hf.save(model, work / "hf")
     cfg = json.loads((hf_dir / "config.json").read_text())
     tokens = hf.tokens(BATCH, SEQ, cfg["vocab_size"], seed=1)
     np.save(work / "tokens.npy", tokens)
-    mx.run_jobs(jobs(work, cfg, controls(cfg)))
+    mx.run_jobs(jobs(work, cfg, controls(cfg)) + more(cfg))
     return {"work": work, "cfg": cfg, "hf_dir": hf_dir, "tokens": tokens}
 
 

