@@ -13,7 +13,8 @@ boxed tree on a 2x2 mesh (fsdp x tensor) with its logical-axis shardings:
 3. back through the inverse recipe: bitwise what MaxText's own export makes (``(w + 1) - 1`` in
    float32, not always ``w``), loading in ``from_pretrained`` with HF's logits;
 4. negative controls: without the norm offset, or without the embedding scale, the logits leave
-   the tolerance by far; the sliding window matters in these 16 tokens.
+   the tolerance by far; the sliding window matters in these 16 tokens;
+5. torch AdamW's moments through the recipe: unchanged by the norm offset, scaled for the embedding.
 """
 
 from __future__ import annotations
@@ -105,3 +106,25 @@ def test_config_and_shape_errors_name_the_tensor(run):
     with pytest.raises(ckptbridge.ShapeMismatchError, match=r"model\.layers\.0\.self_attn\.q_proj\.weight"):
         ckptbridge.open(run["hf_dir"], rules=recipes.rules("gemma3", src="hf", dst="maxtext", **bad))
     assert dataclasses.is_dataclass(recipes.config_type("gemma3"))
+
+
+def test_adam_moments_move_with_their_meaning(tmp_path):
+    """torch AdamW's state through the recipe: a norm's moments stay (``d(w + 1) = dw``) while its
+    weight shifts; the embedding's moments scale by ``1/c`` and ``1/c**2`` (``c = 8``)."""
+    from ckptbridge.adapters import torch as cbtorch
+
+    model = hf.gemma3(layers=2)
+    _, opt = hf.train_adamw(model, hf.tokens(2, SEQ + 1, 256, seed=2), 1)
+    cbtorch.save(tmp_path / "u", model.state_dict(), optimizer=opt, module=model)
+    rules = recipes.rules("gemma3", src="hf", dst="maxtext", **{**recipes.config_from_hf(model.config), "scan": False})
+    raw, mapped = ckptbridge.open(tmp_path / "u"), ckptbridge.open(tmp_path / "u", rules=rules)
+    norm, hf_norm = mapped["decoder/layers_1/post_ffw_norm/scale"], raw["model.layers.1.post_feedforward_layernorm.weight"]
+    assert {"exp_avg", "exp_avg_sq"} <= set(norm.states)
+    weight = next(s for s in norm.states if s not in ("exp_avg", "exp_avg_sq"))
+    assert norm.state(weight).read().tobytes() == (hf_norm.state(weight).read() + np.float32(1.0)).tobytes()
+    for state in ("exp_avg", "exp_avg_sq"):
+        assert norm.state(state).read().tobytes() == hf_norm.state(state).read().tobytes(), state
+        assert np.abs(norm.state(state).read()).max() > 0, state
+    emb, hf_emb = mapped["token_embedder/embedding"], raw["model.embed_tokens.weight"]
+    for state, factor in (("exp_avg", 0.125), ("exp_avg_sq", 0.125 ** 2)):
+        assert emb.state(state).read().tobytes() == (hf_emb.state(state).read() * np.float32(factor)).tobytes()
