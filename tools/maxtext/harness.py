@@ -4,7 +4,9 @@ Runs inside ``.maxtext/venv`` (Python 3.12, ``maxtext==0.2.5``, jax[cpu]; built 
 ``tools/maxtext/setup.sh``). The 3.11 test venv drives it through
 ``tests/maxtext_client.py``. Every subcommand reads and writes plain files:
 
-- a **spec** (JSON) names the model: ``family`` (llama|mistral|qwen2|mixtral), ``emb``,
+- a **spec** (JSON) names the model: ``family`` (llama|mistral|qwen2|mixtral, or a
+  ``FAMILY_MODULES`` family: gemma3|gpt_oss, whose ``tools/maxtext/<family>.py`` adds its
+  MaxText keys and ``extra`` more), ``emb``,
   ``layers``, ``heads``, ``kv_heads``, ``head_dim``, ``mlp``, ``vocab``, ``scan``,
   ``rope_type`` (default|llama3.1), ``rope_theta``, ``norm_eps``, ``tied``, ``experts``,
   ``experts_per_tok``, ``mesh`` (``{"fsdp": 4, "tensor": 2}``: MaxText ``ici_*_parallelism``),
