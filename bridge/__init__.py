@@ -97,6 +97,7 @@ if _typing.TYPE_CHECKING:  # THE list of public names: mypy reads it, and _publi
     from .rules import Interleave as Interleave
     from .rules import Join as Join
     from .rules import MergeDims as MergeDims
+    from .rules import Offset as Offset
     from .rules import Pad as Pad
     from .rules import Rename as Rename
     from .rules import Renumber as Renumber

@@ -108,7 +108,6 @@ def config(spec: HFSpec) -> Any:
 
 def build(spec: HFSpec) -> Any:
     """A seeded fp32 ``*ForCausalLM`` in eval mode (random weights, std 0.02; norms randomised too)."""
-    import torch
     import transformers
 
     cls = {
@@ -119,16 +118,26 @@ def build(spec: HFSpec) -> Any:
         "qwen3": transformers.Qwen3ForCausalLM,
         "qwen3_moe": transformers.Qwen3MoeForCausalLM,
     }[spec.family]
-    torch.manual_seed(spec.seed)
-    model = cls(config(spec)).to(torch.float32).eval()
-    gen = torch.Generator().manual_seed(spec.seed + 1)
+    return build_config(cls, config(spec), spec.seed)
+
+
+def build_config(cls: Any, cfg: Any, seed: int = 0) -> Any:
+    """A seeded fp32 ``cls(cfg)`` (a transformers ``*ForCausalLM``) in eval mode, norms and biases
+    randomised (at 1 and 0 they would hide a mis-mapped norm or bias), and so are gpt-oss's
+    attention ``sinks`` and its experts' ``*_bias`` tensors."""
+    import torch
+
+    torch.manual_seed(seed)
+    model = cls(cfg).to(torch.float32).eval()
+    gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            # norms at 1 and biases at 0 would hide a mis-mapped norm or bias: randomise them
             if name.endswith("norm.weight"):
                 p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
-            elif name.endswith(".bias"):
+            elif name.endswith("bias"):
                 p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+            elif name.endswith("sinks"):  # gpt-oss's per-head attention sink logits: O(1) when trained
+                p.copy_(torch.randn(p.shape, generator=gen))
     return model
 
 
@@ -250,3 +259,36 @@ def load_with_adamw(hf_dir: Path, moments: tuple[Path, Path] | None = None, step
             opt.state[p] = {"step": torch.tensor(float(step)), "exp_avg": mu[name].clone(),
                             "exp_avg_sq": nu[name].clone()}
     return model, opt
+
+
+def gemma3(*, emb: int = 64, layers: int = 8, heads: int = 4, kv_heads: int = 2, head_dim: int = 32,
+           mlp: int = 96, vocab: int = 256, window: int = 4, seed: int = 0) -> Any:
+    """A tiny ``Gemma3ForCausalLM`` (``gemma3_text``): tied embeddings, q/k norms, pre/post norms,
+    layers in Gemma 3's pattern (5 sliding, 1 global; 8 layers: one block of 6 and 2 left over),
+    ``query_pre_attn_scalar = head_dim`` (MaxText's ``gemma3-4b`` query scale), the global layers'
+    rotary linearly scaled by 8 (as Gemma 3 4B)."""
+    import transformers
+
+    cfg = transformers.Gemma3TextConfig(
+        vocab_size=vocab, hidden_size=emb, intermediate_size=mlp, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim, sliding_window=window,
+        query_pre_attn_scalar=head_dim, max_position_embeddings=4096, tie_word_embeddings=True,
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}})
+    return build_config(transformers.Gemma3ForCausalLM, cfg, seed)
+
+
+def gpt_oss(*, emb: int = 64, layers: int = 4, heads: int = 4, kv_heads: int = 2, head_dim: int = 24, mlp: int = 48,
+            experts: int = 4, experts_per_tok: int = 2, vocab: int = 256, window: int = 4, seed: int = 0) -> Any:
+    """A tiny ``GptOssForCausalLM``: sliding and full attention alternating (window 4), attention
+    biases and sinks, a router with bias, experts with biases and a fused ``gate_up_proj`` whose
+    gate and up columns interleave; the default rotary (MaxText's ``rope_type=default``)."""
+    import transformers
+
+    cfg = transformers.GptOssConfig(
+        vocab_size=vocab, hidden_size=emb, intermediate_size=mlp, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim, sliding_window=window,
+        num_local_experts=experts, num_experts_per_tok=experts_per_tok, router_aux_loss_coef=0.0,
+        max_position_embeddings=4096, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 150_000.0})
+    return build_config(transformers.GptOssForCausalLM, cfg, seed)

@@ -53,6 +53,8 @@ def spec_from_hf(cfg: dict[str, Any], *, scan: bool = True, mesh: dict[str, int]
     scaling constants MaxText hard-codes); everything else to ``rope_type=default``.
     """
     family = cfg["model_type"]
+    if family in MORE_SPECS:
+        return MORE_SPECS[family](cfg, scan=scan, mesh=mesh, batch=batch, seq=seq)
     if family not in ("llama", "mistral", "qwen2", "mixtral", "qwen3", "qwen3_moe"):
         raise ValueError(f"model_type {family!r} has no MaxText counterpart here")
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
@@ -216,3 +218,56 @@ def write_params(path: Path, arrays: dict[str, np.ndarray]) -> Path:
 
     save_file({k: np.ascontiguousarray(v) for k, v in arrays.items()}, str(path))
     return Path(path)
+
+
+# ------------------------------------------------------------------ more families (harness FAMILY_MODULES)
+
+
+def _common_spec(family: str, cfg: dict[str, Any], *, scan: bool, mesh: dict[str, int] | None, batch: int,
+                 seq: int, theta: float, extra: dict[str, Any]) -> dict[str, Any]:
+    heads = cfg["num_attention_heads"]
+    spec = {"family": family, "emb": cfg["hidden_size"], "layers": cfg["num_hidden_layers"], "heads": heads,
+            "kv_heads": cfg.get("num_key_value_heads", heads), "head_dim": cfg["head_dim"],
+            "mlp": cfg["intermediate_size"], "vocab": cfg["vocab_size"], "scan": scan, "rope_type": "default",
+            "rope_theta": float(theta), "norm_eps": float(cfg["rms_norm_eps"]),
+            "tied": bool(cfg.get("tie_word_embeddings", False)), "batch": batch, "seq": seq, "extra": extra}
+    if mesh is not None:
+        spec["mesh"] = dict(mesh)
+    return spec
+
+
+def gemma3_spec(cfg: dict[str, Any], *, scan: bool = True, mesh: dict[str, int] | None = None, batch: int = 8,
+                seq: int = 16) -> dict[str, Any]:
+    """The harness spec of a ``Gemma3ForCausalLM`` config.json: Gemma 3's pattern (MaxText hard-codes
+    5 sliding + 1 global), the window, the local and global rotary bases, the global layers' linear
+    rotary scaling, ``query_pre_attn_scalar = head_dim`` (what MaxText's ``gemma3-4b`` computes)."""
+    pattern = ["sliding_attention"] * 5 + ["full_attention"]
+    if cfg["layer_types"] != [pattern[i % 6] for i in range(cfg["num_hidden_layers"])]:
+        raise ValueError(f"layer_types {cfg['layer_types']}: MaxText's Gemma 3 hard-codes 5 sliding + 1 global")
+    if cfg["query_pre_attn_scalar"] != cfg["head_dim"] or cfg.get("final_logit_softcapping") \
+            or cfg.get("attn_logit_softcapping") or not cfg.get("tie_word_embeddings", True):
+        raise ValueError("MaxText's gemma3-4b: query_pre_attn_scalar = head_dim, no soft caps, tied embeddings")
+    full, local = cfg["rope_parameters"]["full_attention"], cfg["rope_parameters"]["sliding_attention"]
+    if local.get("rope_type", "default") != "default" or full.get("rope_type") not in ("default", "linear"):
+        raise ValueError(f"rope {cfg['rope_parameters']}: MaxText scales only the global layers, linearly")
+    extra = {"sliding_window_size": cfg["sliding_window"], "local_rope_max_timescale": local["rope_theta"],
+             "rope_linear_scaling_factor": float(full.get("factor", 1.0))}
+    return _common_spec("gemma3", cfg, scan=scan, mesh=mesh, batch=batch, seq=seq, theta=full["rope_theta"],
+                        extra=extra)
+
+
+def gpt_oss_spec(cfg: dict[str, Any], *, scan: bool = True, mesh: dict[str, int] | None = None, batch: int = 8,
+                 seq: int = 16) -> dict[str, Any]:
+    """The harness spec of a ``GptOssForCausalLM`` config.json: sliding and full layers alternating
+    (MaxText hard-codes sliding first), the window, the experts, the default rotary only."""
+    if cfg["layer_types"] != [("sliding_attention", "full_attention")[i % 2] for i in range(cfg["num_hidden_layers"])]:
+        raise ValueError(f"layer_types {cfg['layer_types']}: MaxText's gpt-oss alternates sliding and full")
+    rope = cfg["rope_parameters"]
+    if rope.get("rope_type", "default") != "default":
+        raise ValueError(f"rope {rope}: the harness maps the default rotary only")
+    spec = _common_spec("gpt_oss", cfg, scan=scan, mesh=mesh, batch=batch, seq=seq, theta=rope["rope_theta"],
+                        extra={"sliding_window_size": cfg["sliding_window"]})
+    return {**spec, "experts": cfg["num_local_experts"], "experts_per_tok": cfg["num_experts_per_tok"]}
+
+
+MORE_SPECS = {"gemma3_text": gemma3_spec, "gpt_oss": gpt_oss_spec}

@@ -103,6 +103,7 @@ def _all_rules():
         Interleave,
         Join,
         MergeDims,
+        Offset,
         Pad,
         Reshape,
         Scale,
@@ -117,7 +118,8 @@ def _all_rules():
             SplitDim("k", 0, (2, 4)), MergeDims("k", 0, 2), Interleave("q", 0, 16), Deinterleave("q", 0, 16),
             Pad("emb", 0, 251, 256), Crop("emb", 0, 251, 0, 256), Stack(r"^l\.(?P<l>\d+)\.w$", "w", 0, "l"),
             Unstack("^w$", "l.{i}.w", 0), Split("qkv", "{part}", 0, ("q", "k"), (2, 2)),
-            Join("{part}$", "qkv", 0, ("q", "k")), Scale("q", 0.125), Cast("w", "bfloat16", ("param",), "float32"),
+            Join("{part}$", "qkv", 0, ("q", "k")), Scale("q", 0.125), Offset("norm", 1.0),
+            Cast("w", "bfloat16", ("param",), "float32"),
             Expect("q", (128, None), "n_heads x head_dim"))
 
 
@@ -165,6 +167,39 @@ def test_scale_moves_each_state_with_its_meaning(tmp_path):
         ckptbridge.plugin.Piece("w", "ema", "float32", (3, 4), Box.full((3, 4)), w)])
     with pytest.raises(ckptbridge.FormatError, match="state 'ema'"):
         ckptbridge.open(tmp_path / "v").with_rules([Scale("w", 2.0)])
+
+
+def test_offset_shifts_the_weights_and_keeps_the_moments(tmp_path):
+    """w' = w + b  =>  d(w')= dw: Adam's moments stay; the inverse rounds again (numpy's (w + 1) - 1)."""
+    import pytest
+
+    from ckptbridge import Offset, Scale
+
+    u = tmp_path / "u"
+    w = np.random.default_rng(0).normal(0.0, 0.1, (3, 8)).astype(np.float32)
+    ckptbridge.plugin.write_universal(str(u), [
+        ckptbridge.plugin.Piece("ln", s, "float32", (3, 8), Box.full((3, 8)), w * k)
+        for s, k in (("fp32", 1), ("exp_avg", 2), ("exp_avg_sq", 3))])
+    c = ckptbridge.open(u)
+    rules = [Offset("^ln$", 1.0), Transpose("^ln$", (1, 0)), Scale("^ln$", 0.5)]
+    c2 = c.with_rules(rules)
+    np.testing.assert_array_equal(c2["ln"].read(), ((w + np.float32(1.0)).T * np.float32(0.5)))
+    np.testing.assert_array_equal(c2["ln"].state("exp_avg").read(), (w * 2).T * np.float32(2.0))
+    np.testing.assert_array_equal(c2["ln"].state("exp_avg_sq").read(), (w * 3).T * np.float32(4.0))
+    # the inverse: what numpy gives for (w + 1) - 1, which is not always w in float32
+    back = c2.with_rules(ckptbridge.invert(rules))
+    want = (((w + np.float32(1.0)).T * np.float32(0.5)) * np.float32(2.0)).T - np.float32(1.0)
+    np.testing.assert_array_equal(back["ln"].read(), want)
+    assert not np.array_equal(want, w)  # the offset's rounding shows in these values
+    np.testing.assert_array_equal(back["ln"].state("exp_avg").read(), w * 2)
+    # bf16 targets: computed in float32, rounded once; a scale after an offset applies to w + b
+    np.testing.assert_array_equal(c.with_rules(rules[:1])["ln"].read(dtype="bfloat16").astype(np.float32),
+                                  (w + np.float32(1.0)).astype("bfloat16").astype(np.float32))
+    assert Offset("x", 1.0).inverse() == Offset("x", -1.0)
+    ckptbridge.plugin.write_universal(str(tmp_path / "v"), [
+        ckptbridge.plugin.Piece("w", "ema", "float32", (3, 4), Box.full((3, 4)), w[:, :4])])
+    with pytest.raises(ckptbridge.FormatError, match="state 'ema'"):
+        ckptbridge.open(tmp_path / "v").with_rules([Offset("w", 1.0)])
 
 
 def test_named_groups_stack_layers_and_experts(tmp_path):

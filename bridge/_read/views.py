@@ -12,8 +12,8 @@ one per row. A view over a :class:`~ckptbridge._read.model.FileRegion` reads
 straight from the file through expanded strides (no temporary copy); over
 other locations (TensorStore) it reads the covering box and views it.
 
-:class:`ScaledRegion` multiplies values while they are copied (the value
-transforms of the rules); :class:`ZeroRegion` is padding that was never stored::
+:class:`ScaledRegion` multiplies values (and adds an offset) while they are copied (the
+value transforms of the rules); :class:`ZeroRegion` is padding that was never stored::
 
     v = as_view(frag.location, frag.box.shape)      # identity view
     v = split_dim(v, 0, (32, 128))                   # [4096, E] -> [32, 128, E]
@@ -271,48 +271,53 @@ def pieces(loc: Any, box: Box) -> list[tuple[Box, Any]]:
     if isinstance(loc, ViewRegion):
         return [(b, simplify(v)) for b, v in loc.pieces(box)]
     if isinstance(loc, ScaledRegion):
-        return [(b, ScaledRegion(p, loc.scale)) for b, p in pieces(loc.base, box)]
+        return [(b, loc._on(p)) for b, p in pieces(loc.base, box)]
     return [(box, loc.narrow(box))]
 
 
 @dataclass(frozen=True)
 class ScaledRegion:
-    """``base``'s values times ``scale``, computed in float32 (float64 for float64 data) and then
-    cast to the reader's dtype: one rounding for float32 data, as ``w * c`` in numpy/torch/JAX."""
+    """``base``'s values times ``scale`` plus ``offset``, computed in float32 (float64 for float64
+    data) and then cast to the reader's dtype: for float32 data one rounding per operation, as
+    ``w * c`` or ``w + b`` in numpy/torch/JAX (a scale and an offset both set: ``w * c + b``)."""
 
     base: Any
     scale: float
+    offset: float = 0.0
 
     @property
     def dtype(self) -> str:
         return str(self.base.dtype)
 
     def describe(self) -> str:
-        return f"{self.base.describe()} x {self.scale!r}"
+        return f"{self.base.describe()} x {self.scale!r}" + (f" + {self.offset!r}" if self.offset else "")
 
     def read_into(self, box: Box, out: np.ndarray, files: Reader) -> int:
         work = np.float64 if self.dtype == "float64" else np.float32
-        if out.dtype == work:
-            n = int(self.base.read_into(box, out, files))
-            np.multiply(out, work(self.scale), out=out)
-            return n
-        tmp = np.empty(box.shape, dtype=work)
+        tmp = out if out.dtype == work else np.empty(box.shape, dtype=work)
         n = int(self.base.read_into(box, tmp, files))
-        np.multiply(tmp, work(self.scale), out=tmp)
-        np.copyto(out, tmp, casting="unsafe")
+        if self.scale != 1.0:
+            np.multiply(tmp, work(self.scale), out=tmp)
+        if self.offset:
+            np.add(tmp, work(self.offset), out=tmp)
+        if tmp is not out:
+            np.copyto(out, tmp, casting="unsafe")
         return n
 
+    def _on(self, base: Any) -> ScaledRegion:
+        return ScaledRegion(base, self.scale, self.offset)
+
     def narrow(self, box: Box) -> ScaledRegion:
-        return ScaledRegion(self.base.narrow(box), self.scale)
+        return self._on(self.base.narrow(box))
 
     def permute(self, perm: Sequence[int]) -> ScaledRegion:
-        return ScaledRegion(self.base.permute(perm), self.scale)
+        return self._on(self.base.permute(perm))
 
     def insert_dim(self, dim: int) -> ScaledRegion:
-        return ScaledRegion(self.base.insert_dim(dim), self.scale)
+        return self._on(self.base.insert_dim(dim))
 
     def drop_dim(self, dim: int) -> ScaledRegion:
-        return ScaledRegion(self.base.drop_dim(dim), self.scale)
+        return self._on(self.base.drop_dim(dim))
 
 
 @dataclass(frozen=True)
@@ -345,7 +350,7 @@ def reshape_location(loc: Any, shape: Sequence[int], dim: int, sizes: Sequence[i
     """Split for value-transform wrappers too (a scaled view splits its base)."""
     if isinstance(loc, ScaledRegion):
         inner = reshape_location(loc.base, shape, dim, sizes)
-        return None if inner is None else ScaledRegion(inner, loc.scale)
+        return None if inner is None else loc._on(inner)
     if isinstance(loc, ZeroRegion):
         return loc
     return split_dim(loc, shape, dim, sizes)
@@ -353,7 +358,7 @@ def reshape_location(loc: Any, shape: Sequence[int], dim: int, sizes: Sequence[i
 
 def merge_location(loc: Any, shape: Sequence[int], dim: int, count: int) -> Any:
     if isinstance(loc, ScaledRegion):
-        return ScaledRegion(merge_location(loc.base, shape, dim, count), loc.scale)
+        return loc._on(merge_location(loc.base, shape, dim, count))
     if isinstance(loc, ZeroRegion):
         return loc
     return merge_dims(loc, shape, dim, count)
@@ -371,10 +376,10 @@ def join(a: Any, b: Any, shape_a: Sequence[int], dim: int) -> Any | None:
     if isinstance(a, ZeroRegion) and isinstance(b, ZeroRegion):
         return a if a.dtype == b.dtype else None
     if isinstance(a, ScaledRegion) and isinstance(b, ScaledRegion):
-        if a.scale != b.scale:
+        if (a.scale, a.offset) != (b.scale, b.offset):
             return None
         inner = join(a.base, b.base, shape_a, dim)
-        return None if inner is None else ScaledRegion(inner, a.scale)
+        return None if inner is None else a._on(inner)
     if isinstance(a, ViewRegion) and isinstance(b, ViewRegion):
         if a.base != b.base or len(a.dims) != len(b.dims):
             return None

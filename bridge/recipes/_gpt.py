@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from .._errors import OptionError
 from ..rules import Expect, Interleave, Rename, Rule, Scale, Split, SplitDim, Stack, Transpose
@@ -31,9 +31,10 @@ class RecipeConfig:
     qkv_bias: bool = False
     query_scale: bool = True
     megatron_norms: str = "local"
+    positive: ClassVar[tuple[str, ...]] = ("n_heads", "n_kv_heads", "head_dim")  # keys that must be >= 1
 
     def __post_init__(self) -> None:
-        for key in ("n_heads", "n_kv_heads", "head_dim"):
+        for key in self.positive:
             if int(getattr(self, key)) < 1:
                 raise OptionError(f"recipe config: {key} must be a positive integer, got {getattr(self, key)!r}")
         if self.n_heads % self.n_kv_heads:
@@ -119,11 +120,12 @@ def hf_expects(c: RecipeConfig) -> list[Rule]:
     return out
 
 
-def maxtext_expects(c: RecipeConfig) -> list[Rule]:
-    """Checks on MaxText tensors (last in * -> maxtext, before anything else in maxtext -> *)."""
+def maxtext_expects(c: RecipeConfig, at: str = "") -> list[Rule]:
+    """Checks on MaxText tensors (last in * -> maxtext, before anything else in maxtext -> *);
+    ``at``: the layers' path prefix (default ``decoder/layers/`` scanned, ``decoder/layers_N/`` not)."""
     h, k, d = c.n_heads, c.n_kv_heads, c.head_dim
     lay = (None,) if c.scan else ()  # the layer axis (MaxText's axis 1) when scanned
-    at = r"^decoder/layers/" if c.scan else r"^decoder/layers_\d+/"
+    at = at or (r"^decoder/layers/" if c.scan else r"^decoder/layers_\d+/")
     q, kv = f"[embed, {'layers, ' if c.scan else ''}n_heads={h}, head_dim={d}]", \
         f"[embed, {'layers, ' if c.scan else ''}n_kv_heads={k}, head_dim={d}]"
     out: list[Rule] = [
@@ -152,13 +154,18 @@ def megatron_expects(c: RecipeConfig) -> list[Rule]:
 # ------------------------------------------------------------------ recipes, one direction each
 
 
-def hf_to_maxtext(c: RecipeConfig, moe: bool = False) -> list[Rule]:
+def hf_to_maxtext(c: RecipeConfig, moe: bool = False, table: tuple[tuple[str, str], ...] = HF_MAXTEXT_LAYER,
+                  scan: list[Rule] | None = None, expects: list[Rule] | None = None) -> list[Rule]:
     """HF -> MaxText (every rule invertible). The order: names per layer (experts apart), the
     rotary interleave on HF's ``[H*D, E]`` rows, kernels transposed to ``[in, out]``, heads split
-    out as an axis, the query scale folded in, experts stacked, layers stacked on axis 1."""
+    out as an axis, the query scale folded in, experts stacked, layers stacked on axis 1.
+
+    A family whose decoder differs passes its per-layer name ``table``, the rules that stack its
+    ``decoder/layers_N/`` leaves when ``c.scan`` (``scan``; default: all layers on axis 1 into
+    ``decoder/layers/``) and its MaxText shape checks (``expects``)."""
     h, k, d = c.n_heads, c.n_kv_heads, c.head_dim
     out: list[Rule] = hf_expects(c)
-    out += [Rename(HF_LAYER + hf + "$", MX_LAYER + mx) for hf, mx in HF_MAXTEXT_LAYER]
+    out += [Rename(HF_LAYER + hf + "$", MX_LAYER + mx) for hf, mx in table]
     if moe:
         out += [Rename(HF_LAYER + rf"block_sparse_moe\.experts\.(?P<expert>\d+)\.{w}\.weight$",
                        MX_LAYER + f"MoeBlock_0/{mx}/expert_\\g<expert>") for w, mx in HF_MAXTEXT_MOE]
@@ -180,9 +187,26 @@ def hf_to_maxtext(c: RecipeConfig, moe: bool = False) -> list[Rule]:
         out.append(Stack(r"^(?P<leaf>decoder/layers_\d+/MoeBlock_0/wi_[01]|decoder/layers_\d+/MoeBlock_0/wo)"
                          r"/expert_(?P<expert>\d+)$", r"\g<leaf>", dim=0, index="expert"))
     if c.scan:
-        out.append(Stack(r"^decoder/layers_(?P<layer>\d+)/(?P<leaf>.*)$", r"decoder/layers/\g<leaf>", dim=1,
-                         index="layer"))
-    return out + maxtext_expects(c)
+        out += scan if scan is not None else [
+            Stack(r"^decoder/layers_(?P<layer>\d+)/(?P<leaf>.*)$", r"decoder/layers/\g<leaf>", dim=1, index="layer")]
+    return out + (expects if expects is not None else maxtext_expects(c))
+
+
+def block_scan(n_layers: int, period: int) -> list[Rule]:
+    """MaxText's scan of a decoder that repeats a block of ``period`` different layers (Gemma 3's
+    5 sliding + 1 global, gpt-oss's sliding + full): layer ``i`` of the first ``period * (n_layers //
+    period)`` goes to ``decoder/layers/layers_{i % period}/...``, stacked on axis 1 at ``i // period``;
+    the rest, unstacked, to ``decoder/layers_remainder/layers_{r}/...``."""
+    full = n_layers - n_layers % period
+    out: list[Rule] = [
+        Rename(f"^decoder/layers_{i}/(?P<leaf>.*)$",
+               f"decoder/layers/layers_{i % period}/repeat_{i // period}/\\g<leaf>" if i < full
+               else f"decoder/layers_remainder/layers_{i - full}/\\g<leaf>")
+        for i in range(n_layers)
+    ]
+    out.append(Stack(r"^decoder/layers/layers_(?P<block>\d+)/repeat_(?P<repeat>\d+)/(?P<leaf>.*)$",
+                     r"decoder/layers/layers_\g<block>/\g<leaf>", dim=1, index="repeat"))
+    return out
 
 
 def megatron_to_hf(c: RecipeConfig) -> list[Rule]:

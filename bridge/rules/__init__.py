@@ -27,6 +27,7 @@ from ._language import Fuse as Fuse
 from ._language import Interleave as Interleave
 from ._language import Join as Join
 from ._language import MergeDims as MergeDims
+from ._language import Offset as Offset
 from ._language import Pad as Pad
 from ._language import Rename as Rename
 from ._language import Renumber as Renumber
@@ -52,6 +53,7 @@ from ._transforms import deinterleave as deinterleave
 from ._transforms import fuse as fuse
 from ._transforms import interleave as interleave
 from ._transforms import merge_dims as merge_dims
+from ._transforms import offset as offset
 from ._transforms import pad as pad
 from ._transforms import reshape as reshape
 from ._transforms import scale as scale

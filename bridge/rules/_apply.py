@@ -18,6 +18,7 @@ from ._language import (
     Interleave,
     Join,
     MergeDims,
+    Offset,
     Pad,
     Rename,
     Reshape,
@@ -105,6 +106,8 @@ def _state_fn(rule: Rule) -> Callable[[TensorState, str, str], TensorState]:
         return crop
     if isinstance(rule, Scale):
         return lambda st, s, w: T.scale(st, rule.factor ** rule.power(s, w))
+    if isinstance(rule, Offset):
+        return lambda st, s, w: T.offset(st, rule.offset) if rule.shifts(s, w) else st
     if isinstance(rule, Cast):
         return lambda st, s, w: T.cast(st, rule.dtype) if s in rule.states else st
     raise FormatError(f"no state transform for {type(rule).__name__}")
@@ -258,7 +261,7 @@ _HANDLERS: dict[type[Rule], Callable[[dict[str, LogicalTensor], Any], dict[str, 
     Split: _apply_split,
     Join: _apply_join,
     **{cls: _shape_rule for cls in (Transpose, Reshape, SplitDim, MergeDims, Interleave, Deinterleave, Pad, Crop,
-                                    Scale, Cast)},
+                                    Scale, Offset, Cast)},
 }
 
 

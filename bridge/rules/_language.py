@@ -22,7 +22,8 @@ bytes stay):
   :class:`Stack` / :class:`Unstack` (scanned layers, stacked experts; a named
   regex group picks the index, so layers and experts stack one after the other);
 * values: :class:`Scale` (with each state's meaning: a weight scaled by ``c``
-  has Adam moments ``exp_avg / c`` and ``exp_avg_sq / c**2``), :class:`Cast`;
+  has Adam moments ``exp_avg / c`` and ``exp_avg_sq / c**2``), :class:`Offset` (a weight
+  shifted by ``b``: the moments stay), :class:`Cast`;
 * checks: :class:`Expect` (shapes a rule set assumes, tested before anything else).
 
 Every mapping rule has an :meth:`~Rule.inverse`; :func:`invert` reverses a list::
@@ -384,6 +385,29 @@ class Scale(Rule):
 
 
 @dataclass(frozen=True)
+class Offset(Rule):
+    """Mapping: weights plus ``offset`` (Gemma's RMSNorm stores ``w`` in HF and ``1 + w`` in MaxText:
+    ``Offset(r"norm/scale$", 1.0)``), with each state's meaning: the weight states shift, the
+    moments do not (``d(w + b) = dw``: the gradient, so Adam's ``exp_avg`` and ``exp_avg_sq``, is the
+    same). Applied while bytes are copied, in float32: ``w + b`` rounded once, as numpy computes it;
+    the inverse ``Offset(-b)`` rounds again, so ``(w + 1) - 1`` is what MaxText's own export gives,
+    not always ``w``. A state of unknown meaning is an error naming it."""
+
+    offset: float = 0.0
+
+    def inverse(self) -> Offset:
+        return Offset(self.pattern, -self.offset)
+
+    def shifts(self, state: str, where: str) -> bool:
+        if state in WEIGHT_STATES:
+            return True
+        if state in _FIRST_MOMENTS or state in _SECOND_MOMENTS:
+            return False
+        raise FormatError(f"{where}: Offset does not know how state {state!r} transforms when the weights "
+                          f"are shifted (known: weights {WEIGHT_STATES}, moments {_FIRST_MOMENTS + _SECOND_MOMENTS})")
+
+
+@dataclass(frozen=True)
 class Cast(Rule):
     """Mapping: read states ``states`` (default: the weight states) as ``dtype``; ``from_dtype``
     records the original so the rule can be inverted."""
@@ -420,7 +444,7 @@ class Expect(Rule):
 RULES: dict[str, type[Rule]] = {
     c.__name__: c
     for c in (Shard, Replicate, Fuse, Pad, Renumber, FlatPartition, State, Rename, Transpose, Reshape, SplitDim,
-              MergeDims, Interleave, Deinterleave, Crop, Stack, Unstack, Split, Join, Scale, Cast, Expect)
+              MergeDims, Interleave, Deinterleave, Crop, Stack, Unstack, Split, Join, Scale, Offset, Cast, Expect)
 }
 LAYOUT_RULES = (Shard, Replicate, Fuse, Renumber, FlatPartition, State)
 

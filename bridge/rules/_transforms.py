@@ -369,10 +369,25 @@ def scale(state: TensorState, factor: float) -> TensorState:
         if isinstance(loc, ZeroRegion):
             frags.append(f)
             continue
-        if isinstance(loc, ScaledRegion):
+        if isinstance(loc, ScaledRegion) and not loc.offset:
             loc = ScaledRegion(loc.base, loc.scale * factor)
-        else:
+        else:  # after an offset: (w + b) * c, in that order
             loc = ScaledRegion(loc, float(factor))
+        frags.append(Fragment(f.box, loc, f.checksum))
+    return TensorState(state.dtype, state.shape, tuple(frags))
+
+
+def offset(state: TensorState, value: float) -> TensorState:
+    """Every value plus ``value`` (applied while bytes are copied, after any scale already on the
+    fragment: ``w * c + value``; offsets do not merge, so ``(w + 1) - 1`` rounds twice, as numpy
+    would). Padding zeros get the offset too."""
+    frags = []
+    for f in state.fragments:
+        loc = f.location
+        if isinstance(loc, ScaledRegion) and not loc.offset:
+            loc = ScaledRegion(loc.base, loc.scale, float(value))
+        else:
+            loc = ScaledRegion(loc, 1.0, float(value))
         frags.append(Fragment(f.box, loc, f.checksum))
     return TensorState(state.dtype, state.shape, tuple(frags))
 

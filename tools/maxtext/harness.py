@@ -4,7 +4,9 @@ Runs inside ``.maxtext/venv`` (Python 3.12, ``maxtext==0.2.5``, jax[cpu]; built 
 ``tools/maxtext/setup.sh``). The 3.11 test venv drives it through
 ``tests/maxtext_client.py``. Every subcommand reads and writes plain files:
 
-- a **spec** (JSON) names the model: ``family`` (llama|mistral|qwen2|mixtral), ``emb``,
+- a **spec** (JSON) names the model: ``family`` (llama|mistral|qwen2|mixtral, or a
+  ``FAMILY_MODULES`` family: gemma3|gpt_oss, whose ``tools/maxtext/<family>.py`` adds its
+  MaxText keys and ``extra`` more), ``emb``,
   ``layers``, ``heads``, ``kv_heads``, ``head_dim``, ``mlp``, ``vocab``, ``scan``,
   ``rope_type`` (default|llama3.1), ``rope_theta``, ``norm_eps``, ``tied``, ``experts``,
   ``experts_per_tok``, ``mesh`` (``{"fsdp": 4, "tensor": 2}``: MaxText ``ici_*_parallelism``),
@@ -66,6 +68,8 @@ import qwen3 as _qwen3  # tools/maxtext/qwen3.py (the script's own directory)
 
 FAMILIES = ("llama", "mistral", "qwen2", "mixtral", *_qwen3.FAMILIES)
 MOE_FAMILIES = ("mixtral", *_qwen3.MOE_FAMILIES)
+# families whose MaxText overrides, converter key and converter names live in tools/maxtext/<family>.py
+FAMILY_MODULES = ("gemma3", "gpt_oss")
 ROPE_TYPES = ("default", "llama3.1")
 
 
@@ -93,6 +97,7 @@ class Spec:
     seq: int = 16
     weight_dtype: str = "float32"  # MaxText's weight_dtype (the parameter tree's dtype); compute stays fp32
     norm_topk_prob: bool = False  # qwen3_moe: renormalise the top-k router weights
+    extra: dict[str, Any] = field(default_factory=dict)  # more MaxText overrides (a FAMILY_MODULES family's)
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Spec:
@@ -101,11 +106,11 @@ class Spec:
         if unknown:
             raise SystemExit(f"spec: unknown keys {unknown} (known: {sorted(known)})")
         spec = cls(**data)
-        if spec.family not in FAMILIES:
-            raise SystemExit(f"spec: family {spec.family!r} is not one of {FAMILIES}")
+        if spec.family not in FAMILIES + FAMILY_MODULES:
+            raise SystemExit(f"spec: family {spec.family!r} is not one of {FAMILIES + FAMILY_MODULES}")
         if spec.rope_type not in ROPE_TYPES:
             raise SystemExit(f"spec: rope_type {spec.rope_type!r} is not one of {ROPE_TYPES}")
-        if (spec.family in MOE_FAMILIES) != (spec.experts > 0):
+        if spec.family in FAMILIES and (spec.family in MOE_FAMILIES) != (spec.experts > 0):
             raise SystemExit(f"spec: experts > 0 exactly when family is one of {MOE_FAMILIES}")
         return spec
 
@@ -155,7 +160,9 @@ def maxtext_overrides(spec: Spec) -> list[str]:
     unknown = set(spec.mesh) - {"data", "fsdp", "tensor", "expert"}
     if unknown:
         raise SystemExit(f"spec: mesh axes {sorted(unknown)} are not supported (data, fsdp, tensor, expert)")
-    if spec.family == "llama":
+    if spec.family in FAMILY_MODULES:
+        ov |= family_module(spec.family).overrides(spec) | spec.extra
+    elif spec.family == "llama":
         ov["decoder_block"] = "llama2"
     elif spec.family == "mistral":
         ov["decoder_block"] = "mistral"
@@ -163,9 +170,10 @@ def maxtext_overrides(spec: Spec) -> list[str]:
         ov |= {"decoder_block": "qwen2", "attention_bias": True, "use_qk_norm": False}
     elif spec.family in _qwen3.FAMILIES:
         ov |= _qwen3.overrides(spec)
-    else:  # mixtral: dense (non-megablox) experts, no token dropping: runs on XLA:CPU
+    else:
+        ov["decoder_block"] = "mixtral"
+    if spec.experts:  # dense (non-megablox) experts, no token dropping: runs on XLA:CPU
         ov |= {
-            "decoder_block": "mixtral",
             "num_experts": spec.experts,
             "num_experts_per_tok": spec.experts_per_tok,
             "base_moe_mlp_dim": spec.mlp,
@@ -174,6 +182,22 @@ def maxtext_overrides(spec: Spec) -> list[str]:
             "megablox": False,
         }
     return [f"{k}={v}" for k, v in ov.items()]
+
+
+def family_module(family: str) -> Any:
+    """``tools/maxtext/<family>.py`` of a FAMILY_MODULES family: ``overrides(spec)`` (MaxText keys),
+    ``CONVERTER_KEY`` (into MaxText's PARAM_MAPPING/HOOK_FNS), ``converter_config(hf_config)`` (the HF
+    config.json as MaxText's converter reads it) and ``hf_name(name)`` (the converter's HF tensor name
+    as the HF checkpoint spells it)."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parent / f"{family}.py"
+    mod_spec = importlib.util.spec_from_file_location(f"harness_{family}", path)
+    if mod_spec is None or mod_spec.loader is None:
+        raise SystemExit(f"no harness module {path}")
+    module = importlib.util.module_from_spec(mod_spec)
+    mod_spec.loader.exec_module(module)
+    return module
 
 
 # ----------------------------------------------------------------------------- MaxText
@@ -626,6 +650,8 @@ def converter_key(spec: Spec) -> tuple[str, bool]:
     Mistral (``mistral-7b`` has an HF id but no mapping; its only HF path is the torch
     standalone script, bf16 only). Those use the llama3.1 hooks without ``adjust_rope``.
     """
+    if spec.family in FAMILY_MODULES:
+        return family_module(spec.family).CONVERTER_KEY, False
     if spec.family == "qwen2":
         return "qwen2.5-7b", False
     if spec.family in _qwen3.CONVERTER_KEYS:
@@ -657,7 +683,7 @@ def convert_hf(built: Built, spec: Spec, hf_dir: Path, save_dtype: str = "float3
     from maxtext.checkpoint_conversion.utils.utils import validate_and_filter_param_map_keys
 
     cfg = built.config
-    hf_cfg = json.loads((hf_dir / "config.json").read_text())
+    hf_cfg, hf_name = _converter_view(spec, json.loads((hf_dir / "config.json").read_text()))
     key, drop_rope = converter_key(spec)
     mapping = PARAM_MAPPING[key](hf_cfg, cfg, cfg.scan_layers)
     hooks = HOOK_FNS[key](hf_cfg, cfg, cfg.scan_layers, saving_to_hf=False)
@@ -669,7 +695,8 @@ def convert_hf(built: Built, spec: Spec, hf_dir: Path, save_dtype: str = "float3
     errors: dict[str, str] = {}
     for mt_key in validate_and_filter_param_map_keys(mapping.keys(), set(abstract.keys())):
         idx, shape = tm._get_maxtext_indices_and_shapes(mt_key, abstract)
-        load_fn = tm._get_hf_loading_function(mapping[mt_key], loader.get_tensor, hooks.get(mt_key), shape, cfg, mt_key)
+        load_fn = tm._get_hf_loading_function(mapping[mt_key], lambda n: loader.get_tensor(hf_name(n)),
+                                              hooks.get(mt_key), shape, cfg, mt_key)
         try:
             tm._get_maxtext_weight(load_fn, idx, shape, mt_key, weights, save_dtype, False)
         except ValueError as e:  # the converter's own shape check
@@ -699,6 +726,7 @@ def convert_to_hf(built: Built, spec: Spec, params: dict[str, Any], hf_cfg: dict
     )
 
     cfg = built.config
+    hf_cfg, hf_name = _converter_view(spec, hf_cfg)
     key, drop_rope = converter_key(spec)
     maps = _get_model_mappings(key, cfg.scan_layers, hf_cfg, cfg)
     hooks = maps["hook_fn_mapping"]
@@ -711,10 +739,19 @@ def convert_to_hf(built: Built, spec: Spec, params: dict[str, Any], hf_cfg: dict
     out: dict[str, Any] = {}
     for mt_key in validate_and_filter_param_map_keys(maps["param_mapping"].keys(), set(state)):
         weight = [state[k] for k in mt_key] if isinstance(mt_key, tuple) else state[mt_key]
-        for hf_name, value in process_maxtext_param(mt_key, weight, maps["param_mapping"], hooks,
-                                                    maps["shape_mapping"], cfg):
-            out[hf_name] = np.asarray(value)
+        for name, value in process_maxtext_param(mt_key, weight, maps["param_mapping"], hooks,
+                                                 maps["shape_mapping"], cfg):
+            out[hf_name(name)] = np.asarray(value)
     return out
+
+
+def _converter_view(spec: Spec, hf_cfg: dict[str, Any]) -> tuple[dict[str, Any], Callable[[str], str]]:
+    """The HF config as MaxText's converter for ``spec`` reads it, and its HF tensor names as the
+    checkpoint spells them (the identity but for a FAMILY_MODULES family that says otherwise)."""
+    if spec.family not in FAMILY_MODULES:
+        return hf_cfg, lambda name: name
+    mod = family_module(spec.family)
+    return mod.converter_config(hf_cfg), mod.hf_name
 
 
 def _mt_name(mt_key: str) -> str:

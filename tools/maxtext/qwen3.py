@@ -19,8 +19,6 @@ CONVERTER_KEYS = {"qwen3": "qwen3-0.6b", "qwen3_moe": "qwen3-30b-a3b"}  # keys o
 def overrides(spec: Any) -> dict[str, Any]:
     """MaxText config keys of a Qwen3 / Qwen3-MoE ``spec`` (on top of the harness's common ones)."""
     out: dict[str, Any] = {"decoder_block": spec.family, "use_qk_norm": True, "attention_bias": False}
-    if spec.family == "qwen3_moe":  # dense (non-megablox) experts, no token dropping: runs on XLA:CPU
-        out |= {"num_experts": spec.experts, "num_experts_per_tok": spec.experts_per_tok,
-                "base_moe_mlp_dim": spec.mlp, "norm_topk_prob": spec.norm_topk_prob,
-                "capacity_factor": -1, "sparse_matmul": False, "megablox": False}
+    if spec.family == "qwen3_moe":  # the experts' common keys come from the harness (spec.experts)
+        out["norm_topk_prob"] = spec.norm_topk_prob
     return out
