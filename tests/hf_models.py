@@ -106,16 +106,78 @@ def build(spec: HFSpec) -> Any:
         "mixtral": transformers.MixtralForCausalLM,
     }[spec.family]
     torch.manual_seed(spec.seed)
-    model = cls(config(spec)).to(torch.float32).eval()
-    gen = torch.Generator().manual_seed(spec.seed + 1)
+    return _randomise(cls(config(spec)).to(torch.float32).eval(), spec.seed)
+
+
+def _randomise(model: Any, seed: int) -> Any:
+    """Norms at 1 and biases at 0 would hide a mis-mapped norm or bias: randomise them (and
+    DeepSeek's router correction bias, a buffer)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            # norms at 1 and biases at 0 would hide a mis-mapped norm or bias: randomise them
+        for name, p in [*model.named_parameters(), *model.named_buffers()]:
             if name.endswith("norm.weight"):
                 p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
-            elif name.endswith(".bias"):
+            elif name.endswith((".bias", "e_score_correction_bias")):
                 p.copy_(0.1 * torch.randn(p.shape, generator=gen))
     return model
+
+
+@dataclass(frozen=True)
+class DeepseekSpec:
+    """A tiny ``DeepseekV3ForCausalLM``: MLA with a query LoRA (``q_lora=None``: plain ``q_proj``),
+    ``dense`` first dense layers, then MoE layers with routed and shared experts, grouped
+    sigmoid routing with the correction bias, YaRN rotary (DeepSeek-V3's constants)."""
+
+    emb: int = 48
+    layers: int = 3
+    dense: int = 1
+    heads: int = 4
+    q_lora: int | None = 24
+    kv_lora: int = 20
+    qk_nope: int = 12
+    qk_rope: int = 8
+    v_head: int = 10
+    mlp: int = 80
+    moe_mlp: int = 24
+    experts: int = 8
+    experts_per_tok: int = 3
+    shared: int = 1
+    groups: int = 4
+    topk_groups: int = 2
+    vocab: int = 256
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+    scaling: float = 2.5
+    seed: int = 0
+
+    def config(self) -> Any:
+        """The transformers ``DeepseekV3Config``."""
+        import transformers
+
+        rope = {"rope_type": "yarn", "rope_theta": self.rope_theta, "factor": 40.0,
+                "original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0,
+                "mscale": 1.0, "mscale_all_dim": 1.0}
+        return transformers.DeepseekV3Config(
+            vocab_size=self.vocab, hidden_size=self.emb, intermediate_size=self.mlp,
+            moe_intermediate_size=self.moe_mlp, num_hidden_layers=self.layers, num_attention_heads=self.heads,
+            num_key_value_heads=self.heads, n_shared_experts=self.shared, n_routed_experts=self.experts,
+            routed_scaling_factor=self.scaling, kv_lora_rank=self.kv_lora, q_lora_rank=self.q_lora,
+            qk_rope_head_dim=self.qk_rope, v_head_dim=self.v_head, qk_nope_head_dim=self.qk_nope,
+            n_group=self.groups, topk_group=self.topk_groups, num_experts_per_tok=self.experts_per_tok,
+            first_k_dense_replace=self.dense, norm_topk_prob=True, rms_norm_eps=self.norm_eps,
+            max_position_embeddings=163840, rope_parameters=rope, rope_interleave=True,
+            tie_word_embeddings=False, attention_bias=False)
+
+
+def build_deepseek(spec: DeepseekSpec) -> Any:
+    """A seeded fp32 ``DeepseekV3ForCausalLM`` in eval mode (norms and router bias randomised)."""
+    import torch
+    import transformers
+
+    torch.manual_seed(spec.seed)
+    return _randomise(transformers.DeepseekV3ForCausalLM(spec.config()).to(torch.float32).eval(), spec.seed)
 
 
 def save(model: Any, out: Path, max_shard_size: str = "100KB") -> Path:

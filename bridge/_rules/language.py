@@ -23,7 +23,8 @@ bytes stay):
   regex group picks the index, so layers and experts stack one after the other);
 * values: :class:`Scale` (with each state's meaning: a weight scaled by ``c``
   has Adam moments ``exp_avg / c`` and ``exp_avg_sq / c**2``), :class:`Cast`;
-* checks: :class:`Expect` (shapes a rule set assumes, tested before anything else).
+* checks: :class:`Expect` (shapes a rule set assumes, tested before anything else);
+* leaving out: :class:`Drop` (tensors the target has no place for, named in a warning).
 
 Every mapping rule has an :meth:`~Rule.inverse`; :func:`invert` reverses a list::
 
@@ -50,6 +51,7 @@ user's choice (MaxText's own converter makes the same trade).
 from __future__ import annotations
 
 import re
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
 from typing import Any
@@ -402,10 +404,30 @@ class Expect(Rule):
         return self
 
 
+class DroppedTensorsWarning(UserWarning):
+    """Tensors a :class:`Drop` rule left out (one line naming them)."""
+
+
+@dataclass(frozen=True)
+class Drop(Rule):
+    """Mapping: leave out the tensors matching ``pattern`` (what the target model has no place
+    for: DeepSeek-V3's multi-token-prediction layers in a decoder without them), never silently:
+    applying it warns (:class:`DroppedTensorsWarning`) with one line naming every dropped tensor
+    and ``why``. Its inverse is itself (nothing comes back)::
+
+        Drop(r"^model\\.layers\\.61\\.", "MTP layer: MaxText's decoder has none")
+    """
+
+    why: str = ""
+
+    def inverse(self) -> Drop:
+        return self
+
+
 RULES: dict[str, type[Rule]] = {
     c.__name__: c
     for c in (Shard, Replicate, Fuse, Pad, Renumber, FlatPartition, State, Rename, Transpose, Reshape, SplitDim,
-              MergeDims, Interleave, Deinterleave, Crop, Stack, Unstack, Split, Join, Scale, Cast, Expect)
+              MergeDims, Interleave, Deinterleave, Crop, Stack, Unstack, Split, Join, Scale, Cast, Expect, Drop)
 }
 LAYOUT_RULES = (Shard, Replicate, Fuse, Renumber, FlatPartition, State)
 
@@ -541,6 +563,14 @@ def _apply_expect(tensors: dict[str, LogicalTensor], rule: Expect) -> dict[str, 
     return tensors
 
 
+def _apply_drop(tensors: dict[str, LogicalTensor], rule: Drop) -> dict[str, LogicalTensor]:
+    gone = [name for name in tensors if rule.matches(name)]
+    if gone:
+        why = f" ({rule.why})" if rule.why else ""
+        warnings.warn(f"dropped {len(gone)} tensors{why}: {', '.join(gone)}", DroppedTensorsWarning, stacklevel=2)
+    return {name: t for name, t in tensors.items() if name not in gone}
+
+
 def _stack_index(m: re.Match[str], index: int | str, rule: Rule, name: str) -> int:
     try:
         return int(m.group(index))
@@ -659,6 +689,7 @@ def _shape_rule(tensors: dict[str, LogicalTensor], rule: Rule) -> dict[str, Logi
 _HANDLERS: dict[type[Rule], Callable[[dict[str, LogicalTensor], Any], dict[str, LogicalTensor]]] = {
     Rename: _apply_rename,
     Expect: _apply_expect,
+    Drop: _apply_drop,
     Stack: _apply_stack,
     Unstack: _apply_unstack,
     Split: _apply_split,

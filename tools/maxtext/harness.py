@@ -62,7 +62,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-FAMILIES = ("llama", "mistral", "qwen2", "mixtral")
+FAMILIES = ("llama", "mistral", "qwen2", "mixtral", "deepseek_v3")
+EXTRA_COLLECTIONS = ("MoEBiasVar",)  # MaxText's DeepSeek router correction bias (layers/moe.py MoEBiasVar)
 ROPE_TYPES = ("default", "llama3.1")
 
 
@@ -89,6 +90,7 @@ class Spec:
     batch: int = 8
     seq: int = 16
     weight_dtype: str = "float32"  # MaxText's weight_dtype (the parameter tree's dtype); compute stays fp32
+    maxtext: dict[str, Any] = field(default_factory=dict)  # family-specific MaxText overrides (deepseek_v3: MLA, MoE)
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Spec:
@@ -101,8 +103,8 @@ class Spec:
             raise SystemExit(f"spec: family {spec.family!r} is not one of {FAMILIES}")
         if spec.rope_type not in ROPE_TYPES:
             raise SystemExit(f"spec: rope_type {spec.rope_type!r} is not one of {ROPE_TYPES}")
-        if (spec.family == "mixtral") != (spec.experts > 0):
-            raise SystemExit("spec: experts > 0 exactly when family is mixtral")
+        if (spec.family in ("mixtral", "deepseek_v3")) != (spec.experts > 0):
+            raise SystemExit("spec: experts > 0 exactly when family is mixtral or deepseek_v3")
         return spec
 
     @property
@@ -157,6 +159,10 @@ def maxtext_overrides(spec: Spec) -> list[str]:
         ov["decoder_block"] = "mistral"
     elif spec.family == "qwen2":
         ov |= {"decoder_block": "qwen2", "attention_bias": True, "use_qk_norm": False}
+    elif spec.family == "deepseek_v3":
+        import deepseek
+
+        ov |= deepseek.overrides(spec)
     else:  # mixtral: dense (non-megablox) experts, no token dropping: runs on XLA:CPU
         ov |= {
             "decoder_block": "mixtral",
@@ -208,8 +214,8 @@ def build(spec: Spec) -> Built:
     quant = quantizations.configure_quantization(config)
     model = models.transformer_as_linen(config, mesh, quant=quant, model_mode="train")
     abstract = maxtext_utils.get_abstract_param(model, config)
-    if set(abstract) != {"params"}:
-        raise SystemExit(f"unexpected MaxText collections {sorted(abstract)} (expected only 'params')")
+    if "params" not in abstract or set(abstract) - {"params", *EXTRA_COLLECTIONS}:
+        raise SystemExit(f"unexpected MaxText collections {sorted(abstract)} (expected 'params', {EXTRA_COLLECTIONS})")
     is_box = lambda x: isinstance(x, nn.LogicallyPartitioned)  # noqa: E731
     flat = jax.tree_util.tree_flatten_with_path(abstract, is_leaf=is_box)[0]
     leaves = {_path_name(p): leaf for p, leaf in flat}
@@ -622,6 +628,8 @@ def converter_key(spec: Spec) -> tuple[str, bool]:
     """
     if spec.family == "qwen2":
         return "qwen2.5-7b", False
+    if spec.family == "deepseek_v3":
+        return "deepseek3-671b", False
     if spec.family == "mixtral":
         if spec.rope_type != "default":
             raise SystemExit("mixtral: MaxText's converter has no rotary permutation; use rope_type=default")
@@ -659,7 +667,10 @@ def convert_hf(built: Built, spec: Spec, hf_dir: Path, save_dtype: str = "float3
     loader = tm.LazyHFLoader(str(hf_dir), None, save_dtype=save_dtype)
     weights: list[Any] = [None] * len(abstract)
     errors: dict[str, str] = {}
-    for mt_key in validate_and_filter_param_map_keys(mapping.keys(), set(abstract.keys())):
+    # the converter maps the ``params`` collection only (MaxText 0.2.5 has no hook for DeepSeek's
+    # ``MoEBiasVar`` router bias, its mapping names it under ``params``; see NOTES.md)
+    others = sorted(_mt_name(k) for k in abstract if not k.startswith("params-"))
+    for mt_key in validate_and_filter_param_map_keys(mapping.keys(), {k for k in abstract if k.startswith("params-")}):
         idx, shape = tm._get_maxtext_indices_and_shapes(mt_key, abstract)
         load_fn = tm._get_hf_loading_function(mapping[mt_key], loader.get_tensor, hooks.get(mt_key), shape, cfg, mt_key)
         try:
@@ -676,6 +687,7 @@ def convert_hf(built: Built, spec: Spec, hf_dir: Path, save_dtype: str = "float3
         "save_dtype": save_dtype,
         "errors": errors,
         "leaves": sorted(out),
+        "not_converted": others,
     }
     return out, report
 
@@ -857,7 +869,7 @@ def _load_job(job: dict[str, Any], built: Built) -> dict[str, Any]:
     if opt_state is not None:
         report["count"] = int(_adam_of(opt_state).count)
     if job.get("dump"):
-        _write_safetensors(Path(job["dump"]), _state_arrays(variables["params"], opt_state))
+        _write_safetensors(Path(job["dump"]), _state_arrays(variables, opt_state))  # every collection
     if job.get("tokens"):
         logits = forward(built, variables, np.load(job["tokens"], allow_pickle=False))
         Path(job["logits"]).parent.mkdir(parents=True, exist_ok=True)
