@@ -40,9 +40,15 @@ import hf_models as hf
 import maxtext_client as mx
 
 import ckptbridge
-from ckptbridge import Drop, DroppedTensorsWarning, Rename, Scale, recipes
-
-pytestmark = pytest.mark.heavy
+from ckptbridge import (
+    Drop,
+    DroppedTensorsWarning,
+    OptionError,
+    Rename,
+    Scale,
+    ShapeMismatchError,
+    recipes,
+)
 
 TOL = 1e-4
 BATCH, SEQ = 4, 12
@@ -129,6 +135,7 @@ def _stack_layers(unscanned: dict, axis: int) -> dict:
     return {k: np.stack([v[i] for i in sorted(v)], axis=axis) for k, v in per.items()}
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("scan", [False, True], ids=["unscanned", "scanned"])
 def test_hf_to_maxtext_logits_and_every_leaf(run, scan):
     f = run["files"][scan]
@@ -159,6 +166,7 @@ def test_hf_to_maxtext_logits_and_every_leaf(run, scan):
     assert _err(np.load(f["logits"]), run["ref"]) < TOL
 
 
+@pytest.mark.heavy
 def test_mtp_layer_dropped_with_one_line_naming_it(run):
     with pytest.warns(DroppedTensorsWarning) as caught:
         ckpt = ckptbridge.open(run["dir"], rules=recipe(run["cfg"], True))
@@ -169,6 +177,7 @@ def test_mtp_layer_dropped_with_one_line_naming_it(run):
     assert Drop in {type(r) for r in recipe(run["cfg"], True)}
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("scan", [False, True], ids=["unscanned", "scanned"])
 def test_maxtext_to_hf_through_the_inverse_recipe_bitwise(run, scan):
     """MaxText's loaded tree (the harness dump: both collections) back through the inverse recipe
@@ -180,8 +189,80 @@ def test_maxtext_to_hf_through_the_inverse_recipe_bitwise(run, scan):
         assert back[name].read().tobytes() == raw[name].read().tobytes(), name
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("label", list(CONTROLS))
 @pytest.mark.parametrize("scan", [False, True], ids=["unscanned", "scanned"])
 def test_negative_controls_move_the_logits(run, label, scan):
     err = _err(np.load(run["work"] / f"scan{int(scan)}.{label}.npy"), run["ref"])
     assert err > 50 * TOL, (label, err)
+
+
+# ------------------------------------------------------------------ data level (no MaxText, no Megatron)
+
+
+@pytest.fixture(scope="module")
+def no_q_lora(tmp_path_factory):
+    """A tiny DeepSeek without a query LoRA (DeepSeek-V2-Lite style ``q_proj``), no dense layer."""
+    return hf.save(hf.build_deepseek(dataclasses.replace(SPEC, q_lora=None, dense=0, layers=2)),
+                   tmp_path_factory.mktemp("hf") / "ds_no_q_lora")
+
+
+def test_config_from_hf_and_family(no_q_lora):
+    cfg = recipes.config_from_hf(no_q_lora / "config.json")
+    assert recipes.family_from_hf(no_q_lora / "config.json") == "deepseek_v3"
+    assert cfg == {"n_heads": 4, "n_layers": 2, "first_dense": 0, "q_lora_rank": 0, "kv_lora_rank": 20,
+                   "qk_nope_head_dim": 12, "qk_rope_head_dim": 8, "v_head_dim": 10, "mtp_layers": 1}
+
+
+@pytest.mark.parametrize("scan", [False, True], ids=["unscanned", "scanned"])
+def test_hf_maxtext_hf_without_a_query_lora_is_the_identity(no_q_lora, scan):
+    cfg = json.loads((no_q_lora / "config.json").read_text())
+    ckpt = ckptbridge.open(no_q_lora, rules=recipe(cfg, scan))
+    at = "decoder/moe_layers/" if scan else "decoder/moe_layers_1/"
+    assert ckpt[at + "self_attention/query/kernel"].shape == ((48, 2, 4, 20) if scan else (48, 4, 20))
+    assert ckpt[BIAS.format("" if scan else "_1")].shape == ((2, 8) if scan else (8,))
+    assert not any("dense_layers" in n for n in ckpt) and ckpt.stats.bytes_read == 0
+    back = ckpt.with_rules(recipe(cfg, scan, "maxtext", "hf"))
+    raw = ckptbridge.open(no_q_lora)
+    assert sorted(back) == sorted(raw)
+    for name in raw:
+        assert back[name].read().tobytes() == raw[name].read().tobytes(), name
+
+
+def test_hf_megatron_hf_names_and_bytes(no_q_lora):
+    cfg = json.loads((no_q_lora / "config.json").read_text())
+    for norms in ("local", "te"):
+        over = {**recipes.config_from_hf(cfg), "megatron_norms": norms}
+        mg = ckptbridge.open(no_q_lora, rules=recipes.rules("deepseek_v3", src="hf", dst="megatron", **over))
+        q_norm = "q_layernorm.weight" if norms == "local" else "linear_q_up_proj.layer_norm_weight"
+        assert q_norm not in " ".join(mg)  # no query LoRA: no query norm
+        layer = "decoder.layers.1."
+        for leaf in ("self_attention.linear_q_proj.weight", "self_attention.linear_kv_down_proj.weight",
+                     "self_attention.linear_kv_up_proj.weight", "self_attention.linear_proj.weight",
+                     "mlp.router.weight", "mlp.router.expert_bias", "mlp.experts.local_experts.7.linear_fc1.weight",
+                     "mlp.experts.local_experts.7.linear_fc2.weight", "mlp.shared_experts.linear_fc1.weight",
+                     "input_layernorm.weight", "pre_mlp_layernorm.weight"):
+            assert layer + leaf in mg, leaf
+        assert mg[layer + "mlp.experts.local_experts.7.linear_fc1.weight"].shape == (48, 48)  # [gate; up]
+        dense = ckptbridge.open(no_q_lora, rules=recipes.rules("deepseek_v3", src="hf", dst="megatron",
+                                                               **{**over, "first_dense": 1}))
+        fused = "decoder.layers.0.mlp.linear_fc1.layer_norm_weight"  # TE fuses a dense layer's pre-MLP norm
+        assert (fused in dense) == (norms == "te") and ("decoder.layers.0.pre_mlp_layernorm.weight" in dense) == (
+            norms == "local") and "decoder.layers.1.pre_mlp_layernorm.weight" in dense
+        back = mg.with_rules(recipes.rules("deepseek_v3", src="megatron", dst="hf", **over))
+        raw = ckptbridge.open(no_q_lora)
+        assert sorted(back) == sorted(raw)
+        for name in raw:
+            assert back[name].read().tobytes() == raw[name].read().tobytes(), name
+
+
+def test_a_config_that_does_not_fit_fails_before_reading(no_q_lora):
+    ckpt = ckptbridge.open(no_q_lora)
+    over = {**recipes.config_from_hf(no_q_lora / "config.json"), "n_heads": 8}
+    with pytest.raises(ShapeMismatchError) as err:
+        ckpt.with_rules(recipes.rules("deepseek_v3", src="hf", dst="maxtext", **over))
+    assert "tensor 'model.layers.0.self_attn.q_proj.weight': expected shape (160, *) (n_heads x (qk_nope_head_dim " \
+        "+ qk_rope_head_dim) = 8 x 20 rows), found (80, 48)" in str(err.value)
+    assert ckpt.stats.bytes_read == 0
+    with pytest.raises(OptionError, match="first_dense=5 is not in 0..n_layers=2"):
+        recipes.rules("deepseek_v3", src="hf", dst="maxtext", **{**over, "first_dense": 5})

@@ -27,6 +27,7 @@ MTP layers (megatron's ``mtp.layers``) are not mapped: dropped with a warning.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -123,7 +124,7 @@ def hf_expects(c: DeepseekConfig) -> list[Rule]:
 def hf_to_maxtext(c: DeepseekConfig) -> list[Rule]:
     """HF -> MaxText (every rule invertible; see the module doc)."""
     h = c.n_heads
-    out: list[Rule] = [*drop_mtp(c), *hf_expects(c)]
+    out: list[Rule] = [*hf_expects(c), *drop_mtp(c)]  # the order megatron_to_hf ends with (routes compose)
     for i in range(c.n_layers):  # renumber: dense layers 0.., MoE layers 0.. from the first MoE layer
         at = f"dense_layers_{i}" if i < c.first_dense else f"moe_layers_{i - c.first_dense}"
         out.append(Rename(rf"^model\.layers\.{i}\.(?P<leaf>.+)$", f"decoder/{at}/\\g<leaf>"))
@@ -185,18 +186,20 @@ def megatron_to_hf(c: DeepseekConfig) -> list[Rule]:
     out: list[Rule] = [Drop(r"^mtp\.", "megatron-core MTP layers: not mapped to HF")]
     q_norm, kv_norm = MEGATRON_NORMS[c.megatron_norms]
     table = [*MEGATRON_LAYER, (q_norm, "self_attn.q_a_layernorm.weight"), (kv_norm, "self_attn.kv_a_layernorm.weight")]
-    if c.megatron_norms == "te":  # dense layers' pre-MLP norm is fused into linear_fc1 (MoE layers keep theirs)
-        table.append((r"mlp\.linear_fc1\.layer_norm_weight", "post_attention_layernorm.weight"))
     for mg, hf in MEGATRON_MLPS:
         out.append(Split(layer + mg + r"linear_fc1\.weight$", to + hf + "{part}.weight", dim=0,
                          parts=("gate_proj", "up_proj")))
         table.append((mg + r"linear_fc2\.weight", hf + "down_proj.weight"))
     out += [Rename(layer + mg + "$", to + hf) for mg, hf in table]
+    if c.megatron_norms == "te":  # dense layers' pre-MLP norm is fused into linear_fc1 (MoE layers keep theirs):
+        # per dense layer, after the MoE layers' rename, so that HF -> megatron renames these first
+        out += [Rename(rf"^decoder\.layers\.{i}\.mlp\.linear_fc1\.layer_norm_weight$",
+                       f"model.layers.{i}.post_attention_layernorm.weight") for i in range(c.first_dense)]
     out += [Rename(mg, hf) for mg, hf in MEGATRON_GLOBAL]
     return out + hf_expects(c) + drop_mtp(c)
 
 
-def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
+def config_from_hf(hf: Mapping[str, Any]) -> dict[str, Any]:
     """The recipe config of an HF DeepSeek-V3 ``config.json`` (MTP layers from ``num_nextn_predict_layers``)."""
     return {"n_heads": int(hf["num_attention_heads"]), "n_layers": int(hf["num_hidden_layers"]),
             "first_dense": int(hf.get("first_k_dense_replace") or 0), "q_lora_rank": int(hf.get("q_lora_rank") or 0),
