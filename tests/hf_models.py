@@ -141,9 +141,9 @@ class DeepseekSpec:
     v_head: int = 10
     mlp: int = 80
     moe_mlp: int = 24
-    experts: int = 8
-    experts_per_tok: int = 3
-    shared: int = 1
+    experts: int = 16
+    experts_per_tok: int = 4  # = 2 x topk_groups: megatron-core ranks groups by their top topk/group_topk
+    shared: int = 1           # scores, DeepSeek (HF, MaxText) by their top 2
     groups: int = 4
     topk_groups: int = 2
     vocab: int = 256

@@ -2,7 +2,7 @@
 DeepSeek decoder and converter hooks.
 
 A tiny random DeepSeek-V3 (dims no default has: hidden 48, 4 heads, q LoRA 24, kv LoRA 20, nope 12,
-rope 8, v 10; 1 dense layer then 2 MoE layers of 8 routed experts (3 per token, 4 groups, top-2
+rope 8, v 10; 1 dense layer then 2 MoE layers of 16 routed experts (4 per token, 4 groups, top-2
 groups) and a shared expert; YaRN; norms and the router correction bias random), saved by
 ``save_pretrained`` with the release's MTP layer tensors added (``model.layers.3.*``), is opened
 with ``ckptbridge.open(hf_dir, rules=recipes.rules("deepseek_v3", src="hf", dst="maxtext", ...))``
@@ -21,6 +21,16 @@ logical-axis shardings. Then, scanned and unscanned:
 3. Back: MaxText's tree through the inverse recipe is HF's checkpoint bitwise (MTP aside).
 4. Negative controls far outside the tolerance: the router bias left at zero (what MaxText's
    converter leaves it), the shared experts' gate and up swapped.
+
+HF -> megatron-core: the CLI (``reshard --to megatron``, args from ``deepseek_v3.megatron_args``)
+writes a TP 1 checkpoint that megatron-core's ``GPTModel`` (MLA + MoE from its own layer specs;
+dense first layer) loads strictly on 2 gloo ranks (``tools/megatron/core_loss.py``) and whose
+logits are HF's; Megatron -> HF gives every tensor back bitwise; the router's expert bias zeroed
+moves the logits far (negative control). On CPU, megatron-core 0.16.1's MLA needs a core
+attention that takes its key/value widths (its local ``DotProductAttention`` does not; Transformer
+Engine's is CUDA-only) and two import-time gaps filled: ``tools/megatron/mla_cpu.py`` says which.
+The tiny model routes 4 of 16 experts in the top 2 of 4 groups: megatron-core ranks groups by
+their top ``topk / group_topk`` scores, DeepSeek by their top 2 (DeepSeek-V3: 8 / 4 = 2).
 """
 
 from __future__ import annotations
@@ -266,3 +276,63 @@ def test_a_config_that_does_not_fit_fails_before_reading(no_q_lora):
     assert ckpt.stats.bytes_read == 0
     with pytest.raises(OptionError, match="first_dense=5 is not in 0..n_layers=2"):
         recipes.rules("deepseek_v3", src="hf", dst="maxtext", **{**over, "first_dense": 5})
+
+
+# ------------------------------------------------------------------ HF -> megatron-core (MLA + MoE, 2 gloo ranks)
+
+MEGATRON_A = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "megatron", "A", "tp2pp2", "torch")
+CORE_LOSS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "megatron", "core_loss.py")
+
+
+@pytest.fixture(scope="module")
+def megatron(tmp_path_factory):
+    """HF -> Megatron with the CLI (``reshard --to megatron --rules R.json -o args=ARGS.json``, args from
+    ``deepseek_v3.megatron_args``), loaded strictly by megatron-core's ``GPTModel`` (MLA + MoE layer
+    specs, the core attention of ``tools/megatron/mla_cpu.py``) on 2 gloo ranks (``core_loss.py``)."""
+    import subprocess
+
+    from ckptbridge._cli import main
+    from ckptbridge.recipes import deepseek_v3
+
+    work = tmp_path_factory.mktemp("deepseek_megatron")
+    model = hf.build_deepseek(SPEC)
+    d = hf.save(model, work / "hf")
+    template = {**ckptbridge.open(MEGATRON_A).extra["megatron"]["args"], "tensor_model_parallel_size": 1,
+                "pipeline_model_parallel_size": 1}
+    (work / "args.json").write_text(json.dumps(deepseek_v3.megatron_args(d / "config.json", template=template)))
+    rules = recipes.rules("deepseek_v3", src="hf", dst="megatron", **recipes.config_from_hf(d / "config.json"))
+    items = []
+    for label, rr in (("mg", rules), ("mg_bias_zero", (*rules, Scale(r"\.mlp\.router\.expert_bias$", 0.0)))):
+        (work / f"{label}.rules.json").write_text(json.dumps(ckptbridge.rules_to_json(rr)))
+        assert main(["reshard", str(d), str(work / label), "--to", "megatron", "--tp", "1", "--pp", "1", "--rules",
+                     str(work / f"{label}.rules.json"), "-o", f"args={work / 'args.json'}"]) == 0
+        items.append(str(work / label))
+    out = subprocess.run([sys.executable, CORE_LOSS, "--world", "2", "--dump", str(work / "dump"), *items],
+                         capture_output=True, text=True, timeout=900,
+                         env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"))
+    recs = [json.loads(line[len("CORE_LOSS "):]) for line in out.stdout.splitlines() if line.startswith("CORE_LOSS ")]
+    assert out.returncode == 0 and len(recs) == len(items), out.stdout[-3000:] + out.stderr[-5000:]
+    return {"work": work, "dir": d, "model": model, "recs": recs, "dumps": [np.load(r["dump"]) for r in recs],
+            "rules": rules}
+
+
+@pytest.mark.heavy
+def test_hf_to_megatron_loads_strictly_in_megatron_core_with_hfs_logits(megatron):
+    rec, dump = megatron["recs"][0], megatron["dumps"][0]
+    assert "error" not in rec and rec["tp"] == 1 and rec["pp"] == 1  # load_state_dict(strict=True) passed
+    got = hf.logits(megatron["model"], dump["tokens"])
+    assert _err(got, dump["logits"]) < TOL  # measured 1.2e-7
+    loss = hf.cross_entropy(got, dump["labels"])
+    assert abs(loss - rec["loss"]) <= 1e-5 * loss, (loss, rec["loss"])
+    bias_zero = megatron["dumps"][1]
+    assert _err(hf.logits(megatron["model"], bias_zero["tokens"]), bias_zero["logits"]) > 50 * TOL  # negative control
+
+
+@pytest.mark.heavy
+def test_megatron_to_hf_gives_the_same_tensors_back(megatron):
+    cfg = recipes.config_from_hf(megatron["dir"] / "config.json")
+    back = ckptbridge.open(megatron["work"] / "mg", rules=recipes.rules("deepseek_v3", src="megatron", dst="hf", **cfg))
+    raw = ckptbridge.open(megatron["dir"])
+    assert sorted(back) == sorted(raw)
+    for name in raw:
+        assert back[name].read().tobytes() == raw[name].read().tobytes(), name

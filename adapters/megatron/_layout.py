@@ -96,10 +96,12 @@ class MegatronConfig:
         heads = int(need("num_attention_heads"))
         hidden = int(need("hidden_size"))
         groups = int(args.get("num_query_groups") or heads) if args.get("group_query_attention") else heads
-        if args.get("expert_model_parallel_size", 1) not in (1, None) or args.get("num_experts"):
-            raise FormatError(f"{where}: mixture-of-experts checkpoints are not supported yet")
-        if args.get("multi_latent_attention"):
-            raise FormatError(f"{where}: multi-latent attention checkpoints are not supported yet")
+        one_rank = int(args.get("tensor_model_parallel_size") or 1) == 1 and \
+            int(args.get("expert_model_parallel_size") or 1) == 1  # every tensor whole: no layout to know
+        if not one_rank and args.get("num_experts"):
+            raise FormatError(f"{where}: mixture-of-experts checkpoints are supported at TP 1 and EP 1 only")
+        if not one_rank and args.get("multi_latent_attention"):
+            raise FormatError(f"{where}: multi-latent attention checkpoints are supported at TP 1 only")
         if args.get("pipeline_model_parallel_layout"):
             raise FormatError(f"{where}: --pipeline-model-parallel-layout is not supported yet")
         return MegatronConfig(
@@ -171,8 +173,8 @@ def tp_layout(name: str, cfg: MegatronConfig, ndim: int) -> TpLayout:
         return TpLayout("column", 0)
     if module in _ROW:
         return TpLayout("row", 1) if attr == "weight" else TpLayout("replicated")
-    if name.startswith("embedding.position_embeddings") or ndim <= 1:
-        return TpLayout("replicated")
+    if name.startswith("embedding.position_embeddings") or ndim <= 1 or cfg.tp == 1:
+        return TpLayout("replicated")  # (at TP 1 every tensor is whole: MoE, MLA)
     raise FormatError(
         f"parameter {name!r}: unknown tensor-parallel layout (not a known Megatron GPT module); "
         "open with tp_layouts={name: 'column'|'row'|'replicated'} to say how it is split"

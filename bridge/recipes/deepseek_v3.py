@@ -208,6 +208,47 @@ def config_from_hf(hf: Mapping[str, Any]) -> dict[str, Any]:
             "mtp_layers": int(hf.get("num_nextn_predict_layers") or 0)}
 
 
+def megatron_args(config: Any, template: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Megatron args for an HF DeepSeek-V3 ``config.json``: :func:`ckptbridge.recipes.megatron_args`'s
+    model shape plus MLA (``multi_latent_attention``, the LoRA ranks, the head widths, YaRN) and
+    MoE (experts, shared experts, sigmoid grouped routing with the expert bias, ``moe_layer_freq``:
+    the first ``first_k_dense_replace`` layers dense) over ``template``. megatron-core ranks expert
+    groups by their top ``topk / group_topk`` scores, DeepSeek by their top 2: the same routing
+    only when ``num_experts_per_tok = 2 x topk_group`` (DeepSeek-V3: 8 = 2 x 4); other values fail here."""
+    from ._configs import megatron_args as gpt_args
+    from ._family import load_config
+
+    hf = load_config(config)
+    topk, groups = int(hf["num_experts_per_tok"]), int(hf.get("topk_group") or 0)
+    if groups and topk != 2 * groups:
+        raise OptionError(f"megatron_args: num_experts_per_tok={topk} is not 2 x topk_group={groups}: megatron-core "
+                          "would rank the expert groups differently from DeepSeek")
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    dense = int(hf.get("first_k_dense_replace") or 0)
+    args = gpt_args(hf, template)
+    args.update(
+        multi_latent_attention=True, q_lora_rank=hf.get("q_lora_rank") or None, kv_lora_rank=int(hf["kv_lora_rank"]),
+        qk_head_dim=int(hf["qk_nope_head_dim"]), qk_pos_emb_head_dim=int(hf["qk_rope_head_dim"]),
+        v_head_dim=int(hf["v_head_dim"]), kv_channels=int(hf["v_head_dim"]), qk_layernorm=True,
+        group_query_attention=False, num_query_groups=int(hf["num_attention_heads"]),
+        num_experts=int(hf["n_routed_experts"]), moe_ffn_hidden_size=int(hf["moe_intermediate_size"]),
+        moe_shared_expert_intermediate_size=int(hf["moe_intermediate_size"]) * int(hf.get("n_shared_experts") or 0)
+        or None, moe_router_topk=topk, moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+        moe_router_num_groups=int(hf.get("n_group") or 0) or None, moe_router_group_topk=groups or None,
+        moe_router_topk_scaling_factor=float(hf.get("routed_scaling_factor") or 1.0), moe_router_pre_softmax=False,
+        moe_layer_freq=[0] * dense + [1] * (int(hf["num_hidden_layers"]) - dense), moe_grouped_gemm=False,
+        moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_token_dispatcher_type="alltoall",
+        moe_router_dtype="fp32", mtp_num_layers=None)
+    if rope.get("rope_type") == "yarn":
+        args.update(rope_type="yarn", rotary_scaling_factor=float(rope["factor"]),
+                    original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
+                    beta_fast=float(rope.get("beta_fast", 32)), beta_slow=float(rope.get("beta_slow", 1)),
+                    mscale=float(rope.get("mscale", 1.0)), mscale_all_dim=float(rope.get("mscale_all_dim", 0.0)))
+    else:
+        args.update(rope_type="rope")
+    return args
+
+
 FAMILY = Family(name="deepseek_v3", model_types=("deepseek_v3",), config=DeepseekConfig, from_hf=config_from_hf,
                 required=("n_heads", "n_layers", "first_dense", "kv_lora_rank", "qk_nope_head_dim",
                           "qk_rope_head_dim", "v_head_dim"),
