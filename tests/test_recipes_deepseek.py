@@ -123,7 +123,7 @@ def run(tmp_path_factory):
         jobs.append(mx.convert_job(spec, d, f["conv"], report=f["conv_report"]))
         jobs.append(mx.load_job(spec, d, recipe(cfg, scan), dump=f["dump"], tokens=work / "tokens.npy",
                                 logits=f["logits"], report=f["report"]))
-        for label, wrong in CONTROLS.items():
+        for label, wrong in CONTROLS.items() if scan else ():  # the controls once, on the scanned tree
             jobs.append(mx.load_job(spec, d, wrong(recipe(cfg, scan)), tokens=work / "tokens.npy",
                                     logits=work / f"scan{int(scan)}.{label}.npy"))
     results = mx.run_jobs(jobs)
@@ -201,9 +201,9 @@ def test_maxtext_to_hf_through_the_inverse_recipe_bitwise(run, scan):
 
 @pytest.mark.heavy
 @pytest.mark.parametrize("label", list(CONTROLS))
-@pytest.mark.parametrize("scan", [False, True], ids=["unscanned", "scanned"])
-def test_negative_controls_move_the_logits(run, label, scan):
-    err = _err(np.load(run["work"] / f"scan{int(scan)}.{label}.npy"), run["ref"])
+def test_negative_controls_move_the_logits(run, label):
+    """Measured: 5.1e-2 (bias at zero), 1.1e-2 (shared gate/up swapped), against 1.6e-7 above."""
+    err = _err(np.load(run["work"] / f"scan1.{label}.npy"), run["ref"])
     assert err > 50 * TOL, (label, err)
 
 
@@ -230,7 +230,7 @@ def test_hf_maxtext_hf_without_a_query_lora_is_the_identity(no_q_lora, scan):
     ckpt = ckptbridge.open(no_q_lora, rules=recipe(cfg, scan))
     at = "decoder/moe_layers/" if scan else "decoder/moe_layers_1/"
     assert ckpt[at + "self_attention/query/kernel"].shape == ((48, 2, 4, 20) if scan else (48, 4, 20))
-    assert ckpt[BIAS.format("" if scan else "_1")].shape == ((2, 8) if scan else (8,))
+    assert ckpt[BIAS.format("" if scan else "_1")].shape == ((2, 16) if scan else (16,))
     assert not any("dense_layers" in n for n in ckpt) and ckpt.stats.bytes_read == 0
     back = ckpt.with_rules(recipe(cfg, scan, "maxtext", "hf"))
     raw = ckptbridge.open(no_q_lora)
@@ -321,7 +321,7 @@ def test_hf_to_megatron_loads_strictly_in_megatron_core_with_hfs_logits(megatron
     rec, dump = megatron["recs"][0], megatron["dumps"][0]
     assert "error" not in rec and rec["tp"] == 1 and rec["pp"] == 1  # load_state_dict(strict=True) passed
     got = hf.logits(megatron["model"], dump["tokens"])
-    assert _err(got, dump["logits"]) < TOL  # measured 1.2e-7
+    assert _err(got, dump["logits"]) < TOL  # measured 1.2e-7 (the zeroed expert bias: 6.5e-2)
     loss = hf.cross_entropy(got, dump["labels"])
     assert abs(loss - rec["loss"]) <= 1e-5 * loss, (loss, rec["loss"])
     bias_zero = megatron["dumps"][1]
