@@ -22,7 +22,9 @@ HF <-> megatron-core: MLA's ``linear_q_down_proj`` / ``linear_q_up_proj`` (norm
 ``linear_kv_up_proj`` (``kv_layernorm`` or TE's fused norm), ``linear_proj``; the router
 ``mlp.router.weight`` and ``mlp.router.expert_bias``; routed experts
 ``mlp.experts.local_experts.N.linear_fc1`` ([gate; up]) / ``linear_fc2``; ``mlp.shared_experts``.
-MTP layers (megatron's ``mtp.layers``) are not mapped: dropped with a warning.
+MTP layers (megatron's ``mtp.layers``) are not mapped: dropped with a warning. The Megatron
+checkpoint adapter lays out experts and MLA at TP 1 / EP 1 only (``reshard --to megatron --tp 1``;
+other layouts fail naming the reason); :func:`megatron_args` gives the args (``-o args=...``).
 """
 
 from __future__ import annotations
