@@ -4,10 +4,11 @@ Runs inside ``.maxtext/venv`` (Python 3.12, ``maxtext==0.2.5``, jax[cpu]; built 
 ``tools/maxtext/setup.sh``). The 3.11 test venv drives it through
 ``tests/maxtext_client.py``. Every subcommand reads and writes plain files:
 
-- a **spec** (JSON) names the model: ``family`` (llama|mistral|qwen2|mixtral), ``emb``,
+- a **spec** (JSON) names the model: ``family`` (llama|mistral|qwen2|mixtral|deepseek_v3), ``emb``,
   ``layers``, ``heads``, ``kv_heads``, ``head_dim``, ``mlp``, ``vocab``, ``scan``,
   ``rope_type`` (default|llama3.1), ``rope_theta``, ``norm_eps``, ``tied``, ``experts``,
-  ``experts_per_tok``, ``mesh`` (``{"fsdp": 4, "tensor": 2}``: MaxText ``ici_*_parallelism``),
+  ``experts_per_tok``, ``maxtext`` (family-specific MaxText keys: ``deepseek_v3``'s MLA and MoE shapes,
+  see ``tools/maxtext/deepseek.py``), ``mesh`` (``{"fsdp": 4, "tensor": 2}``: MaxText ``ici_*_parallelism``),
   ``batch``, ``seq`` (the shapes MaxText initialises with), ``weight_dtype`` (default float32);
 - **params** are a safetensors file whose keys are MaxText's Linen parameter paths joined
   by ``/`` without the leading ``params`` (``decoder/layers/self_attention/query/kernel``),
