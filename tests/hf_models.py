@@ -11,7 +11,8 @@
 Families: ``llama`` (GQA; ``rope`` ``default`` or ``llama3`` scaling with the constants
 MaxText's ``LLaMARotaryEmbedding`` hard-codes), ``mistral``, ``qwen2`` (QKV biases),
 ``mixtral`` (MoE; ``save_pretrained`` writes ``block_sparse_moe.experts.N.w1/w2/w3``).
-``tied=True`` shares the embedding with the output layer.
+``tied=True`` shares the embedding with the output layer. DeepSeek-V3 has its own spec:
+``build_deepseek(DeepseekSpec())`` (MLA, dense then MoE layers, shared experts, router bias).
 """
 
 from __future__ import annotations
