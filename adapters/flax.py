@@ -7,7 +7,8 @@ checkpoint keeps, per parameter, the states ``fp32`` (the weights; ``param``
 when they are not float32), ``exp_avg`` (= ``mu``), ``exp_avg_sq`` (= ``nu``)
 and the scalar ``step`` (= ``count``; torch Adam's ``step`` counts the same
 updates). Parameter names are the params-tree key paths joined with ``/``
-(Linen's leading ``params`` collection dropped)::
+(Linen's leading ``params`` collection dropped, other collections keep their name:
+``MoEBiasVar/decoder/...``; ``save`` and ``load`` name them the same way)::
 
     from ckptbridge.adapters import flax as cbflax
 
@@ -125,6 +126,16 @@ def _box_sharding(box: Any, mesh: Any = None, axis_rules: Any = None) -> Any:
 
 def _strip_params(name: str) -> str:
     return name[len(PARAMS_PREFIX):] if name.startswith(PARAMS_PREFIX) else name
+
+
+def _variables_names(tree: Any) -> Any:
+    """How :func:`save` and :func:`load` name a params tree's leaves (one rule, both ways): Linen
+    variables (a mapping with a ``params`` collection, possibly beside others such as MaxText's
+    ``MoEBiasVar``) drop the leading ``params/`` and keep every other collection's name as the
+    first part (``decoder/...``, ``MoEBiasVar/decoder/...``); a plain params dict or an NNX
+    ``State`` keeps its paths."""
+    linen = hasattr(tree, "keys") and "params" in tree and not hasattr(tree, "to_pure_dict")
+    return _strip_params if linen else (lambda name: name)
 
 
 @dataclass(frozen=True)
@@ -280,7 +291,8 @@ def save(
     import jax
 
 
-    flat_params = {_strip_params(n): v for n, v in flatten_state(params).items()}
+    name = _variables_names(params)
+    flat_params = {name(n): v for n, v in flatten_state(params).items()}
     flat_opt = flatten_state(opt_state) if opt_state is not None else {}
     g = group_names(list(flat_opt), weight_names=[])
     mu = {u: flat_opt[s["exp_avg"]] for u, s in g.states.items() if "exp_avg" in s}
@@ -420,11 +432,10 @@ def load(
     try:
         view = ckpt.with_rules(rules)
         tensors = view.index.tensors
-        linen = hasattr(params, "keys") and "params" in params and len(params) == 1 and not hasattr(
-            params, "to_pure_dict")
+        universal = _variables_names(params)
 
         def weight(name: str) -> tuple[str, str | None] | None:
-            uni = _strip_params(name) if linen else name
+            uni = universal(name)
             if uni not in tensors:
                 raise FormatError(f"{ckpt.path}: no tensor {uni!r} for parameter {name!r} "
                                   f"(tensors: {sorted(tensors)[:8]}...); pass rules= to map names")

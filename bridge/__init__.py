@@ -91,6 +91,8 @@ if _typing.TYPE_CHECKING:  # THE list of public names: mypy reads it, and _publi
     from .rules import Cast as Cast  # the rules live in ckptbridge.rules; these are aliases
     from .rules import Crop as Crop
     from .rules import Deinterleave as Deinterleave
+    from .rules import Drop as Drop
+    from .rules import DroppedTensorsWarning as DroppedTensorsWarning
     from .rules import Expect as Expect
     from .rules import FlatPartition as FlatPartition
     from .rules import Fuse as Fuse

@@ -15,6 +15,8 @@ MaxText's ``LLaMARotaryEmbedding`` hard-codes), ``mistral``, ``qwen2`` (QKV bias
 ``mlp.experts.N.gate_proj/up_proj/down_proj``, the module holds them fused as
 ``mlp.experts.gate_up_proj`` / ``down_proj``).
 ``tied=True`` shares the embedding with the output layer.
+DeepSeek-V3 has its own spec: ``build_deepseek(DeepseekSpec())`` (MLA, dense then MoE layers,
+shared experts, router bias).
 """
 
 from __future__ import annotations
@@ -124,14 +126,14 @@ def build(spec: HFSpec) -> Any:
 def build_config(cls: Any, cfg: Any, seed: int = 0) -> Any:
     """A seeded fp32 ``cls(cfg)`` (a transformers ``*ForCausalLM``) in eval mode, norms and biases
     randomised (at 1 and 0 they would hide a mis-mapped norm or bias), and so are gpt-oss's
-    attention ``sinks`` and its experts' ``*_bias`` tensors."""
+    attention ``sinks``, its experts' ``*_bias`` tensors and DeepSeek's router correction bias (a buffer)."""
     import torch
 
     torch.manual_seed(seed)
     model = cls(cfg).to(torch.float32).eval()
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for name, p in [*model.named_parameters(), *model.named_buffers()]:
             if name.endswith("norm.weight"):
                 p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
             elif name.endswith("bias"):
@@ -139,6 +141,60 @@ def build_config(cls: Any, cfg: Any, seed: int = 0) -> Any:
             elif name.endswith("sinks"):  # gpt-oss's per-head attention sink logits: O(1) when trained
                 p.copy_(torch.randn(p.shape, generator=gen))
     return model
+
+
+@dataclass(frozen=True)
+class DeepseekSpec:
+    """A tiny ``DeepseekV3ForCausalLM``: MLA with a query LoRA (``q_lora=None``: plain ``q_proj``),
+    ``dense`` first dense layers, then MoE layers with routed and shared experts, grouped
+    sigmoid routing with the correction bias, YaRN rotary (DeepSeek-V3's constants)."""
+
+    emb: int = 48
+    layers: int = 3
+    dense: int = 1
+    heads: int = 4
+    q_lora: int | None = 24
+    kv_lora: int = 20
+    qk_nope: int = 12
+    qk_rope: int = 8
+    v_head: int = 10
+    mlp: int = 80
+    moe_mlp: int = 24
+    experts: int = 16
+    experts_per_tok: int = 4  # = 2 x topk_groups: megatron-core ranks groups by their top topk/group_topk
+    shared: int = 1           # scores, DeepSeek (HF, MaxText) by their top 2
+    groups: int = 4
+    topk_groups: int = 2
+    vocab: int = 256
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+    scaling: float = 2.5
+    seed: int = 0
+
+    def config(self) -> Any:
+        """The transformers ``DeepseekV3Config``."""
+        import transformers
+
+        rope = {"rope_type": "yarn", "rope_theta": self.rope_theta, "factor": 40.0,
+                "original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0,
+                "mscale": 1.0, "mscale_all_dim": 1.0}
+        return transformers.DeepseekV3Config(
+            vocab_size=self.vocab, hidden_size=self.emb, intermediate_size=self.mlp,
+            moe_intermediate_size=self.moe_mlp, num_hidden_layers=self.layers, num_attention_heads=self.heads,
+            num_key_value_heads=self.heads, n_shared_experts=self.shared, n_routed_experts=self.experts,
+            routed_scaling_factor=self.scaling, kv_lora_rank=self.kv_lora, q_lora_rank=self.q_lora,
+            qk_rope_head_dim=self.qk_rope, v_head_dim=self.v_head, qk_nope_head_dim=self.qk_nope,
+            n_group=self.groups, topk_group=self.topk_groups, num_experts_per_tok=self.experts_per_tok,
+            first_k_dense_replace=self.dense, norm_topk_prob=True, rms_norm_eps=self.norm_eps,
+            max_position_embeddings=163840, rope_parameters=rope, rope_interleave=True,
+            tie_word_embeddings=False, attention_bias=False)
+
+
+def build_deepseek(spec: DeepseekSpec) -> Any:
+    """A seeded fp32 ``DeepseekV3ForCausalLM`` in eval mode (norms and router bias randomised)."""
+    import transformers
+
+    return build_config(transformers.DeepseekV3ForCausalLM, spec.config(), spec.seed)
 
 
 def save(model: Any, out: Path, max_shard_size: str = "100KB") -> Path:

@@ -271,3 +271,41 @@ def gpt_oss_spec(cfg: dict[str, Any], *, scan: bool = True, mesh: dict[str, int]
 
 
 MORE_SPECS = {"gemma3_text": gemma3_spec, "gpt_oss": gpt_oss_spec}
+
+
+def spec_from_hf_deepseek(cfg: dict[str, Any], *, scan: bool = True, batch: int = 8, seq: int = 16,
+                          mesh: dict[str, int] | None = None) -> dict[str, Any]:
+    """The harness spec of MaxText's DeepSeek decoder (``decoder_block=deepseek``, see
+    ``tools/maxtext/deepseek.py``) equivalent to an HF ``DeepseekV3ForCausalLM`` ``config.json``
+    (YaRN rotary, interleaved rope rows, sigmoid routing with grouped top-k)."""
+    if cfg["model_type"] != "deepseek_v3":
+        raise ValueError(f"model_type {cfg['model_type']!r} is not deepseek_v3")
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    if rope.get("rope_type") != "yarn" or not cfg.get("rope_interleave", True):
+        raise ValueError("the harness maps DeepSeek-V3's interleaved YaRN rotary only")
+    if float(rope.get("mscale", 1.0)) != float(rope.get("mscale_all_dim", 1.0)):
+        raise ValueError("MaxText's MLA scales the softmax by mscale only (mscale == mscale_all_dim)")
+    heads = cfg["num_attention_heads"]
+    spec = {
+        "family": "deepseek_v3", "emb": cfg["hidden_size"], "layers": cfg["num_hidden_layers"], "heads": heads,
+        "kv_heads": cfg.get("num_key_value_heads", heads), "head_dim": cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"],
+        "mlp": cfg["intermediate_size"], "vocab": cfg["vocab_size"], "scan": scan, "rope_type": "default",
+        "rope_theta": float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
+        "norm_eps": float(cfg["rms_norm_eps"]), "tied": bool(cfg.get("tie_word_embeddings", False)),
+        "batch": batch, "seq": seq, "experts": cfg["n_routed_experts"], "experts_per_tok": cfg["num_experts_per_tok"],
+        "extra": {
+            "rope_type": "yarn", "first_num_dense_layers": cfg["first_k_dense_replace"],
+            "base_moe_mlp_dim": cfg["moe_intermediate_size"], "shared_experts": cfg["n_shared_experts"],
+            "routed_scaling_factor": float(cfg["routed_scaling_factor"]), "n_routing_groups": cfg["n_group"],
+            "topk_routing_group": cfg["topk_group"], "q_lora_rank": cfg.get("q_lora_rank") or 0,
+            "kv_lora_rank": cfg["kv_lora_rank"], "qk_nope_head_dim": cfg["qk_nope_head_dim"],
+            "qk_rope_head_dim": cfg["qk_rope_head_dim"], "v_head_dim": cfg["v_head_dim"],
+            "max_position_embeddings": cfg["max_position_embeddings"],
+            "original_max_position_embeddings": int(rope["original_max_position_embeddings"]),
+            "rope_factor": float(rope["factor"]), "beta_fast": float(rope.get("beta_fast", 32)),
+            "beta_slow": float(rope.get("beta_slow", 1)), "mscale": float(rope.get("mscale", 1.0)),
+        },
+    }
+    if mesh is not None:
+        spec["mesh"] = dict(mesh)
+    return spec

@@ -312,3 +312,38 @@ def test_boxed_linen_params_load_with_their_logical_shardings(tmp_path):
     assert got["params"]["scale"].value.sharding.is_equivalent_to(NamedSharding(m, P("data")), 1)
     # the names of a boxed tree are the plain ones (no trailing '/value')
     assert sorted(cbflax.flatten_state(boxed)) == ["params/kernel", "params/scale"]
+
+
+class _TwoCollections(nn.Module):
+    """A router-like module with a parameter and a non-trained variable in a collection of its own
+    (as MaxText keeps DeepSeek's router correction bias in ``MoEBiasVar``)."""
+
+    @nn.compact
+    def __call__(self, x):
+        k = self.param("kernel", nn.initializers.normal(1.0), (D, 4))
+        b = self.variable("MoEBiasVar", "bias", lambda: jnp.arange(4, dtype=jnp.float32) / 10)
+        return x @ k + b.value
+
+
+def test_linen_variables_with_several_collections_save_and_load_the_same_names(tmp_path):
+    """``save`` and ``load`` name a Linen tree alike whatever its collections: ``params/`` dropped,
+    every other collection kept as the first part of the name; a tree with two collections loads
+    (weights and Adam moments), each collection filled from its own tensors."""
+    model = _TwoCollections()
+    x = jnp.ones((2, D))
+    variables = jax.tree.map(np.asarray, model.init(jax.random.PRNGKey(3), x))
+    variables["MoEBiasVar"]["bias"] = variables["MoEBiasVar"]["bias"] + 1.0  # not the init: must come from the file
+    tx = optax.adam(1e-2)
+    opt = tx.init(variables["params"])
+    g = jax.grad(lambda p: jnp.sum(model.apply({**variables, "params": p}, x) ** 2))(variables["params"])
+    _, opt = tx.update(g, opt, variables["params"])
+    cbflax.save(str(tmp_path / "u"), variables, opt, step=1)
+    assert sorted(cbopen.open(str(tmp_path / "u"))) == ["MoEBiasVar/bias", "kernel"]
+    target = jax.tree.map(np.zeros_like, variables)
+    got, got_opt = cbflax.load(str(tmp_path / "u"), target, jax.tree.map(np.zeros_like, opt))
+    np.testing.assert_array_equal(got["MoEBiasVar"]["bias"], variables["MoEBiasVar"]["bias"])
+    np.testing.assert_array_equal(got["params"]["kernel"], variables["params"]["kernel"])
+    np.testing.assert_array_equal(got_opt[0].mu["kernel"], opt[0].mu["kernel"])
+    np.testing.assert_array_equal(np.asarray(model.apply(got, x)), np.asarray(model.apply(variables, x)))
+    only = cbflax.load(str(tmp_path / "u"), {"params": target["params"]})  # one collection: the same names
+    np.testing.assert_array_equal(only["params"]["kernel"], variables["params"]["kernel"])

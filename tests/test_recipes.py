@@ -63,14 +63,20 @@ def test_config_from_hf_reads_heads_rope_and_family(llama):
         recipes.family_from_hf({"model_type": "gpt2"})
 
 
+FAMILY_CFG = {  # families whose config is not the Llama-like one
+    "deepseek_v3": {"n_heads": 4, "n_layers": 3, "first_dense": 1, "q_lora_rank": 24, "kv_lora_rank": 20,
+                    "qk_nope_head_dim": 12, "qk_rope_head_dim": 8, "v_head_dim": 10, "mtp_layers": 1},
+}
+
+
 @pytest.mark.parametrize("family,src,dst", recipes.available())
 def test_every_recipe_is_json_data_and_inverts_to_its_reverse(family, src, dst):
-    more = MORE_CFG.get(family, {})
-    rules = recipes.rules(family, src=src, dst=dst, **A_CFG, **more, rope="llama3.1")
+    cfg = FAMILY_CFG.get(family, {**A_CFG, **MORE_CFG.get(family, {}), "rope": "llama3.1"})
+    rules = recipes.rules(family, src=src, dst=dst, **cfg)
     data = ckptbridge.rules_to_json(rules)
     assert tuple(ckptbridge.rule_from_json(r) for r in json.loads(json.dumps(data))) == rules
     assert [json.loads(line) for line in recipes.show(rules).splitlines()] == data
-    back = recipes.rules(family, src=dst, dst=src, **A_CFG, **more, rope="llama3.1")
+    back = recipes.rules(family, src=dst, dst=src, **cfg)
     assert tuple(ckptbridge.invert(rules)) == back
     assert tuple(ckptbridge.invert(back)) == rules
 

@@ -99,6 +99,7 @@ def _all_rules():
         Cast,
         Crop,
         Deinterleave,
+        Drop,
         Expect,
         Interleave,
         Join,
@@ -120,7 +121,7 @@ def _all_rules():
             Unstack("^w$", "l.{i}.w", 0), Split("qkv", "{part}", 0, ("q", "k"), (2, 2)),
             Join("{part}$", "qkv", 0, ("q", "k")), Scale("q", 0.125), Offset("norm", 1.0),
             Cast("w", "bfloat16", ("param",), "float32"),
-            Expect("q", (128, None), "n_heads x head_dim"))
+            Expect("q", (128, None), "n_heads x head_dim"), Drop(r"^mtp\.", "no MTP in the target"))
 
 
 def test_every_rule_round_trips_through_json():
@@ -240,3 +241,23 @@ def test_rename_inverse_for_literal_patterns():
 
     name = "model.layers.12.self_attn.k_proj.weight"
     assert re.sub(inv.pattern, inv.to, re.sub(r.pattern, r.to, name)) == name
+
+
+def test_drop_leaves_tensors_out_with_one_line_naming_them(tmp_path):
+    import warnings
+
+    import pytest
+
+    from ckptbridge import Drop, DroppedTensorsWarning, invert
+
+    c = _ckpt(tmp_path, {"mtp.0.w": torch.ones(2, 3), "mtp.1.w": torch.ones(2), "layers.0.w": torch.ones(4)})
+    rule = Drop(r"^mtp\.", "MTP layers: none in the target")
+    with pytest.warns(DroppedTensorsWarning) as caught:
+        out = apply_rules(c.tensors, [rule])
+    assert sorted(out) == ["layers.0.w"]
+    (line,) = [str(w.message) for w in caught]
+    assert line == "dropped 2 tensors (MTP layers: none in the target): mtp.0.w, mtp.1.w"
+    assert invert([rule]) == [rule]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing matched: nothing to report
+        assert sorted(apply_rules(out, [rule])) == ["layers.0.w"]

@@ -105,8 +105,8 @@ class MegatronConfig:
         hidden = int(need("hidden_size"))
         groups = int(args.get("num_query_groups") or heads) if args.get("group_query_attention") else heads
         moe = moe_fields(args, where)
-        if args.get("multi_latent_attention"):
-            raise FormatError(f"{where}: multi-latent attention checkpoints are not supported yet")
+        if args.get("multi_latent_attention") and int(args.get("tensor_model_parallel_size") or 1) != 1:
+            raise FormatError(f"{where}: multi-latent attention checkpoints are supported at TP 1 only")
         if args.get("pipeline_model_parallel_layout"):
             raise FormatError(f"{where}: --pipeline-model-parallel-layout is not supported yet")
         return MegatronConfig(
@@ -179,8 +179,8 @@ def tp_layout(name: str, cfg: MegatronConfig, ndim: int) -> TpLayout:
         return TpLayout("column", 0)
     if module in _ROW:
         return TpLayout("row", 1) if attr == "weight" else TpLayout("replicated")
-    if name.startswith("embedding.position_embeddings") or ndim <= 1:
-        return TpLayout("replicated")
+    if name.startswith("embedding.position_embeddings") or ndim <= 1 or cfg.tp == 1:
+        return TpLayout("replicated")  # (at TP 1 every tensor is whole: MoE, MLA)
     raise FormatError(
         f"parameter {name!r}: unknown tensor-parallel layout (not a known Megatron GPT module); "
         "open with tp_layouts={name: 'column'|'row'|'replicated'} to say how it is split"

@@ -76,8 +76,9 @@ def moe_fields(args: Mapping[str, Any], where: str) -> dict[str, Any]:
     tp = int(args.get("tensor_model_parallel_size") or 1)
     freq = args.get("moe_layer_freq", 1)
     every_layer = freq in (1, None) or (isinstance(freq, (list, tuple)) and all(f == 1 for f in freq))
-    if not every_layer or args.get("moe_layer_pattern"):
-        raise FormatError(f"{where}: MoE with dense layers between (moe_layer_freq={freq!r}) is not supported yet")
+    if (not every_layer or args.get("moe_layer_pattern")) and (tp > 1 or ep > 1):
+        raise FormatError(f"{where}: MoE with dense layers between (moe_layer_freq={freq!r}) is supported at TP 1 and "
+                          "EP 1 only")
     if args.get("moe_grouped_gemm") and str(args.get("transformer_impl")) != "local":
         raise FormatError(f"{where}: Transformer Engine's TEGroupedMLP (experts.linear_fc1.weightK) is not "
                           "supported yet (only the local spec's SequentialMLP and legacy GroupedMLP)")

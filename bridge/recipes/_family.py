@@ -27,7 +27,7 @@ from functools import cache
 from typing import Any
 
 from .._errors import OptionError
-from ..rules import Expect, Rule, invert
+from ..rules import Drop, Expect, Rule, invert
 from ._gpt import RecipeConfig
 
 Builder = Callable[[Any], list[Rule]]
@@ -76,7 +76,7 @@ class Family:
 
     def rules(self, src: str, dst: str, config: Mapping[str, Any]) -> tuple[Rule, ...]:
         """The rule list from scheme ``src`` to ``dst`` (the base builders, inverted and chained as
-        the route says; a shape check repeated by two steps is kept once)."""
+        the route says; a shape check or a drop repeated by two steps is kept once)."""
         if (src, dst) not in self.pairs():
             pairs = ", ".join(f"{s}->{d}" for s, d in self.pairs())
             raise OptionError(f"recipe {self.name!r} has no {src!r} -> {dst!r} mapping; it maps {pairs}")
@@ -84,7 +84,7 @@ class Family:
         out: list[Rule] = []
         for a, b, inverted in ROUTES[(src, dst)]:
             step = self.base[(a, b)](cfg)
-            out += [r for r in (invert(step) if inverted else step) if r not in out or not isinstance(r, Expect)]
+            out += [r for r in (invert(step) if inverted else step) if r not in out or not isinstance(r, (Expect, Drop))]
         return tuple(out)
 
 

@@ -21,6 +21,8 @@ from ._language import RULES as RULES
 from ._language import Cast as Cast
 from ._language import Crop as Crop
 from ._language import Deinterleave as Deinterleave
+from ._language import Drop as Drop
+from ._language import DroppedTensorsWarning as DroppedTensorsWarning
 from ._language import Expect as Expect
 from ._language import FlatPartition as FlatPartition
 from ._language import Fuse as Fuse

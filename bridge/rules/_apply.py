@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import re
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -18,6 +19,8 @@ from ._language import (
     Interleave,
     Join,
     MergeDims,
+    Drop,
+    DroppedTensorsWarning,
     Offset,
     Pad,
     Rename,
@@ -138,6 +141,14 @@ def _apply_expect(tensors: dict[str, LogicalTensor], rule: Expect) -> dict[str, 
     return tensors
 
 
+def _apply_drop(tensors: dict[str, LogicalTensor], rule: Drop) -> dict[str, LogicalTensor]:
+    gone = [name for name in tensors if rule.matches(name)]
+    if gone:
+        why = f" ({rule.why})" if rule.why else ""
+        warnings.warn(f"dropped {len(gone)} tensors{why}: {', '.join(gone)}", DroppedTensorsWarning, stacklevel=2)
+    return {name: t for name, t in tensors.items() if name not in gone}
+
+
 def _stack_index(m: re.Match[str], index: int | str, rule: Rule, name: str) -> int:
     try:
         return int(m.group(index))
@@ -256,6 +267,7 @@ def _shape_rule(tensors: dict[str, LogicalTensor], rule: Rule) -> dict[str, Logi
 _HANDLERS: dict[type[Rule], Callable[[dict[str, LogicalTensor], Any], dict[str, LogicalTensor]]] = {
     Rename: _apply_rename,
     Expect: _apply_expect,
+    Drop: _apply_drop,
     Stack: _apply_stack,
     Unstack: _apply_unstack,
     Split: _apply_split,

@@ -24,7 +24,8 @@ bytes stay):
 * values: :class:`Scale` (with each state's meaning: a weight scaled by ``c``
   has Adam moments ``exp_avg / c`` and ``exp_avg_sq / c**2``), :class:`Offset` (a weight
   shifted by ``b``: the moments stay), :class:`Cast`;
-* checks: :class:`Expect` (shapes a rule set assumes, tested before anything else).
+* checks: :class:`Expect` (shapes a rule set assumes, tested before anything else);
+* leaving out: :class:`Drop` (tensors the target has no place for, named in a warning).
 
 Every mapping rule has an :meth:`~Rule.inverse`; :func:`invert` reverses a list::
 
@@ -441,10 +442,30 @@ class Expect(Rule):
         return self
 
 
+class DroppedTensorsWarning(UserWarning):
+    """Tensors a :class:`Drop` rule left out (one line naming them)."""
+
+
+@dataclass(frozen=True)
+class Drop(Rule):
+    """Mapping: leave out the tensors matching ``pattern`` (what the target model has no place
+    for: DeepSeek-V3's multi-token-prediction layers in a decoder without them), never silently:
+    applying it warns (:class:`DroppedTensorsWarning`) with one line naming every dropped tensor
+    and ``why``. Its inverse is itself (nothing comes back)::
+
+        Drop(r"^model\\.layers\\.61\\.", "MTP layer: MaxText's decoder has none")
+    """
+
+    why: str = ""
+
+    def inverse(self) -> Drop:
+        return self
+
+
 RULES: dict[str, type[Rule]] = {
     c.__name__: c
     for c in (Shard, Replicate, Fuse, Pad, Renumber, FlatPartition, State, Rename, Transpose, Reshape, SplitDim,
-              MergeDims, Interleave, Deinterleave, Crop, Stack, Unstack, Split, Join, Scale, Offset, Cast, Expect)
+              MergeDims, Interleave, Deinterleave, Crop, Stack, Unstack, Split, Join, Scale, Offset, Cast, Expect, Drop)
 }
 LAYOUT_RULES = (Shard, Replicate, Fuse, Renumber, FlatPartition, State)
 

@@ -4,12 +4,13 @@ Runs inside ``.maxtext/venv`` (Python 3.12, ``maxtext==0.2.5``, jax[cpu]; built 
 ``tools/maxtext/setup.sh``). The 3.11 test venv drives it through
 ``tests/maxtext_client.py``. Every subcommand reads and writes plain files:
 
-- a **spec** (JSON) names the model: ``family`` (llama|mistral|qwen2|mixtral, or a
-  ``FAMILY_MODULES`` family: gemma3|gpt_oss, whose ``tools/maxtext/<family>.py`` adds its
-  MaxText keys and ``extra`` more), ``emb``,
+- a **spec** (JSON) names the model: ``family`` (llama|mistral|qwen2|mixtral|qwen3|qwen3_moe|
+  deepseek_v3, or a ``FAMILY_MODULES`` family: gemma3|gpt_oss, whose ``tools/maxtext/<family>.py``
+  adds its MaxText keys; ``extra`` adds more), ``emb``,
   ``layers``, ``heads``, ``kv_heads``, ``head_dim``, ``mlp``, ``vocab``, ``scan``,
   ``rope_type`` (default|llama3.1), ``rope_theta``, ``norm_eps``, ``tied``, ``experts``,
-  ``experts_per_tok``, ``mesh`` (``{"fsdp": 4, "tensor": 2}``: MaxText ``ici_*_parallelism``),
+  ``experts_per_tok``, ``extra`` (family-specific MaxText keys: ``deepseek_v3``'s MLA and MoE shapes,
+  see ``tools/maxtext/deepseek.py``), ``mesh`` (``{"fsdp": 4, "tensor": 2}``: MaxText ``ici_*_parallelism``),
   ``batch``, ``seq`` (the shapes MaxText initialises with), ``weight_dtype`` (default float32);
 - **params** are a safetensors file whose keys are MaxText's Linen parameter paths joined
   by ``/`` without the leading ``params`` (``decoder/layers/self_attention/query/kernel``),
@@ -66,10 +67,11 @@ from typing import Any
 
 import qwen3 as _qwen3  # tools/maxtext/qwen3.py (the script's own directory)
 
-FAMILIES = ("llama", "mistral", "qwen2", "mixtral", *_qwen3.FAMILIES)
-MOE_FAMILIES = ("mixtral", *_qwen3.MOE_FAMILIES)
+FAMILIES = ("llama", "mistral", "qwen2", "mixtral", "deepseek_v3", *_qwen3.FAMILIES)
+MOE_FAMILIES = ("mixtral", "deepseek_v3", *_qwen3.MOE_FAMILIES)
 # families whose MaxText overrides, converter key and converter names live in tools/maxtext/<family>.py
 FAMILY_MODULES = ("gemma3", "gpt_oss")
+EXTRA_COLLECTIONS = ("MoEBiasVar",)  # MaxText's DeepSeek router correction bias (layers/moe.py MoEBiasVar)
 ROPE_TYPES = ("default", "llama3.1")
 
 
@@ -97,7 +99,8 @@ class Spec:
     seq: int = 16
     weight_dtype: str = "float32"  # MaxText's weight_dtype (the parameter tree's dtype); compute stays fp32
     norm_topk_prob: bool = False  # qwen3_moe: renormalise the top-k router weights
-    extra: dict[str, Any] = field(default_factory=dict)  # more MaxText overrides (a FAMILY_MODULES family's)
+    extra: dict[str, Any] = field(default_factory=dict)  # more MaxText overrides (deepseek_v3's MLA and
+    # MoE shapes, a FAMILY_MODULES family's window ...)
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Spec:
@@ -170,17 +173,21 @@ def maxtext_overrides(spec: Spec) -> list[str]:
         ov |= {"decoder_block": "qwen2", "attention_bias": True, "use_qk_norm": False}
     elif spec.family in _qwen3.FAMILIES:
         ov |= _qwen3.overrides(spec)
+    elif spec.family == "deepseek_v3":
+        import deepseek
+
+        ov |= deepseek.overrides(spec)
     else:
         ov["decoder_block"] = "mixtral"
     if spec.experts:  # dense (non-megablox) experts, no token dropping: runs on XLA:CPU
-        ov |= {
+        ov = {
             "num_experts": spec.experts,
             "num_experts_per_tok": spec.experts_per_tok,
             "base_moe_mlp_dim": spec.mlp,
             "capacity_factor": -1,
             "sparse_matmul": False,
             "megablox": False,
-        }
+        } | ov  # a family's own keys (deepseek_v3's base_moe_mlp_dim) win
     return [f"{k}={v}" for k, v in ov.items()]
 
 
@@ -238,8 +245,8 @@ def build(spec: Spec) -> Built:
     quant = quantizations.configure_quantization(config)
     model = models.transformer_as_linen(config, mesh, quant=quant, model_mode="train")
     abstract = maxtext_utils.get_abstract_param(model, config)
-    if set(abstract) != {"params"}:
-        raise SystemExit(f"unexpected MaxText collections {sorted(abstract)} (expected only 'params')")
+    if "params" not in abstract or set(abstract) - {"params", *EXTRA_COLLECTIONS}:
+        raise SystemExit(f"unexpected MaxText collections {sorted(abstract)} (expected 'params', {EXTRA_COLLECTIONS})")
     is_box = lambda x: isinstance(x, nn.LogicallyPartitioned)  # noqa: E731
     flat = jax.tree_util.tree_flatten_with_path(abstract, is_leaf=is_box)[0]
     leaves = {_path_name(p): leaf for p, leaf in flat}
@@ -656,6 +663,8 @@ def converter_key(spec: Spec) -> tuple[str, bool]:
         return "qwen2.5-7b", False
     if spec.family in _qwen3.CONVERTER_KEYS:
         return _qwen3.CONVERTER_KEYS[spec.family], False
+    if spec.family == "deepseek_v3":
+        return "deepseek3-671b", False
     if spec.family == "mixtral":
         if spec.rope_type != "default":
             raise SystemExit("mixtral: MaxText's converter has no rotary permutation; use rope_type=default")
@@ -693,7 +702,10 @@ def convert_hf(built: Built, spec: Spec, hf_dir: Path, save_dtype: str = "float3
     loader = tm.LazyHFLoader(str(hf_dir), None, save_dtype=save_dtype)
     weights: list[Any] = [None] * len(abstract)
     errors: dict[str, str] = {}
-    for mt_key in validate_and_filter_param_map_keys(mapping.keys(), set(abstract.keys())):
+    # the converter maps the ``params`` collection only (MaxText 0.2.5 has no hook for DeepSeek's
+    # ``MoEBiasVar`` router bias, its mapping names it under ``params``; see NOTES.md)
+    others = sorted(_mt_name(k) for k in abstract if not k.startswith("params-"))
+    for mt_key in validate_and_filter_param_map_keys(mapping.keys(), {k for k in abstract if k.startswith("params-")}):
         idx, shape = tm._get_maxtext_indices_and_shapes(mt_key, abstract)
         load_fn = tm._get_hf_loading_function(mapping[mt_key], lambda n: loader.get_tensor(hf_name(n)),
                                               hooks.get(mt_key), shape, cfg, mt_key)
@@ -711,6 +723,7 @@ def convert_hf(built: Built, spec: Spec, hf_dir: Path, save_dtype: str = "float3
         "save_dtype": save_dtype,
         "errors": errors,
         "leaves": sorted(out),
+        "not_converted": others,
     }
     return out, report
 
@@ -902,7 +915,7 @@ def _load_job(job: dict[str, Any], built: Built) -> dict[str, Any]:
     if opt_state is not None:
         report["count"] = int(_adam_of(opt_state).count)
     if job.get("dump"):
-        _write_safetensors(Path(job["dump"]), _state_arrays(variables["params"], opt_state))
+        _write_safetensors(Path(job["dump"]), _state_arrays(variables, opt_state))  # every collection
     if job.get("tokens"):
         logits = forward(built, variables, np.load(job["tokens"], allow_pickle=False))
         Path(job["logits"]).parent.mkdir(parents=True, exist_ok=True)

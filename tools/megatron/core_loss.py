@@ -154,17 +154,20 @@ def transformer_config(args: Any, tp: int, pp: int) -> Any:
     ``core_transformer_config_from_args``, core_v0.16.1, for the dense GPT cases)."""
     import torch
     import torch.nn.functional as F
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
-    if getattr(args, "multi_latent_attention", False) or getattr(args, "heterogeneous_layers_config_path", None):
-        raise NotImplementedError("core_loss.py builds GPT models without MLA or heterogeneous layers")
+    if getattr(args, "heterogeneous_layers_config_path", None):
+        raise NotImplementedError("core_loss.py builds GPT models only (no heterogeneous layers)")
+    mla = bool(getattr(args, "multi_latent_attention", False))
     freq = getattr(args, "moe_layer_freq", 1)
     every_layer = freq in (1, None) or (isinstance(freq, list) and all(freq))
-    if getattr(args, "num_experts", None) and (getattr(args, "moe_grouped_gemm", False) or not every_layer):
-        raise NotImplementedError("core_loss.py builds MoE models with experts in every layer, no grouped GEMM")
-    kw = {f.name: getattr(args, f.name) for f in dataclasses.fields(TransformerConfig) if hasattr(args, f.name)}
+    if not mla and getattr(args, "num_experts", None) and (getattr(args, "moe_grouped_gemm", False) or not every_layer):
+        raise NotImplementedError("core_loss.py builds MoE models without MLA with experts in every layer, no grouped GEMM")
+    cls = MLATransformerConfig if mla else TransformerConfig  # MLA (+ MoE): DeepSeek-V3, see mla_cpu.py
+    kw = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
     kw.update(pipeline_dtype=args.params_dtype, batch_p2p_comm=not getattr(args, "overlap_p2p_comm", False),
-              num_moe_experts=getattr(args, "num_experts", None) or None, moe_layer_freq=1, rotary_interleaved=getattr(args, "rotary_interleaved", False),
+              num_moe_experts=getattr(args, "num_experts", None) or None, **({} if mla else {"moe_layer_freq": 1}),
+              rotary_interleaved=getattr(args, "rotary_interleaved", False),
               num_layers_in_first_pipeline_stage=getattr(args, "decoder_first_pipeline_num_layers", None),
               num_layers_in_last_pipeline_stage=getattr(args, "decoder_last_pipeline_num_layers", None),
               num_query_groups=args.num_query_groups if getattr(args, "group_query_attention", False) else None,
@@ -182,7 +185,7 @@ def transformer_config(args: Any, tp: int, pp: int) -> Any:
     kw.pop("pipeline_model_parallel_layout", None)
     if kw.get("params_dtype") not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"params_dtype {kw.get('params_dtype')!r} from the saved args is not a float dtype")
-    return TransformerConfig(**kw)
+    return cls(**kw)
 
 
 def build_model(args: Any, tp: int, pp: int) -> Any:
@@ -192,8 +195,13 @@ def build_model(args: Any, tp: int, pp: int) -> Any:
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     config = transformer_config(args, tp, pp)
-    spec = get_gpt_layer_local_spec(normalization=args.normalization, num_experts=config.num_moe_experts,
-                                    qk_layernorm=bool(getattr(args, "qk_layernorm", False)))
+    if config.multi_latent_attention:  # dense and MoE layers, MLA on CPU
+        from mla_cpu import mla_local_spec
+
+        spec = mla_local_spec(config)
+    else:
+        spec = get_gpt_layer_local_spec(normalization=args.normalization, num_experts=config.num_moe_experts,
+                                        qk_layernorm=bool(getattr(args, "qk_layernorm", False)))
     model = GPTModel(
         config=config, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings, pre_process=ps.is_pipeline_first_stage(),
