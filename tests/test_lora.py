@@ -86,21 +86,11 @@ def test_adapter_opens_with_each_tensors_base_weight_and_peft_scaling(made: dict
     assert ckpt["base_model.model.model.layers.1.self_attn.q_proj.lora_A.weight"].shape == (4, 64)  # rank_pattern
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_merged_weights_equal_peft_merge_and_unload(made: dict, dtype: str) -> None:
-    """Against PEFT's ``merge_and_unload`` of the same: float32, two adapters, the second weighted
-    0.5; bfloat16, one adapter weighted 0.5 (PEFT rounds the weight after each adapter, ckptbridge
-    once after all: with two adapters they differ by more than an ulp where values cancel).
-
-    PEFT adds the float32 delta ``(B @ A) * scaling`` of float32 adapters to the weight and rounds
-    once, as ckptbridge does; but numpy's BLAS sums the rank-r products of ``B @ A`` in another
-    order than torch's matmul, so float32 weights agree within 1e-6 of the largest weight (most
-    bitwise), bfloat16 weights within one bfloat16 ulp (most bitwise)."""
-    tdtype = getattr(torch, dtype)
-    base, adapters, weights = ((made["base"], made["adapters"], [1.0, 0.5]) if dtype == "float32"
-                               else (made["bf16"], made["adapters"][1:], [0.5]))
-    ckpt = ckptbridge.open(base, adapters=adapters, adapter_weights=weights)
-    pm = _peft_model(base, adapters, tdtype, weights=weights)
+def _assert_matches_peft(ckpt, base: Path, adapters: list[Path], weights: list[float], dtype: str) -> None:
+    """Every tensor of ``ckpt`` against PEFT's ``merge_and_unload`` of ``adapters`` on the HF model at
+    ``base``: adapted weights within float32 BLAS order (1e-6 of the largest) or one bfloat16 ulp,
+    most of them bitwise; the rest bitwise."""
+    pm = _peft_model(base, adapters, getattr(torch, dtype), weights=weights)
     ref = pm.merge_and_unload(adapter_names=[f"a{i}" for i in range(len(adapters))]).state_dict()
     plain = ckptbridge.open(base)
     assert sorted(ckpt) == sorted(ref)
@@ -120,11 +110,55 @@ def test_merged_weights_equal_peft_merge_and_unload(made: dict, dtype: str) -> N
         total += got.size
         # negative control: the merge moved the weight far more than the tolerance
         assert np.abs(plain[name].read().astype(np.float32) - theirs).max() > 1e3 * 1e-6 * np.abs(theirs).max()
-    assert equal > 0.75 * total
+    assert total and equal > 0.75 * total
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_merged_weights_equal_peft_merge_and_unload(made: dict, dtype: str) -> None:
+    """Against PEFT's ``merge_and_unload`` of the same: float32, two adapters, the second weighted
+    0.5; bfloat16, one adapter weighted 0.5 (PEFT rounds the weight after each adapter, ckptbridge
+    once after all: with two adapters they differ by more than an ulp where values cancel).
+
+    PEFT adds the float32 delta ``(B @ A) * scaling`` of float32 adapters to the weight and rounds
+    once, as ckptbridge does; but numpy's BLAS sums the rank-r products of ``B @ A`` in another
+    order than torch's matmul, so float32 weights agree within 1e-6 of the largest weight (most
+    bitwise), bfloat16 weights within one bfloat16 ulp (most bitwise)."""
+    base, adapters, weights = ((made["base"], made["adapters"], [1.0, 0.5]) if dtype == "float32"
+                               else (made["bf16"], made["adapters"][1:], [0.5]))
+    ckpt = ckptbridge.open(base, adapters=adapters, adapter_weights=weights)
+    _assert_matches_peft(ckpt, base, adapters, weights, dtype)
     merged = ckpt.extra["lora"]["model.layers.0.mlp.down_proj.weight"]["merged"]
     assert [m["weight"] for m in merged] == weights
     if dtype == "float32":
         assert ckpt.extra["lora"]["lm_head.weight"]["replaced_by"].endswith("base_model.model.lm_head.weight")
+
+
+def test_merge_onto_a_block_fp8_base_dequantizes_first(made: dict, tmp_path: Path) -> None:
+    """The bfloat16 Llama block-fp8-quantized (config ``quantization_config``): the merge onto it equals
+    PEFT's merge onto DeepSeek's ``weight_dequant`` of it; a row slice reads its fp8 rows and scales."""
+    from safetensors.torch import load_file
+    from test_quantized import BLOCK, block_quant, save_shards, weight_dequant
+
+    stored = {}
+    for f in sorted(made["bf16"].glob("*.safetensors")):
+        stored.update(load_file(str(f)))
+    config = json.loads((made["bf16"] / "config.json").read_text())
+    fp8, dequantized, scales = dict(stored), dict(stored), {}
+    for name, t in stored.items():
+        if name.split(".")[-2] in TARGETS:
+            fp8[name], scales[name + "_scale_inv"] = block_quant(t, BLOCK)
+            dequantized[name] = weight_dequant(fp8[name], scales[name + "_scale_inv"], BLOCK, torch.bfloat16)
+    save_shards(tmp_path / "ref", [dequantized], config)
+    save_shards(tmp_path / "fp8", [fp8, scales], {**config, "quantization_config": {
+        "quant_method": "fp8", "fmt": "e4m3", "weight_block_size": list(BLOCK)}})
+    ckpt = ckptbridge.open(tmp_path / "fp8", adapters=made["adapters"][1:], adapter_weights=[0.5])
+    _assert_matches_peft(ckpt, tmp_path / "ref", made["adapters"][1:], [0.5], "bfloat16")
+    ckpt.stats.reset()
+    ckpt["model.layers.1.mlp.down_proj.weight"][16:32]  # 64 x 128, blocks 16 x 24
+    shards = {str(tmp_path / "fp8" / f"model-0000{k}-of-00002.safetensors") for k in (1, 2)}
+    adapter = str(made["adapters"][1] / "adapter_model.safetensors")
+    assert dict(ckpt.stats.per_file) == {**dict(zip(sorted(shards), (16 * 128, 4 * 6))),
+                                         adapter: 16 * 8 * 4 + 8 * 128 * 4}
 
 
 def test_merged_model_gives_the_adapter_on_logits(made: dict, tmp_path: Path) -> None:
