@@ -133,6 +133,19 @@ def test_merged_weights_equal_peft_merge_and_unload(made: dict, dtype: str) -> N
         assert ckpt.extra["lora"]["lm_head.weight"]["replaced_by"].endswith("base_model.model.lm_head.weight")
 
 
+def test_the_comparison_catches_a_wrong_scaling(made: dict, tmp_path: Path) -> None:
+    """Negative control: the same adapter read without rsLoRA (scaling alpha/r) fails the PEFT check."""
+    src, ad = made["adapters"][1], tmp_path / "plain_lora"
+    ad.mkdir()
+    (ad / "adapter_model.safetensors").write_bytes((src / "adapter_model.safetensors").read_bytes())
+    config = json.loads((src / "adapter_config.json").read_text())
+    (ad / "adapter_config.json").write_text(json.dumps({**config, "use_rslora": False}))
+    ckpt = ckptbridge.open(made["base"], adapters=[ad])
+    with pytest.raises(AssertionError):
+        _assert_matches_peft(ckpt, made["base"], [src], [1.0], "float32")
+    _assert_matches_peft(ckptbridge.open(made["base"], adapters=[src]), made["base"], [src], [1.0], "float32")
+
+
 def test_merge_onto_a_block_fp8_base_dequantizes_first(made: dict, tmp_path: Path) -> None:
     """The bfloat16 Llama block-fp8-quantized (config ``quantization_config``): the merge onto it equals
     PEFT's merge onto DeepSeek's ``weight_dequant`` of it; a row slice reads its fp8 rows and scales."""
