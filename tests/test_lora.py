@@ -239,6 +239,21 @@ def test_mismatches_fail_naming_the_file_and_tensor(made: dict, tmp_path: Path) 
         ckptbridge.open(tmp_path / "wide", adapters=[src])
 
 
+def test_cli_merge_with_weights_writes_what_the_api_reads(made: dict, tmp_path: Path) -> None:
+    from ckptbridge._cli import main
+
+    out = tmp_path / "cli.safetensors"
+    args = ["merge", str(made["base"]), *map(str, made["adapters"]), str(out), "--to", "safetensors",
+            "--weight", "1", "--weight", "0.5"]
+    assert main(args) == 0
+    api = ckptbridge.open(made["base"], adapters=made["adapters"], adapter_weights=[1.0, 0.5])
+    assert all(r.equal for r in ckptbridge.diff(api, out))
+    other = ckptbridge.open(made["base"], adapters=made["adapters"])  # weights 1, 1: not the same file
+    assert [r.name for r in ckptbridge.diff(other, out) if not r.equal]
+    assert main(["merge", str(made["base"]), str(made["adapters"][0]), str(tmp_path / "x"), "--to", "safetensors",
+                 "--weight", "1", "--weight", "2"]) == 2
+
+
 def test_inspect_shows_the_adapted_base_weights(made: dict) -> None:
     run = [sys.executable, "-m", "ckptbridge", "inspect", "--json"]
     info = json.loads(subprocess.run([*run, str(made["adapters"][0])], check=True, capture_output=True,
