@@ -2,13 +2,15 @@
 
 Opened in place (each tensor is one fragment pointing into its file; a quantized HF checkpoint,
 one whose ``config.json`` has a ``quantization_config``, opens dequantized: see
-``ckptbridge.adapters._quant``); written
+``ckptbridge.adapters._quant``; a PEFT LoRA adapter folder names the base weight of each tensor, and
+``adapters=[...]`` merges adapters lazily onto a base: see ``ckptbridge.adapters._lora``); written
 as one consolidated file of one state (``reshard --to safetensors`` is
 ``ckptbridge.export``)::
 
     ckpt = ckptbridge.open("model.safetensors")
     ckpt = ckptbridge.open("hf_model/")                      # model.safetensors.index.json + shards
     ckptbridge.reshard("run/ckpt", "out/weights.safetensors", to="safetensors", state="fp32")
+    ckpt = ckptbridge.open("hf_model/", adapters=["lora_a/", "lora_b/"], adapter_weights=[1.0, 0.5])
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from ckptbridge.plugin import (
 )
 from ckptbridge.plugin import dtypes as _dtypes
 
+from . import _lora
 from ._hf import check_weight_map, index_json_of, shard_files
 from ._quant import OUTPUT_DTYPES, dequantize, derivation_of, quantization_config
 
@@ -76,14 +79,20 @@ class SafetensorsOpenOptions(OpenOptions):
 
     ``dequantize``: show quantized weights dequantized, their scales folded in (False: as stored).
     ``dequantize_dtype``: the dtype of dequantized weights: bfloat16, float16 or float32.
+    ``adapters``: PEFT LoRA adapter folders to merge (lazily, per slice) into the weights they adapt.
+    ``adapter_weights``: one weight per adapter (default 1 each): W + sum(weight * scaling * B @ A).
     """
 
     dequantize: bool = True
     dequantize_dtype: str = "bfloat16"
+    adapters: tuple[str, ...] = ()
+    adapter_weights: tuple[float, ...] = ()
 
     def validate(self) -> None:
         if self.dequantize_dtype not in OUTPUT_DTYPES:
             raise OptionError(f"dequantize_dtype {self.dequantize_dtype!r} is not one of {', '.join(OUTPUT_DTYPES)}")
+        if self.adapter_weights and len(self.adapter_weights) != len(self.adapters):
+            raise OptionError(f"{len(self.adapter_weights)} adapter_weights for {len(self.adapters)} adapters")
 
 
 def index(path: str, options: OpenOptions | None = None) -> CheckpointIndex:
@@ -104,10 +113,16 @@ def index(path: str, options: OpenOptions | None = None) -> CheckpointIndex:
     check_weight_map(index_json_of(path, ".safetensors.index.json"), found)
     if derivation is not None:
         tensors = dequantize(tensors, derivation, opts.dequantize_dtype, found)
-    meta: dict[str, str] = {}
+    extra: dict[str, object] = {}
     if len(files) == 1:
         meta = read_header(files[0])[0].get("__metadata__") or {}
-    return CheckpointIndex("safetensors", path, tensors, extra={"metadata": meta} if meta else {})
+        extra = {"metadata": meta} if meta else {}
+    if _lora.is_adapter(path):
+        extra["lora"] = _lora.adapter_notes(_lora.read(path, tensors))
+    if opts.adapters:
+        adapters = [_lora.read(a, _single_file_tensors(_lora.weights_file(a))) for a in opts.adapters]
+        tensors, extra["lora"] = _lora.merge(tensors, adapters, opts.adapter_weights or (1.0,) * len(adapters), path)
+    return CheckpointIndex("safetensors", path, tensors, extra=extra)
 
 
 @dataclass(frozen=True)

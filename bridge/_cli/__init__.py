@@ -8,6 +8,7 @@
     ckptbridge verify PATH
     ckptbridge diff A B [--json] [--state S] [--atol X] [--rtol Y]
     ckptbridge reshard SRC DST --to FORMAT [--tp N --pp M ... -o key=value]
+    ckptbridge merge BASE ADAPTER [ADAPTER ...] OUT --to FORMAT [--weight W ...]
     ckptbridge formats
     ckptbridge recipe [FAMILY SRC DST [--hf-config config.json] [-c key=value ...] [--out R.json]]
 

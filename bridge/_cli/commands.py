@@ -170,6 +170,7 @@ def _open(args: argparse.Namespace, path: str | None = None, *, fmt: str | None 
 
 
 def _summary(ckpt: Checkpoint) -> dict[str, Any]:
+    lora = ckpt.extra.get("lora") or {}  # per tensor: the LoRA adapter it is, or those merged into it
     return {
         "format": ckpt.format,
         "path": ckpt.path,
@@ -179,7 +180,8 @@ def _summary(ckpt: Checkpoint) -> dict[str, Any]:
              "states": list(t.states),
              "state_dtypes": {s: st.dtype for s, st in t.states.items()},
              "fragments": sum(len(st.fragments) for st in t.states.values()),
-             **({"scalars": dict(t.scalars)} if t.scalars else {})}
+             **({"scalars": dict(t.scalars)} if t.scalars else {}),
+             **({"lora": lora[n]} if n in lora else {})}
             for n, t in ckpt.tensors.items()
         ],
         "rules": list(ckpt.rules),
@@ -197,12 +199,14 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(info, default=str))
         return 0
+    lora = any("lora" in t for t in info["tensors"])
     rows = [(t["name"], "x".join(map(str, t["shape"])) or "scalar", t["dtype"],
-             ",".join(f"{s}:{d}" for s, d in t["state_dtypes"].items()), t["fragments"])
+             ",".join(f"{s}:{d}" for s, d in t["state_dtypes"].items()), t["fragments"],
+             *((_lora_text(t.get("lora")),) if lora else ()))
             for t in info["tensors"]]
     if not args.fragments or _tty():  # piped, --fragments prints its own table alone (one clean TSV)
         _table(f"{ckpt.path}  format={ckpt.format}  step={ckpt.step}  tensors={len(rows)}",
-               ("name", "shape", "dtype", "states", "fragments"), rows)
+               ("name", "shape", "dtype", "states", "fragments", *(("lora",) if lora else ())), rows)
     if args.fragments:
         _table("fragments", ("name", "state", "box", "location"),
                [(n, s, f"{list(f.box.offset)}+{list(f.box.shape)}", f.location.describe())
@@ -211,6 +215,33 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         print("rules (the layout of this checkpoint, and any mapping applied):")
         for r in ckpt.rules:
             print("  " + json.dumps(r))
+    return 0
+
+
+def _lora_text(info: dict[str, Any] | None) -> str:
+    """One cell: the base weight a LoRA tensor adapts, or the adapters merged into a weight."""
+    if not info:
+        return ""
+    if "merged" in info:
+        return "merged " + ", ".join(f"{m['adapter']} (r={m['rank']}, x{m['weight']:g})" for m in info["merged"])
+    if "replaced_by" in info:
+        return f"replaced by {info['replaced_by']}"
+    rank = f" (r={info['rank']}, scaling={info['scaling']:g})" if "rank" in info else ""
+    return f"{info['part']} of {info['base']}{rank}"
+
+
+def cmd_merge(args: argparse.Namespace) -> int:
+    opts = _pairs(getattr(args, "open_option", []) or [], "-O")
+    opts["adapters"] = tuple(args.adapter)
+    if args.weight:
+        opts["adapter_weights"] = tuple(args.weight)
+    fmt = get_format(args.to)
+    ckpt = open_ckpt(args.src, args.format, **opts)
+    dst = destination(args.dst, fmt.name)
+    write = _pairs(args.option, "-o") | ({"overwrite": True} if args.overwrite else {})
+    with _progress(f"merging into {fmt.name}", _bytes_of(ckpt), lambda: ckpt.stats.bytes_read), _writing(dst):
+        out = reshard(ckpt, dst, fmt.name, **write)
+    print(f"wrote {out} ({fmt.name})")
     return 0
 
 

@@ -13,6 +13,7 @@ from .commands import (
     cmd_export,
     cmd_formats,
     cmd_inspect,
+    cmd_merge,
     cmd_recipe,
     cmd_reshard,
     cmd_verify,
@@ -137,6 +138,24 @@ def build_parser() -> argparse.ArgumentParser:
     _launcher_args(s)
     _source_args(s)
     s.set_defaults(fn=cmd_reshard)
+
+    s = sub.add_parser("merge", help="merge LoRA adapters into a base and write the result",
+                       description="Write BASE with the PEFT LoRA ADAPTERs merged (W + weight * scaling * B @ A, "
+                                   "per slice in float32, rounded once to the base dtype) as format --to at OUT.",
+                       epilog=_writer_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    s.add_argument("src", metavar="BASE", help="base checkpoint (HF safetensors)")
+    s.add_argument("adapter", nargs="+", metavar="ADAPTER", help="PEFT adapter folder (adapter_config.json + "
+                   "adapter_model.safetensors)")
+    s.add_argument("dst", metavar="OUT", help="destination (a file extension is added for single-file formats)")
+    s.add_argument("--to", required=True, metavar="FORMAT", choices=_writable_names() or None,
+                   help="format to write: " + ", ".join(_writable_names()))
+    s.add_argument("--weight", type=float, action="append", default=[], metavar="W",
+                   help="one weight per adapter, in order (default 1 each)")
+    s.add_argument("--overwrite", action="store_true", help="replace OUT once the new one is complete")
+    s.add_argument("-o", "--option", action="append", default=[], metavar="KEY=VALUE",
+                   help="a write option of the target format (repeatable; see below)")
+    _source_args(s, rules=False)
+    s.set_defaults(fn=cmd_merge)
 
     s = sub.add_parser("recipe", help="list the model-family recipes, or print one as a rules file",
                        description="Print the rules that map a model family between naming schemes (hf, megatron, "
