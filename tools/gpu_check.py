@@ -161,6 +161,20 @@ def _pinned_images(ck: Any) -> tuple[int, int]:
     return locked, len(images)
 
 
+def _time_saves(ck: Any, state: Any, reps: int) -> tuple[list[float], list[float]]:
+    """Steps 1..reps saved by ``ck``: each save's stall (the call's return) and its snapshot time
+    (until the state is copied out), every save waited for before the next."""
+    stalls, snaps = [], []
+    for step in range(1, reps + 1):
+        t0 = time.perf_counter()
+        ck.save(step, {"model": state})
+        stalls.append(time.perf_counter() - t0)
+        ck.wait_snapshots()
+        snaps.append(time.perf_counter() - t0)
+        ck.wait()
+    return stalls, snaps
+
+
 def check_torch_checkpointer(cfg: Config) -> list[Row]:
     """Pinned staging, stall vs one D2H copy, and restore_into device tensors."""
     import torch
@@ -175,14 +189,7 @@ def check_torch_checkpointer(cfg: Config) -> list[Row]:
         ck.save(0, {"model": state})
         ck.wait()
         locked, n_images = _pinned_images(ck)
-        stalls, snaps = [], []
-        for step in range(1, cfg.reps + 1):
-            t0 = time.perf_counter()
-            ck.save(step, {"model": state})
-            stalls.append(time.perf_counter() - t0)
-            ck.wait_snapshots()
-            snaps.append(time.perf_counter() - t0)
-            ck.wait()
+        stalls, snaps = _time_saves(ck, state, cfg.reps)
         last = cfg.reps
         saved = _read_step(ck.path_of(last))
         d2h = _median_time(lambda: [t.to("cpu", copy=True) for t in state.values()], cfg.reps)
@@ -238,14 +245,7 @@ def check_jax_checkpointer(cfg: Config) -> list[Row]:
         ck.reserve({"model": state})
         ck.save(0, {"model": state})
         ck.wait()
-        stalls, snaps = [], []
-        for step in range(1, cfg.reps + 1):
-            t0 = time.perf_counter()
-            ck.save(step, {"model": state})
-            stalls.append(time.perf_counter() - t0)
-            ck.wait_snapshots()
-            snaps.append(time.perf_counter() - t0)
-            ck.wait()
+        stalls, snaps = _time_saves(ck, state, cfg.reps)
         saved = _read_step(ck.path_of(cfg.reps))
     finally:
         ck.close()
