@@ -22,7 +22,7 @@ logical-axis shardings. Then, scanned and unscanned:
 4. Negative controls far outside the tolerance: the router bias left at zero (what MaxText's
    converter leaves it), the shared experts' gate and up swapped.
 
-HF -> megatron-core: the CLI (``reshard --to megatron``, args from ``deepseek_v3.megatron_args``)
+HF -> megatron-core: the CLI (``reshard --to megatron``, args from ``recipes.megatron_args``)
 writes a TP 1 checkpoint that megatron-core's ``GPTModel`` (MLA + MoE from its own layer specs;
 dense first layer) loads strictly on 2 gloo ranks (``tools/megatron/core_loss.py``) and whose
 logits are HF's; Megatron -> HF gives every tensor back bitwise; the router's expert bias zeroed
@@ -287,19 +287,18 @@ CORE_LOSS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file_
 @pytest.fixture(scope="module")
 def megatron(tmp_path_factory):
     """HF -> Megatron with the CLI (``reshard --to megatron --rules R.json -o args=ARGS.json``, args from
-    ``deepseek_v3.megatron_args``), loaded strictly by megatron-core's ``GPTModel`` (MLA + MoE layer
+    ``recipes.megatron_args``), loaded strictly by megatron-core's ``GPTModel`` (MLA + MoE layer
     specs, the core attention of ``tools/megatron/mla_cpu.py``) on 2 gloo ranks (``core_loss.py``)."""
     import subprocess
 
     from ckptbridge._cli import main
-    from ckptbridge.recipes import deepseek_v3
 
     work = tmp_path_factory.mktemp("deepseek_megatron")
     model = hf.build_deepseek(SPEC)
     d = hf.save(model, work / "hf")
     template = {**ckptbridge.open(MEGATRON_A).extra["megatron"]["args"], "tensor_model_parallel_size": 1,
                 "pipeline_model_parallel_size": 1}
-    (work / "args.json").write_text(json.dumps(deepseek_v3.megatron_args(d / "config.json", template=template)))
+    (work / "args.json").write_text(json.dumps(recipes.megatron_args(d / "config.json", template=template)))
     rules = recipes.rules("deepseek_v3", src="hf", dst="megatron", **recipes.config_from_hf(d / "config.json"))
     items = []
     for label, rr in (("mg", rules), ("mg_bias_zero", (*rules, Scale(r"\.mlp\.router\.expert_bias$", 0.0)))):

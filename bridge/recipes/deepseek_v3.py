@@ -210,25 +210,20 @@ def config_from_hf(hf: Mapping[str, Any]) -> dict[str, Any]:
             "mtp_layers": int(hf.get("num_nextn_predict_layers") or 0)}
 
 
-def megatron_args(config: Any, template: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """Megatron args for an HF DeepSeek-V3 ``config.json``: :func:`ckptbridge.recipes.megatron_args`'s
-    model shape plus MLA (``multi_latent_attention``, the LoRA ranks, the head widths, YaRN) and
-    MoE (experts, shared experts, sigmoid grouped routing with the expert bias, ``moe_layer_freq``:
-    the first ``first_k_dense_replace`` layers dense) over ``template``. megatron-core ranks expert
-    groups by their top ``topk / group_topk`` scores, DeepSeek by their top 2: the same routing
+def megatron_args(hf: Mapping[str, Any]) -> dict[str, Any]:
+    """The Megatron args of an HF DeepSeek-V3 ``config.json`` over the Llama-like ones that
+    :func:`ckptbridge.recipes.megatron_args` writes: MLA (``multi_latent_attention``, the LoRA ranks,
+    the head widths, YaRN) and MoE (experts, shared experts, sigmoid grouped routing with the expert
+    bias, ``moe_layer_freq``: the first ``first_k_dense_replace`` layers dense). megatron-core ranks
+    expert groups by their top ``topk / group_topk`` scores, DeepSeek by their top 2: the same routing
     only when ``num_experts_per_tok = 2 x topk_group`` (DeepSeek-V3: 8 = 2 x 4); other values fail here."""
-    from ._configs import megatron_args as gpt_args
-    from ._family import load_config
-
-    hf = load_config(config)
     topk, groups = int(hf["num_experts_per_tok"]), int(hf.get("topk_group") or 0)
     if groups and topk != 2 * groups:
         raise OptionError(f"megatron_args: num_experts_per_tok={topk} is not 2 x topk_group={groups}: megatron-core "
                           "would rank the expert groups differently from DeepSeek")
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     dense = int(hf.get("first_k_dense_replace") or 0)
-    args = gpt_args(hf, template)
-    args.update(
+    args: dict[str, Any] = dict(
         multi_latent_attention=True, q_lora_rank=hf.get("q_lora_rank") or None, kv_lora_rank=int(hf["kv_lora_rank"]),
         qk_head_dim=int(hf["qk_nope_head_dim"]), qk_pos_emb_head_dim=int(hf["qk_rope_head_dim"]),
         v_head_dim=int(hf["v_head_dim"]), kv_channels=int(hf["v_head_dim"]), qk_layernorm=True,
@@ -252,6 +247,7 @@ def megatron_args(config: Any, template: Mapping[str, Any] | None = None) -> dic
 
 
 FAMILY = Family(name="deepseek_v3", model_types=("deepseek_v3",), config=DeepseekConfig, from_hf=config_from_hf,
+                megatron_args=megatron_args,
                 required=("n_heads", "n_layers", "first_dense", "kv_lora_rank", "qk_nope_head_dim",
                           "qk_rope_head_dim", "v_head_dim"),
                 base={("hf", "maxtext"): hf_to_maxtext, ("megatron", "hf"): megatron_to_hf})
