@@ -25,10 +25,6 @@ from ckptbridge import OptionError, ShapeMismatchError, TensorNotFoundError, rec
 
 A = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "megatron", "A", "tp2pp2", "torch")
 A_CFG = {"n_heads": 4, "n_kv_heads": 2, "head_dim": 16}
-MORE_CFG = {  # the config keys a family needs beyond A_CFG's
-    "gemma3": {"n_layers": 8, "hidden": 64},
-    "gpt_oss": {"n_layers": 4, "moe_mlp": 48},
-}
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +59,9 @@ def test_config_from_hf_reads_heads_rope_and_family(llama):
         recipes.family_from_hf({"model_type": "gpt2"})
 
 
-FAMILY_CFG = {  # families whose config is not the Llama-like one
+FAMILY_CFG = {  # each family's config (default: the Llama-like A_CFG with llama3.1 rope)
+    "gemma3": {**A_CFG, "rope": "llama3.1", "n_layers": 8, "hidden": 64},
+    "gpt_oss": {**A_CFG, "rope": "llama3.1", "n_layers": 4, "moe_mlp": 48},
     "deepseek_v3": {"n_heads": 4, "n_layers": 3, "first_dense": 1, "q_lora_rank": 24, "kv_lora_rank": 20,
                     "qk_nope_head_dim": 12, "qk_rope_head_dim": 8, "v_head_dim": 10, "mtp_layers": 1},
 }
@@ -71,7 +69,7 @@ FAMILY_CFG = {  # families whose config is not the Llama-like one
 
 @pytest.mark.parametrize("family,src,dst", recipes.available())
 def test_every_recipe_is_json_data_and_inverts_to_its_reverse(family, src, dst):
-    cfg = FAMILY_CFG.get(family, {**A_CFG, **MORE_CFG.get(family, {}), "rope": "llama3.1"})
+    cfg = FAMILY_CFG.get(family, {**A_CFG, "rope": "llama3.1"})
     rules = recipes.rules(family, src=src, dst=dst, **cfg)
     data = ckptbridge.rules_to_json(rules)
     assert tuple(ckptbridge.rule_from_json(r) for r in json.loads(json.dumps(data))) == rules
