@@ -243,3 +243,13 @@ def _nest(flat):
             node = node.setdefault(part, {})
         node[last] = value
     return tree
+
+
+def test_hf_config_refuses_megatron_args_its_family_cannot_say():
+    """A Llama config for MLA or MoE args would drop the experts and the latent attention silently."""
+    args = {"normalization": "RMSNorm", "swiglu": True, "position_embedding_type": "rope", "num_attention_heads": 4,
+            "hidden_size": 64, "num_layers": 2, "padded_vocab_size": 256}
+    assert recipes.hf_config(args)["model_type"] == "llama"
+    for extra in ({"multi_latent_attention": True}, {"num_experts": 4}):
+        with pytest.raises(OptionError, match="family 'llama' writes no HF config for multi-latent attention"):
+            recipes.hf_config({**args, **extra})

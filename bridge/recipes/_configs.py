@@ -73,4 +73,7 @@ def hf_config(args: Mapping[str, Any], vocab_size: int | None = None, family: st
     own = registry().get(family)
     if own is not None and own.hf_config is not None:  # a family's own keys (model_type, q/k norms, MoE)
         out.update(own.hf_config(args))
+    elif args.get("multi_latent_attention") or args.get("num_experts"):  # a Llama config would drop them silently
+        raise OptionError(f"hf_config: family {family!r} writes no HF config for multi-latent attention or "
+                          "mixture-of-experts Megatron args; pass the family whose config it is (e.g. 'qwen3_moe')")
     return out
