@@ -27,6 +27,14 @@ def mesh(shape: tuple[int, ...], names: tuple[str, ...]) -> Mesh:
     return Mesh(np.array(jax.devices()[: int(np.prod(shape))]).reshape(shape), names)
 
 
+def sharded_on_2x4(ref: dict[str, np.ndarray], specs: dict[str, tuple[Any, ...]]) -> dict[str, jax.Array]:
+    """Each array of ``ref`` placed on a 2x4 ("x", "y") mesh with ``PartitionSpec(*specs[name])``."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    m = mesh((2, 4), ("x", "y"))
+    return {k: jax.device_put(v, NamedSharding(m, PartitionSpec(*specs[k]))) for k, v in ref.items()}
+
+
 def save_layouts(root: Path, tree: Any, names: Iterable[str] = LAYOUTS) -> None:
     """Save ``tree`` with Orbax once per layout, to ``root / <layout name>``."""
     for name in names:

@@ -64,6 +64,35 @@ def _np(t: object) -> np.ndarray:
     return t.numpy()
 
 
+def run_ds_train(launch, ws: int, out: str, args: list[str], dump: bool, timeout: int) -> dict:
+    """Run tools/ds_train.py (``launch``: make_deepspeed_ckpt.launch) at world size ``ws`` with
+    ``--out out --no_save``; its meta.json, with the engine state it dumped under "loaded"."""
+    os.makedirs(out, exist_ok=True)
+    args = [*args, "--out", out, "--no_save"]
+    if dump:
+        args += ["--dump_loaded", os.path.join(out, "loaded.pt")]
+    launch(ws, args, os.path.join(out, "log.txt"), timeout=timeout)
+    with open(os.path.join(out, "meta.json")) as fh:
+        meta = json.load(fh)
+    if dump:
+        meta["loaded"] = _load(os.path.join(out, "loaded.pt"))
+    return meta
+
+
+def assert_loaded_equals(loaded: dict, src_root: str) -> None:
+    """The fp32 weights and Adam moments a live engine holds (dumped by ds_train.py) equal the
+    checkpoint's bitwise; the step advanced to 3; the per-group weight decay survived."""
+    src = cb_open(src_root)
+    params = loaded["params"]
+    assert set(params) == set(src)
+    for n, states in params.items():
+        assert set(states) == set(STATES)
+        for k, t in states.items():
+            assert same_bits(_np(t), src[n].state(k).read()), f"{n}/{k} loaded wrong"
+    assert loaded["steps"] == [3.0]
+    assert [g["weight_decay"] for g in loaded["param_groups"]] == [0.1, 0.0]
+
+
 def _engine_reference(run: str) -> dict[str, dict[str, np.ndarray]]:
     """{name: {state: array}} gathered from the live engine when the checkpoint was saved."""
     if os.path.exists(os.path.join(run, "reference.pt")):

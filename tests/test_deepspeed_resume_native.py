@@ -23,15 +23,13 @@ its own copy, and the test checks that the aliasing was there.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import sys
 
 import numpy as np
 import pytest
-from _common import same_bits
-from test_deepspeed import _load, _np, runs_dir  # noqa: F401  (session fixture)
+from test_deepspeed import assert_loaded_equals, run_ds_train, runs_dir  # noqa: F401  (session fixture)
 
 from ckptbridge import open as cb_open
 from ckptbridge import reshard
@@ -40,37 +38,13 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tools"))
 import make_deepspeed_ckpt as tools  # noqa: E402
 
-STATES = ("fp32", "exp_avg", "exp_avg_sq")
-
 
 def _run(tmp: str, label: str, ws: int, stage: int, dtype: str, native: str, universal: str | None,
          extra: tuple[str, ...] = (), dump: bool = True) -> dict:
-    out = os.path.join(tmp, label)
-    os.makedirs(out, exist_ok=True)
-    args = ["--stage", str(stage), "--dtype", dtype, "--steps", "2", "--resume_native", native,
-            "--out", out, "--no_save", *extra]
-    if dump:
-        args += ["--dump_loaded", os.path.join(out, "loaded.pt")]
+    args = ["--stage", str(stage), "--dtype", dtype, "--steps", "2", "--resume_native", native, *extra]
     if universal:
         args += ["--compare_universal", universal]
-    tools.launch(ws, args, os.path.join(out, "log.txt"), timeout=900)
-    with open(os.path.join(out, "meta.json")) as fh:
-        meta = json.load(fh)
-    if dump:
-        meta["loaded"] = _load(os.path.join(out, "loaded.pt"))
-    return meta
-
-
-def _assert_loaded_equals(loaded: dict, src_root: str) -> None:
-    src = cb_open(src_root)
-    params = loaded["params"]
-    assert set(params) == set(src)
-    for n, states in params.items():
-        assert set(states) == set(STATES)
-        for k, t in states.items():
-            assert same_bits(_np(t), src[n].state(k).read()), f"{n}/{k} loaded wrong"
-    assert loaded["steps"] == [3.0]
-    assert [g["weight_decay"] for g in loaded["param_groups"]] == [0.1, 0.0]
+    return run_ds_train(tools.launch, ws, os.path.join(tmp, label), args, dump, timeout=900)
 
 
 def _assert_partition_reads(meta: dict, src_root: str, ws: int) -> None:
@@ -110,7 +84,7 @@ def test_native_resume_equals_deepspeed_universal(runs_dir: str, tmp_path, run, 
     assert meta["losses"] == meta["reference_losses"]  # bitwise, both steps
     assert meta["global_steps"] == 5
     assert meta["timing"]["reference_step_aliases"] == (1 if stage == 3 else 0)
-    _assert_loaded_equals(meta["loaded"], src)
+    assert_loaded_equals(meta["loaded"], src)
     _assert_partition_reads(meta, src, ws)
 
 

@@ -229,27 +229,20 @@ def test_reads_only_the_requested_rows() -> None:
 # ----------------------------------------------------------------------------- errors
 
 
-def test_missing_rank_dir_is_named(tmp_path) -> None:
+@pytest.mark.parametrize(("run", "victim"), [
+    ("A/tp2pp2/torch", "iter_0000005/mp_rank_01_001"),                # a rank's directory
+    ("Adistopt/tp2pp1dp2/torch", "iter_0000005/mp_rank_01/distrib_optim.pt"),
+    ("A/tp2pp2/torch_dist", "iter_0000005/__3_1.distcp"),
+])
+def test_missing_file_is_named(tmp_path, run: str, victim: str) -> None:
     dst = tmp_path / "run"
-    shutil.copytree(fx("A/tp2pp2/torch"), dst)
-    shutil.rmtree(dst / "iter_0000005" / "mp_rank_01_001")
-    with pytest.raises(MissingShardError, match="mp_rank_01_001"):
-        O.open(str(dst))
-
-
-def test_missing_distrib_optim_is_named(tmp_path) -> None:
-    dst = tmp_path / "run"
-    shutil.copytree(fx("Adistopt/tp2pp1dp2/torch"), dst)
-    os.remove(dst / "iter_0000005" / "mp_rank_01" / "distrib_optim.pt")
-    with pytest.raises(MissingShardError, match="distrib_optim.pt"):
-        O.open(str(dst))
-
-
-def test_missing_distcp_file_is_named(tmp_path) -> None:
-    dst = tmp_path / "run"
-    shutil.copytree(fx("A/tp2pp2/torch_dist"), dst)
-    os.remove(dst / "iter_0000005" / "__3_1.distcp")
-    with pytest.raises(MissingShardError, match="__3_1.distcp"):
+    shutil.copytree(fx(run), dst)
+    path = dst / victim
+    if path.is_dir():
+        shutil.rmtree(path)
+    else:
+        path.unlink()
+    with pytest.raises(MissingShardError, match=os.path.basename(victim)):
         O.open(str(dst))
 
 

@@ -20,7 +20,7 @@ import ml_dtypes
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from _orbax_layouts import LAYOUTS, mesh, save_layouts
+from _orbax_layouts import LAYOUTS, mesh, save_layouts, sharded_on_2x4
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -42,12 +42,8 @@ def _ref():
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     root = tmp_path_factory.mktemp("orbax_layouts")
-    m = mesh((2, 4), ("x", "y"))
     ref = _ref()
-    tree = {"w": jax.device_put(ref["w"], NamedSharding(m, P("x", "y"))),
-            "h": jax.device_put(ref["h"], NamedSharding(m, P(None, "y"))),
-            "b": jax.device_put(ref["b"], NamedSharding(m, P()))}
-    save_layouts(root, tree)
+    save_layouts(root, sharded_on_2x4(ref, {"w": ("x", "y"), "h": (None, "y"), "b": ()}))
     return str(root), ref
 
 

@@ -21,7 +21,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 from _common import same_checkpoint
-from _orbax_layouts import mesh, save_layouts
+from _orbax_layouts import mesh, save_layouts, sharded_on_2x4
 from _servers import S3_KEY, S3_SECRET, gcs_server, make_bucket, s3_options, s3_server
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -46,10 +46,8 @@ def _ref() -> dict[str, np.ndarray]:
 def saved(tmp_path_factory):
     """Local Orbax checkpoints: one per layout, and a CheckpointManager root with steps 1 and 2."""
     root = tmp_path_factory.mktemp("orbax_remote")
-    m = mesh((2, 4), ("x", "y"))
     ref = _ref()
-    tree = {"w": jax.device_put(ref["w"], NamedSharding(m, P("x", "y"))),
-            "b": jax.device_put(ref["b"], NamedSharding(m, P()))}
+    tree = sharded_on_2x4(ref, {"w": ("x", "y"), "b": ()})
     save_layouts(root, tree, LAYOUTS)
     with ocp.CheckpointManager(str(root / "manager")) as mgr:
         for step in (1, 2):
