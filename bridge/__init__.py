@@ -36,10 +36,10 @@ import typing as _typing
 from ._version import __version__ as __version__
 
 if _typing.TYPE_CHECKING:  # THE list of public names: mypy reads it, and _public() derives the lazy map and __all__
-    from ._checkpointer import Checkpointer as Checkpointer
-    from ._checkpointer import RestoreResult as RestoreResult
-    from ._checkpointer import SavePolicy as SavePolicy
-    from ._checkpointer import SaveStats as SaveStats
+    from ._checkpointer.core import Checkpointer as Checkpointer
+    from ._checkpointer.jobs import SaveStats as SaveStats
+    from ._checkpointer.policy import SavePolicy as SavePolicy
+    from ._checkpointer.restore import RestoreResult as RestoreResult
     from ._errors import AccessDeniedError as AccessDeniedError
     from ._errors import CheckpointError as CheckpointError
     from ._errors import CorruptionError as CorruptionError

@@ -17,7 +17,7 @@ import torch
 
 import ckptbridge
 from ckptbridge import Checkpointer
-from ckptbridge._checkpointer import committed_steps, step_dir
+from ckptbridge._checkpointer.steps import committed_steps, step_dir
 
 
 def _tiny_model(seed=0):

@@ -6,7 +6,7 @@ import _dist
 import numpy as np
 
 from ckptbridge import Checkpointer
-from ckptbridge._checkpointer import committed_steps
+from ckptbridge._checkpointer.steps import committed_steps
 
 
 def test_jax_loop_with_donated_buffers(tmp_path):

@@ -43,7 +43,7 @@ def _state(step, gate):
 
 
 def _committed(root):
-    from ckptbridge._checkpointer import committed_steps
+    from ckptbridge._checkpointer.steps import committed_steps
 
     return committed_steps(str(root))
 

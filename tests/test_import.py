@@ -26,3 +26,16 @@ def test_opening_a_safetensors_file_imports_no_framework(tmp_path):
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == ""
+
+
+def test_the_plugin_interface_does_not_load_the_checkpointer():
+    """Every adapter imports ``ckptbridge.plugin`` when ``open`` detects a format: it must not pull
+    in the Checkpointer (threads, host buffers, restore) nor ``statistics``/``fractions``, which
+    only saving and the watchdog use (~0.1 s of import on a 2-core machine, paid by every open)."""
+    code = (
+        "import sys, ckptbridge.plugin\n"
+        "print(','.join(m for m in ('ckptbridge._checkpointer.core', 'ckptbridge._checkpointer.restore',\n"
+        "                          'statistics', 'fractions') if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "", out.stdout

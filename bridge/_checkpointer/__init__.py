@@ -8,27 +8,8 @@ flush threads, commit),
 ``policy`` (:class:`SavePolicy`: back-pressure and priorities under load),
 ``steps`` (step directories, retention, clean-up) and ``persist`` (the copy to
 a persistent directory or URL). See :class:`Checkpointer`.
+
+The package itself imports nothing, so that adapters importing ``leaves`` (through
+``ckptbridge.plugin``) do not load the Checkpointer's threads, storage and restore code;
+``ckptbridge.Checkpointer`` and the other public names come from their modules.
 """
-
-from __future__ import annotations
-
-from .core import Checkpointer
-from .jobs import SaveStats
-from .leaves import Capture, Leaf, LeafProvider, leaves_of, register_leaf_provider
-from .policy import SavePolicy
-from .restore import RestoreResult
-from .steps import committed_steps, step_dir
-
-__all__ = [
-    "Capture",
-    "Checkpointer",
-    "Leaf",
-    "LeafProvider",
-    "RestoreResult",
-    "SavePolicy",
-    "SaveStats",
-    "committed_steps",
-    "leaves_of",
-    "register_leaf_provider",
-    "step_dir",
-]

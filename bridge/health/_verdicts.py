@@ -21,9 +21,17 @@ be gone (same host) is named after two beat intervals.
 from __future__ import annotations
 
 import json
-import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
+
+
+def _median(values: Iterable[float]) -> float:
+    """``statistics.median``, imported when first needed (it pulls in ``fractions``: ~10 ms at
+    the import of every adapter, through ``ckptbridge.plugin``)."""
+    import statistics
+
+    return statistics.median(values)
+
 
 EXIT_RESTART = 75  # EX_TEMPFAIL: a peer failed; this rank is healthy, restart it
 EXIT_FAULTY = 69  # EX_UNAVAILABLE: this rank was named faulty; do not bring it back
@@ -194,7 +202,7 @@ def observe(prev: Mapping[int, PeerSeen], beats: Mapping[int, Beat], now: float,
 def job_period(beats: Mapping[int, Beat]) -> float | None:
     """The median of the ranks' own median step times (None before any is known)."""
     periods = [b.period for b in beats.values() if b.period is not None]
-    return statistics.median(periods) if periods else None
+    return _median(periods) if periods else None
 
 
 def assess(seen: Mapping[int, PeerSeen], peers: Mapping[int, Peer], *, now: float, wall: float,
@@ -259,7 +267,7 @@ def stragglers(beats: Mapping[int, Beat], policy: WatchdogPolicy) -> dict[int, s
     period = policy.period(job_period(beats))
     out = {}
     for rank, mine in busy.items():
-        others = statistics.median(v for r, v in busy.items() if r != rank)
+        others = _median(v for r, v in busy.items() if r != rank)
         if mine >= policy.straggler_factor * others and mine - others >= policy.straggler_floor * period:
             ratio = mine / others if others > 0 else float("inf")
             out[rank] = (f"computes {mine * 1e3:.1f} ms per step outside collectives, {ratio:.1f}x the "
@@ -288,4 +296,4 @@ def busy_per_step(durations: Sequence[float], samples: Sequence[tuple[int, int]]
     if not durations or total == 0:
         return None
     waiting = sum(w for _, w in samples)
-    return statistics.median(durations) * (1.0 - waiting / total)
+    return _median(durations) * (1.0 - waiting / total)
