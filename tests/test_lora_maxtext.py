@@ -1,0 +1,155 @@
+"""LoRA adapters carried alone between HF PEFT and MaxText 0.2.5 through the Llama recipe.
+
+Oracles, all outside ckptbridge: PEFT 0.21 (its ``save_pretrained`` adapters, its adapter-on
+logits, ``merge_and_unload``), and MaxText 0.2.5's own code run in ``.maxtext/venv``
+(``tools/maxtext/lora.py``): its HF->MaxText converter, its adapter tree
+(``lora_utils.get_lora_abstract_state_nnx``), its merge (``apply_lora_on_base_params_nnx``, as
+``MaxEngine.apply_adapter``) and its decoder's forward. The model is a tiny Llama-3 (rotary
+interleave and query scale both apply) on CPU.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import ckptbridge
+from ckptbridge import recipes
+from ckptbridge.adapters import _lora_carry as carry
+from ckptbridge.rules import Scale
+
+torch = pytest.importorskip("torch")
+peft = pytest.importorskip("peft")
+import hf_models as hf  # noqa: E402
+import maxtext_client as mx  # noqa: E402
+
+LORA_TOOL = mx.ROOT / "tools" / "maxtext" / "lora.py"
+SPEC = hf.HFSpec("llama", rope="llama3")
+ATTN = ["q_proj", "k_proj", "v_proj"]  # what MaxText 0.2.5's adapter tree holds
+ALL = [*ATTN, "o_proj", "gate_proj", "up_proj", "down_proj"]
+BATCH, SEQ = 2, 16
+
+
+def _adapter(root: Path, name: str, seed: int, targets: list[str], **kw) -> Path:
+    torch.manual_seed(seed)
+    cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False, **kw)
+    peft.get_peft_model(hf.build(SPEC), cfg).save_pretrained(root / name)
+    return root / name
+
+
+def _peft_logits(base: Path, adapter: Path, tokens: np.ndarray) -> np.ndarray:
+    model = __import__("transformers").LlamaForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    return hf.logits(peft.PeftModel.from_pretrained(model, adapter).eval(), tokens)
+
+
+def _rules(cfg: dict, src: str, dst: str, scan: bool) -> tuple:
+    return recipes.rules("llama", src=src, dst=dst, **{**recipes.config_from_hf(cfg), "scan": scan})
+
+
+def _write(lora: ckptbridge.Checkpoint, path: Path) -> Path:
+    ckptbridge.reshard(lora, path, to="safetensors")
+    return path
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("lora_mx")
+    base = hf.save(hf.build(SPEC), root / "base")
+    cfg = json.loads((base / "config.json").read_text())
+    attn = _adapter(root, "attn", 21, ATTN, use_rslora=True)  # rsLoRA: its scale folds into B
+    full = _adapter(root, "full", 22, ALL)
+    merged = __import__("transformers").LlamaForCausalLM.from_pretrained(base, dtype=torch.float32)
+    hf.save(peft.PeftModel.from_pretrained(merged, full).merge_and_unload(), root / "merged")
+    tokens = hf.tokens(BATCH, SEQ, cfg["vocab_size"], seed=3)
+    np.save(root / "tokens.npy", tokens)
+
+    to_mx = _rules(cfg, "hf", "maxtext", scan=False)
+    lora = carry.carry(ckptbridge.open(attn), to_mx)
+    no_scale = tuple(r for r in to_mx if not isinstance(r, Scale))  # negative control: B without its scale
+    _write(lora, root / "attn.safetensors")
+    _write(carry.carry(ckptbridge.open(attn), no_scale), root / "attn_noscale.safetensors")
+    _write(carry.carry(ckptbridge.open(full), to_mx), root / "full.safetensors")
+    _write(carry.carry(ckptbridge.open(full), _rules(cfg, "hf", "maxtext", scan=True)), root / "full_scan.safetensors")
+
+    adapter_cfg = json.loads((attn / "adapter_config.json").read_text())
+    mx_cfg = {"r": lora.extra["lora"]["r"], "lora_alpha": lora.extra["lora"]["lora_alpha"],
+              "target_modules": sorted(adapter_cfg["target_modules"])}
+    spec = mx.spec_from_hf(cfg, scan=False, batch=BATCH, seq=SEQ)
+    spec_scan = mx.spec_from_hf(cfg, scan=True, batch=BATCH, seq=SEQ)
+    jobs = [mx.convert_job(spec, base, root / "base_mt.safetensors"),
+            mx.convert_job(spec, root / "merged", root / "merged_mt.safetensors")]
+    for label in ("attn", "attn_noscale"):
+        jobs.append({"cmd": "lora-forward", "spec": spec, "params": str(root / "base_mt.safetensors"),
+                     "lora": str(root / f"{label}.safetensors"), "adapter_config": mx_cfg,
+                     "tokens": str(root / "tokens.npy"), "out": str(root / f"{label}.logits.npy"),
+                     "report": str(root / f"{label}.json")})
+    jobs.append({"cmd": "lora-tree", "spec": spec_scan, "adapter_config": {**mx_cfg, "target_modules": ALL},
+                 "report": str(root / "tree_scan.json")})
+    mx.run_jobs(jobs, script=LORA_TOOL)
+    return {"root": root, "base": base, "cfg": cfg, "attn": attn, "full": full, "tokens": tokens, "mx_cfg": mx_cfg}
+
+
+def test_peft_adapter_in_maxtext_gives_peft_logits_and_merges_like_maxtexts_converter(made: dict) -> None:
+    root = made["root"]
+    # MaxText's merge of the carried leaves (names and shapes checked against MaxText's own
+    # adapter tree inside the job) and its forward: PEFT's adapter-on logits
+    want = _peft_logits(made["base"], made["attn"], made["tokens"])
+    got = np.load(root / "attn.logits.npy")
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+    # negative control: B without the query scale the base kernel gets
+    bad = np.load(root / "attn_noscale.logits.npy")
+    assert np.abs(bad - want).max() > 100 * 1e-4
+    # every module (attention, MLP): base + scale * a.b equals MaxText's converter run on PEFT's
+    # merge_and_unload model (the rotary interleave, transposes, head split and query scale)
+    base_mt, merged_mt = mx.read_params(root / "base_mt.safetensors"), mx.read_params(root / "merged_mt.safetensors")
+    lora, s = mx.read_params(root / "full.safetensors"), 8 / 4
+    seen = 0
+    for name, b in lora.items():
+        if not name.endswith("/lora_b.kernel"):
+            continue
+        kernel = name.removesuffix("/lora_b.kernel") + "/kernel"
+        a = lora[name.replace("/lora_b.", "/lora_a.")]
+        delta = np.tensordot(a.astype(np.float64), b.astype(np.float64), axes=([-1], [0]))
+        np.testing.assert_allclose(base_mt[kernel] + s * delta, merged_mt[kernel], rtol=1e-5, atol=1e-6,
+                                   err_msg=kernel)
+        seen += 1
+    assert seen == len(ALL) * SPEC.layers
+    # scanned: MaxText's adapter tree shapes (layers on axis 1 of both factors), the same values
+    scanned = mx.read_params(root / "full_scan.safetensors")
+    tree = json.loads((root / "tree_scan.json").read_text())["lora_tree"]
+    assert {n: list(v.shape) for n, v in scanned.items() if "/self_attention/" in n} == tree
+    for name, v in scanned.items():
+        layers = [lora[name.replace("decoder/layers/", f"decoder/layers_{i}/")] for i in range(SPEC.layers)]
+        np.testing.assert_array_equal(v, np.stack(layers, axis=1), err_msg=name)
+
+
+def test_maxtext_adapter_back_to_peft_loads_in_peft_with_the_same_values(made: dict, tmp_path: Path) -> None:
+    cfg, alpha = made["cfg"], made["mx_cfg"]["lora_alpha"]
+    back = _rules(cfg, "maxtext", "hf", scan=False)
+    full = carry.carry(ckptbridge.open(made["root"] / "full.safetensors"), back, alpha=alpha)
+    carry.save_peft(full, tmp_path / "full")
+    original = ckptbridge.open(made["full"])
+    again = ckptbridge.open(tmp_path / "full")
+    assert set(again) == set(original)
+    for name in original:  # head_dim 16: the query scale 1/4 and its inverse are exact
+        np.testing.assert_array_equal(again[name][...], original[name][...], err_msg=name)
+    # rsLoRA folded into B: PEFT loads the carried-back adapter (plain LoRA) with the same logits
+    attn = carry.carry(ckptbridge.open(made["root"] / "attn.safetensors"), back, alpha=alpha)
+    carry.save_peft(attn, tmp_path / "attn")
+    np.testing.assert_allclose(_peft_logits(made["base"], tmp_path / "attn", made["tokens"]),
+                               _peft_logits(made["base"], made["attn"], made["tokens"]), atol=1e-5, rtol=0)
+
+
+def test_carry_refuses_what_a_lora_factor_cannot_follow(made: dict) -> None:
+    from ckptbridge.plugin import FormatError
+    from ckptbridge.rules import Offset
+
+    rules = (*_rules(made["cfg"], "hf", "maxtext", scan=False), Offset(r"/query/kernel$", 1.0))
+    with pytest.raises(FormatError, match="Offset"):
+        carry.carry(ckptbridge.open(made["attn"]), rules)
+    assert carry.factor_of("decoder/layers_0/mlp/wo/lora_b.kernel") == ("decoder/layers_0/mlp/wo/kernel", "B", "maxtext")
+    assert carry.factor_name("model.layers.1.mlp.down_proj.weight", "A") == \
+        "base_model.model.model.layers.1.mlp.down_proj.lora_A.weight"
