@@ -18,7 +18,7 @@ import pytest
 
 import ckptbridge
 from ckptbridge import recipes
-from ckptbridge.adapters import _lora_carry as carry
+from ckptbridge.adapters import lora as carry
 from ckptbridge.rules import Scale
 
 torch = pytest.importorskip("torch")
@@ -31,6 +31,7 @@ SPEC = hf.HFSpec("llama", rope="llama3")
 ATTN = ["q_proj", "k_proj", "v_proj"]  # what MaxText 0.2.5's adapter tree holds
 ALL = [*ATTN, "o_proj", "gate_proj", "up_proj", "down_proj"]
 BATCH, SEQ = 2, 16
+BETAS = (0.9, 0.999)
 
 
 def _adapter(root: Path, name: str, seed: int, targets: list[str], **kw) -> Path:
@@ -54,6 +55,34 @@ def _write(lora: ckptbridge.Checkpoint, path: Path) -> Path:
     return path
 
 
+def _adam_step(base: Path, adapter: Path, batch: np.ndarray, root: Path) -> None:
+    """One torch Adam step on PEFT's adapter (mean next-token cross-entropy of ``batch``); its
+    ``exp_avg`` / ``exp_avg_sq`` saved under the adapter's tensor names."""
+    from safetensors.torch import save_file
+
+    model = __import__("transformers").LlamaForCausalLM.from_pretrained(base, dtype=torch.float32)
+    pm = peft.PeftModel.from_pretrained(model, adapter, is_trainable=True)
+    params = {n.replace(".default.", "."): p for n, p in pm.named_parameters() if p.requires_grad}
+    opt = torch.optim.Adam(params.values(), lr=1e-3, betas=BETAS)
+    x, y = (torch.as_tensor(batch[:, :-1], dtype=torch.long), torch.as_tensor(batch[:, 1:], dtype=torch.long))
+    logits = pm(input_ids=x, use_cache=False).logits
+    torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1)).backward()
+    opt.step()
+    for kind in ("exp_avg", "exp_avg_sq"):
+        save_file({n: opt.state[p][kind].contiguous() for n, p in params.items()}, root / f"{kind}.safetensors")
+
+
+def _with_moments(adapter: Path, root: Path) -> ckptbridge.Checkpoint:
+    """PEFT's adapter with its Adam moments as states of each factor."""
+    from ckptbridge.plugin import Checkpoint, CheckpointIndex, LogicalTensor
+
+    weights = ckptbridge.open(adapter)
+    moments = {k: ckptbridge.open(root / f"{k}.safetensors") for k in ("exp_avg", "exp_avg_sq")}
+    tensors = {n: LogicalTensor(n, {"param": t.state(), **{k: m.tensors[n].state() for k, m in moments.items()}})
+               for n, t in weights.tensors.items()}
+    return Checkpoint(CheckpointIndex("lora", weights.path, tensors), weights.files)
+
+
 @pytest.fixture(scope="module")
 def made(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("lora_mx")
@@ -65,6 +94,8 @@ def made(tmp_path_factory) -> dict:
     hf.save(peft.PeftModel.from_pretrained(merged, full).merge_and_unload(), root / "merged")
     tokens = hf.tokens(BATCH, SEQ, cfg["vocab_size"], seed=3)
     np.save(root / "tokens.npy", tokens)
+    np.save(root / "train.npy", hf.tokens(BATCH, SEQ + 1, cfg["vocab_size"], seed=4))
+    _adam_step(base, attn, np.load(root / "train.npy"), root)
 
     to_mx = _rules(cfg, "hf", "maxtext", scan=False)
     lora = carry.carry(ckptbridge.open(attn), to_mx)
@@ -86,6 +117,9 @@ def made(tmp_path_factory) -> dict:
                      "lora": str(root / f"{label}.safetensors"), "adapter_config": mx_cfg,
                      "tokens": str(root / "tokens.npy"), "out": str(root / f"{label}.logits.npy"),
                      "report": str(root / f"{label}.json")})
+    jobs.append({"cmd": "lora-grad", "spec": spec, "params": str(root / "base_mt.safetensors"),
+                 "lora": str(root / "attn.safetensors"), "adapter_config": mx_cfg,
+                 "tokens": str(root / "train.npy"), "out": str(root / "attn.grad.safetensors")})
     jobs.append({"cmd": "lora-tree", "spec": spec_scan, "adapter_config": {**mx_cfg, "target_modules": ALL},
                  "report": str(root / "tree_scan.json")})
     mx.run_jobs(jobs, script=LORA_TOOL)
@@ -141,6 +175,22 @@ def test_maxtext_adapter_back_to_peft_loads_in_peft_with_the_same_values(made: d
     carry.save_peft(attn, tmp_path / "attn")
     np.testing.assert_allclose(_peft_logits(made["base"], tmp_path / "attn", made["tokens"]),
                                _peft_logits(made["base"], made["attn"], made["tokens"]), atol=1e-5, rtol=0)
+
+
+def test_adam_moments_of_the_adapter_carry_with_their_meaning(made: dict) -> None:
+    """torch Adam's moments after one step are ``(1 - b1) g`` and ``(1 - b2) g^2``: carried to
+    MaxText they equal those of MaxText's own gradient with respect to its adapter leaves (the
+    query scale divides B's first moment and, squared, its second; rsLoRA's fold likewise)."""
+    root = made["root"]
+    lora = carry.carry(_with_moments(made["attn"], root), _rules(made["cfg"], "hf", "maxtext", scan=False))
+    grads = mx.read_params(root / "attn.grad.safetensors")
+    assert set(grads) == set(lora)
+    for name, g in grads.items():
+        tol = 1e-3 * np.abs(g).max()
+        np.testing.assert_allclose(lora[name].state("exp_avg").read(), (1 - BETAS[0]) * g, rtol=1e-3, atol=tol,
+                                   err_msg=name)
+        np.testing.assert_allclose(lora[name].state("exp_avg_sq").read(), (1 - BETAS[1]) * g * g, rtol=2e-3,
+                                   atol=tol * tol, err_msg=name)
 
 
 def test_carry_refuses_what_a_lora_factor_cannot_follow(made: dict) -> None:

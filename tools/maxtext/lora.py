@@ -15,7 +15,9 @@ are its LoRA format. One job (``tests/test_lora_maxtext.py`` drives it)::
 writes MaxText's abstract LoRA tree (path -> shape) to ``report``, checks the given leaves have
 exactly those names and shapes, merges them with MaxText's function and writes the forward's
 fp32 logits; ``{"cmd": "lora-tree", "spec", "adapter_config", "report"}`` writes the tree only
-(scanned layers too, which MaxText's 2-D ``einsum`` merge cannot take). Every other job goes to ``harness.py`` (``convert-hf`` ...), in the same process::
+(scanned layers too, which MaxText's 2-D ``einsum`` merge cannot take); ``lora-grad`` (``spec``,
+``params``, ``lora``, ``adapter_config``, ``tokens [b, s+1]``, ``out``) writes the loss's gradient
+with respect to each adapter leaf through MaxText's merge and forward. Every other job goes to ``harness.py`` (``convert-hf`` ...), in the same process::
 
     .maxtext/venv/bin/python tools/maxtext/lora.py jobs --jobs jobs.json --out results.json
 """
@@ -67,6 +69,35 @@ def lora_forward(job: dict[str, Any], built: harness.Built) -> dict[str, Any]:
     return {"cmd": job["cmd"], "leaves": len(want)}
 
 
+def lora_grad(job: dict[str, Any], built: harness.Built) -> dict[str, Any]:
+    """``lora-grad``: the gradient of the mean next-token cross-entropy (tokens ``[b, s+1]``) with
+    respect to the adapter's leaves, merged by MaxText's ``apply_lora_on_base_params_nnx``
+    (``out``: a safetensors file of the leaves' gradients)."""
+    import flax.linen as nn
+    import jax
+    import numpy as np
+    from maxtext.utils import lora_utils
+
+    cfg = job["adapter_config"]
+    scale = float(cfg["lora_alpha"]) / int(cfg["r"])
+    base = harness.place_params(built, job["params"])["params"]
+    lora = {n: jax.numpy.asarray(a) for n, a in harness._read_safetensors(Path(job["lora"])).items()}
+    tokens = np.load(job["tokens"], allow_pickle=False)
+    x, y = tokens[:, :-1], tokens[:, 1:]
+
+    def loss_fn(leaves: dict[str, Any]) -> Any:
+        params = jax.tree_util.tree_map(lambda v: v, base)
+        lora_utils.apply_lora_on_base_params_nnx(params, harness._nest(leaves), scale)
+        logits = built.model.apply({"params": params}, x, harness._positions(x), enable_dropout=False,
+                                   model_mode="train")
+        return harness._cross_entropy(logits, y)
+
+    with built.mesh, nn.logical_axis_rules(built.config.logical_axis_rules):
+        loss, grads = jax.jit(jax.value_and_grad(loss_fn))(lora)
+    harness._write_safetensors(Path(job["out"]), {n: np.asarray(g) for n, g in grads.items()})
+    return {"cmd": job["cmd"], "loss": float(loss)}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="lora.py", description=__doc__.split("\n\n")[0])
     p.add_argument("cmd", choices=["jobs"])  # harness.py's command line, so maxtext_client.run_jobs drives both
@@ -82,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     cache: dict[str, harness.Built] = {}
     results = []
     for job in jobs:
-        if job["cmd"] not in ("lora-forward", "lora-tree"):
+        if job["cmd"] not in ("lora-forward", "lora-tree", "lora-grad"):
             results.append(harness.run_job(job, cache))
             continue
         t0, spec = time.time(), harness.Spec.from_json(job["spec"])
@@ -93,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
             harness._write_json(Path(job["report"]), {"lora_tree": lora_tree(cache[key], job["adapter_config"])})
             result = {"cmd": "lora-tree"}
         else:
-            result = lora_forward(job, cache[key])
+            result = (lora_forward if job["cmd"] == "lora-forward" else lora_grad)(job, cache[key])
         results.append({**result, "seconds": round(time.time() - t0, 2)})
     harness._write_json(Path(args.out), results)
     return 0

@@ -8,10 +8,10 @@ writes each one for the factor that holds its axis: a query kernel scaled by ``c
 by ``c`` (and its Adam moments as ``Scale`` says), the rotary interleave permutes ``B``'s rows,
 the heads split ``B``'s columns, the transpose turns ``A [r, in]`` into ``A [in, r]``::
 
-    base = ckptbridge.recipes.rules("llama", src="hf", dst="maxtext", hf_config="llama/config.json",
-                                    scan=False)
-    ckpt = ckptbridge.open("peft_adapter/")              # PEFT's save_pretrained folder
-    lora = carry(ckpt, base, style="maxtext")           # {"decoder/layers_0/.../query/lora_b.kernel": ...}
+    config = ckptbridge.recipes.config_from_hf("llama/config.json")
+    base = ckptbridge.recipes.rules("llama", src="hf", dst="maxtext", scan=False, **config)
+    mt = carry(ckptbridge.open("peft_adapter/"), base)   # PEFT's save_pretrained folder
+    sorted(mt)[:2]  # ['decoder/layers_0/mlp/wi_0/lora_a.kernel', 'decoder/layers_0/mlp/wi_0/lora_b.kernel']
 
 The MaxText names and shapes are MaxText 0.2.5's adapter tree (``utils/lora_utils.py``
 ``get_lora_abstract_state_nnx``: ``<module>/lora_a.kernel [in..., r]``, ``<module>/lora_b.kernel
@@ -33,26 +33,25 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from ckptbridge.plugin import (
+    LAYOUT_RULES,
+    Cast,
     Checkpoint,
     CheckpointIndex,
-    FormatError,
-    LogicalTensor,
-    Rename,
-    Rule,
-    Stack,
-    Transpose,
-    apply_rules,
-)
-from ckptbridge.rules import (
-    Cast,
     Crop,
     Deinterleave,
     Expect,
+    FormatError,
     Interleave,
+    LogicalTensor,
     MergeDims,
     Pad,
+    Rename,
+    Rule,
     Scale,
     SplitDim,
+    Stack,
+    Transpose,
+    apply_rules,
 )
 
 from . import _lora
@@ -104,7 +103,7 @@ class _Layout:
         sides = [s for _, s in self.axes]
         in_first = sides.index("i") < sides.index("o")
         rank_last = in_first == (part == "A")
-        return ids + [-1] if rank_last else [-1, *ids]
+        return [*ids, -1] if rank_last else [-1, *ids]
 
     def side(self, dim: int) -> str:
         return self.axes[dim][1]
@@ -138,7 +137,7 @@ def plan(rules: Sequence[Rule], layouts: Mapping[str, _Layout]) -> Plan:
             continue
         if isinstance(rule, Expect):  # checks on W's shape: the factors have other shapes
             continue
-        if isinstance(rule, Rename) or isinstance(rule, (Cast,)) or type(rule).__name__ in _LAYOUT:
+        if isinstance(rule, (Rename, Cast, *LAYOUT_RULES)):  # names, dtypes, layouts: the same for both
             for part in "AB":
                 out[part].append(rule)
             if isinstance(rule, Rename):
@@ -162,9 +161,6 @@ def plan(rules: Sequence[Rule], layouts: Mapping[str, _Layout]) -> Plan:
         layouts = {n: lay for n, lay in layouts.items() if n not in hit} | new
         next_id += 100
     return Plan(tuple(out["A"]), tuple(out["B"]))
-
-
-_LAYOUT = ("Shard", "Replicate", "Fuse", "Renumber", "FlatPartition", "State")
 
 
 def _moved(rule: Rule, lay: _Layout, next_id: int) -> _Layout:
