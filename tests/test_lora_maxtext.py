@@ -28,26 +28,53 @@ import maxtext_client as mx  # noqa: E402
 
 LORA_TOOL = mx.ROOT / "tools" / "maxtext" / "lora.py"
 SPEC = hf.HFSpec("llama", rope="llama3")
+QWEN3 = hf.HFSpec("qwen3")
 ATTN = ["q_proj", "k_proj", "v_proj"]  # what MaxText 0.2.5's adapter tree holds
 ALL = [*ATTN, "o_proj", "gate_proj", "up_proj", "down_proj"]
 BATCH, SEQ = 2, 16
 BETAS = (0.9, 0.999)
 
 
-def _adapter(root: Path, name: str, seed: int, targets: list[str], **kw) -> Path:
+def _adapter(root: Path, name: str, seed: int, targets: list[str], spec: hf.HFSpec = SPEC, **kw) -> Path:
     torch.manual_seed(seed)
     cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False, **kw)
-    peft.get_peft_model(hf.build(SPEC), cfg).save_pretrained(root / name)
+    peft.get_peft_model(hf.build(spec), cfg).save_pretrained(root / name)
     return root / name
 
 
+def _model(base: Path):
+    return __import__("transformers").AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+
+
 def _peft_logits(base: Path, adapter: Path, tokens: np.ndarray) -> np.ndarray:
-    model = __import__("transformers").LlamaForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
-    return hf.logits(peft.PeftModel.from_pretrained(model, adapter).eval(), tokens)
+    return hf.logits(peft.PeftModel.from_pretrained(_model(base), adapter).eval(), tokens)
 
 
 def _rules(cfg: dict, src: str, dst: str, scan: bool) -> tuple:
-    return recipes.rules("llama", src=src, dst=dst, **{**recipes.config_from_hf(cfg), "scan": scan})
+    family = recipes.family_from_hf(cfg)
+    return recipes.rules(family, src=src, dst=dst, **{**recipes.config_from_hf(cfg), "scan": scan})
+
+
+def _forward_job(spec: dict, root: Path, label: str, params: str, mx_cfg: dict) -> dict:
+    """MaxText's merge of ``<label>.safetensors`` onto ``params`` and its forward (``lora.py``)."""
+    return {"cmd": "lora-forward", "spec": spec, "params": str(root / params), "lora": str(root / f"{label}.safetensors"),
+            "adapter_config": mx_cfg, "tokens": str(root / "tokens.npy"), "out": str(root / f"{label}.logits.npy"),
+            "report": str(root / f"{label}.json")}
+
+
+def _qwen3(root: Path, tokens: np.ndarray) -> tuple[dict, list[dict]]:
+    """The second family: a tiny Qwen3 (q/k norms, query scaled at run time), its attention adapter
+    carried to MaxText, and the jobs that merge and run it there."""
+    base = hf.save(hf.build(QWEN3), root / "qwen3")
+    cfg = json.loads((base / "config.json").read_text())
+    attn = _adapter(root, "qwen3_attn", 23, ATTN, spec=QWEN3, use_rslora=True)
+    lora = carry.carry(ckptbridge.open(attn), _rules(cfg, "hf", "maxtext", scan=False))
+    _write(lora, root / "qwen3_attn.safetensors")
+    mx_cfg = {"r": 4, "lora_alpha": lora.extra["lora"]["lora_alpha"], "target_modules": ATTN}
+    spec = mx.spec_from_hf(cfg, scan=False, batch=BATCH, seq=SEQ)
+    jobs = [mx.convert_job(spec, base, root / "qwen3_mt.safetensors"),
+            _forward_job(spec, root, "qwen3_attn", "qwen3_mt.safetensors", mx_cfg)]
+    return {"base": base, "attn": attn, "want": _peft_logits(base, attn, tokens)}, jobs
 
 
 def _write(lora: ckptbridge.Checkpoint, path: Path) -> Path:
@@ -60,8 +87,7 @@ def _adam_step(base: Path, adapter: Path, batch: np.ndarray, root: Path) -> None
     ``exp_avg`` / ``exp_avg_sq`` saved under the adapter's tensor names."""
     from safetensors.torch import save_file
 
-    model = __import__("transformers").LlamaForCausalLM.from_pretrained(base, dtype=torch.float32)
-    pm = peft.PeftModel.from_pretrained(model, adapter, is_trainable=True)
+    pm = peft.PeftModel.from_pretrained(_model(base), adapter, is_trainable=True)
     params = {n.replace(".default.", "."): p for n, p in pm.named_parameters() if p.requires_grad}
     opt = torch.optim.Adam(params.values(), lr=1e-3, betas=BETAS)
     x, y = (torch.as_tensor(batch[:, :-1], dtype=torch.long), torch.as_tensor(batch[:, 1:], dtype=torch.long))
@@ -90,8 +116,7 @@ def made(tmp_path_factory) -> dict:
     cfg = json.loads((base / "config.json").read_text())
     attn = _adapter(root, "attn", 21, ATTN, use_rslora=True)  # rsLoRA: its scale folds into B
     full = _adapter(root, "full", 22, ALL)
-    merged = __import__("transformers").LlamaForCausalLM.from_pretrained(base, dtype=torch.float32)
-    hf.save(peft.PeftModel.from_pretrained(merged, full).merge_and_unload(), root / "merged")
+    hf.save(peft.PeftModel.from_pretrained(_model(base), full).merge_and_unload(), root / "merged")
     tokens = hf.tokens(BATCH, SEQ, cfg["vocab_size"], seed=3)
     np.save(root / "tokens.npy", tokens)
     np.save(root / "train.npy", hf.tokens(BATCH, SEQ + 1, cfg["vocab_size"], seed=4))
@@ -112,24 +137,24 @@ def made(tmp_path_factory) -> dict:
     spec_scan = mx.spec_from_hf(cfg, scan=True, batch=BATCH, seq=SEQ)
     jobs = [mx.convert_job(spec, base, root / "base_mt.safetensors"),
             mx.convert_job(spec, root / "merged", root / "merged_mt.safetensors")]
-    for label in ("attn", "attn_noscale"):
-        jobs.append({"cmd": "lora-forward", "spec": spec, "params": str(root / "base_mt.safetensors"),
-                     "lora": str(root / f"{label}.safetensors"), "adapter_config": mx_cfg,
-                     "tokens": str(root / "tokens.npy"), "out": str(root / f"{label}.logits.npy"),
-                     "report": str(root / f"{label}.json")})
+    jobs += [_forward_job(spec, root, label, "base_mt.safetensors", mx_cfg) for label in ("attn", "attn_noscale")]
     jobs.append({"cmd": "lora-grad", "spec": spec, "params": str(root / "base_mt.safetensors"),
                  "lora": str(root / "attn.safetensors"), "adapter_config": mx_cfg,
                  "tokens": str(root / "train.npy"), "out": str(root / "attn.grad.safetensors")})
     jobs.append({"cmd": "lora-tree", "spec": spec_scan, "adapter_config": {**mx_cfg, "target_modules": ALL},
                  "report": str(root / "tree_scan.json")})
-    mx.run_jobs(jobs, script=LORA_TOOL)
-    return {"root": root, "base": base, "cfg": cfg, "attn": attn, "full": full, "tokens": tokens, "mx_cfg": mx_cfg}
+    qwen3, more = _qwen3(root, tokens)
+    mx.run_jobs(jobs + more, script=LORA_TOOL)  # one MaxText process (its import is most of the time)
+    return {"root": root, "base": base, "cfg": cfg, "attn": attn, "full": full, "tokens": tokens, "mx_cfg": mx_cfg,
+            "qwen3": qwen3}
 
 
 def test_peft_adapter_in_maxtext_gives_peft_logits_and_merges_like_maxtexts_converter(made: dict) -> None:
     root = made["root"]
-    # MaxText's merge of the carried leaves (names and shapes checked against MaxText's own
-    # adapter tree inside the job) and its forward: PEFT's adapter-on logits
+    # the carried leaves are MaxText's own adapter tree (names, shapes); MaxText's merge of them
+    # and its forward give PEFT's adapter-on logits
+    report = json.loads((root / "attn.json").read_text())
+    assert report["given"] == report["lora_tree"] and len(report["given"]) == 2 * len(ATTN) * SPEC.layers
     want = _peft_logits(made["base"], made["attn"], made["tokens"])
     got = np.load(root / "attn.logits.npy")
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
@@ -158,6 +183,17 @@ def test_peft_adapter_in_maxtext_gives_peft_logits_and_merges_like_maxtexts_conv
     for name, v in scanned.items():
         layers = [lora[name.replace("decoder/layers/", f"decoder/layers_{i}/")] for i in range(SPEC.layers)]
         np.testing.assert_array_equal(v, np.stack(layers, axis=1), err_msg=name)
+
+
+def test_qwen3_adapter_in_maxtext_gives_peft_logits(made: dict) -> None:
+    """MaxText 0.2.5's adapter tree also names ``query_norm`` / ``key_norm`` (its target match is a
+    substring: ``"self_attention.query" in path``), 1-D "factors" its 2-D merge cannot take: the
+    carried adapter is that tree without them, and merged by MaxText it gives PEFT's logits."""
+    report = json.loads((made["root"] / "qwen3_attn.json").read_text())
+    extra = {n: v for n, v in report["lora_tree"].items() if n not in report["given"]}
+    assert {n: v for n, v in report["lora_tree"].items() if n not in extra} == report["given"]
+    assert extra and all(("/query_norm/" in n or "/key_norm/" in n) and len(v) == 1 for n, v in extra.items())
+    np.testing.assert_allclose(np.load(made["root"] / "qwen3_attn.logits.npy"), made["qwen3"]["want"], atol=1e-4, rtol=0)
 
 
 def test_maxtext_adapter_back_to_peft_loads_in_peft_with_the_same_values(made: dict, tmp_path: Path) -> None:
