@@ -42,12 +42,14 @@ from ckptbridge.plugin import (
     Expect,
     FormatError,
     Interleave,
+    Join,
     LogicalTensor,
     MergeDims,
     Pad,
     Rename,
     Rule,
     Scale,
+    Split,
     SplitDim,
     Stack,
     Transpose,
@@ -56,11 +58,13 @@ from ckptbridge.plugin import (
 
 from . import _lora
 
-__all__ = ["Plan", "carry", "factor_name", "factor_of", "plan", "save_peft"]
+__all__ = ["Copy", "Plan", "carry", "factor_name", "factor_of", "plan", "save_peft"]
 
 _PER_AXIS = (SplitDim, MergeDims, Interleave, Deinterleave, Pad, Crop)
 _PEFT = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<part>[AB])\.weight$")
 _MAXTEXT = re.compile(r"^(?P<module>.+)/lora_(?P<part>[ab])\.kernel$")
+_MEGATRON = re.compile(r"^(?P<module>.+)\.adapter\.linear_(?P<part>in|out)\.weight$")  # Megatron-Bridge's LoRA
+_MEGATRON_BASE = re.compile(r"^(decoder|embedding|output_layer)\.")
 
 
 def factor_of(name: str) -> tuple[str, str, str] | None:
@@ -70,11 +74,18 @@ def factor_of(name: str) -> tuple[str, str, str] | None:
         # ('model.layers.0.self_attn.q_proj.weight', 'B', 'hf')
         factor_of("decoder/layers_0/self_attention/query/lora_a.kernel")
         # ('decoder/layers_0/self_attention/query/kernel', 'A', 'maxtext')
+        factor_of("decoder.layers.0.self_attention.linear_qkv.adapter.linear_out.weight")
+        # ('decoder.layers.0.self_attention.linear_qkv.weight', 'B', 'megatron')
+
+    Megatron-Bridge's ``LoRA`` (``peft/lora.py``) wraps a linear layer with an adapter whose
+    ``linear_in`` is ``A [r, in]`` and ``linear_out`` is ``B [out, r]``, scaled by ``alpha / dim``.
     """
     if m := _PEFT.match(name):
         return m["module"] + ".weight", m["part"], "hf"
     if m := _MAXTEXT.match(name):
         return m["module"] + "/kernel", m["part"].upper(), "maxtext"
+    if m := _MEGATRON.match(name):
+        return m["module"] + ".weight", "A" if m["part"] == "in" else "B", "megatron"
     return None
 
 
@@ -82,6 +93,8 @@ def factor_name(base: str, part: str) -> str:
     """The adapter tensor name of factor ``part`` of base weight ``base`` (its style from the name)."""
     if base.endswith("/kernel"):
         return f"{base.removesuffix('/kernel')}/lora_{part.lower()}.kernel"
+    if base.endswith(".weight") and _MEGATRON_BASE.match(base):
+        return f"{base.removesuffix('.weight')}.adapter.linear_{'in' if part == 'A' else 'out'}.weight"
     if base.endswith(".weight"):
         return f"base_model.model.{base.removesuffix('.weight')}.lora_{part}.weight"
     raise FormatError(f"{base!r}: no LoRA naming for a weight that ends neither in '.weight' nor '/kernel'")
@@ -110,6 +123,18 @@ class _Layout:
 
 
 @dataclass(frozen=True)
+class Copy(Rule):
+    """The other factor of a :class:`Split` weight: the same tensor under each part's name (a
+    fused QKV's ``A`` is every part's ``A``)."""
+
+    to: str = ""
+    parts: tuple[str, ...] = ()
+
+    def names(self, name: str) -> list[str]:
+        return [re.sub(self.pattern, self.to, name).replace("{part}", p) for p in self.parts]
+
+
+@dataclass(frozen=True)
 class Plan:
     """The rules for each factor (``A``, ``B``): the base rules written for the factor's axes."""
 
@@ -118,9 +143,9 @@ class Plan:
 
 
 def _start(shape_a: Sequence[int], shape_b: Sequence[int], style: str) -> _Layout:
-    """``W``'s axes from a stored pair: PEFT ``A [r, in]``, ``B [out, r]``; MaxText (unscanned)
-    ``A [in..., r]``, ``B [r, out...]``."""
-    if style == "hf":
+    """``W``'s axes from a stored pair: PEFT and Megatron ``A [r, in]``, ``B [out, r]``; MaxText
+    (unscanned) ``A [in..., r]``, ``B [r, out...]``."""
+    if style != "maxtext":
         return _Layout(((0, "o"), (1, "i")))
     n_in, n_out = len(shape_a) - 1, len(shape_b) - 1
     return _Layout(tuple((k, "i" if k < n_in else "o") for k in range(n_in + n_out)))
@@ -132,6 +157,10 @@ def plan(rules: Sequence[Rule], layouts: Mapping[str, _Layout]) -> Plan:
     layouts, next_id = dict(layouts), 1000
     out: dict[str, list[Rule]] = {"A": [], "B": []}
     for rule in rules:
+        if isinstance(rule, Join) and any(re.search(rule.pattern.replace("{part}", re.escape(p)), n)
+                                          for p in rule.parts for n in layouts):
+            raise FormatError(f"Join({rule.pattern!r}): the parts' LoRA factors cannot fuse into one pair "
+                              "(each part has its own A); carry the parts unfused")
         hit = {n: lay for n, lay in layouts.items() if rule.matches(n)}
         if not hit:
             continue
@@ -145,6 +174,18 @@ def plan(rules: Sequence[Rule], layouts: Mapping[str, _Layout]) -> Plan:
             continue
         if isinstance(rule, Scale):  # W = s * B @ A: the scale goes to B (its moments by Scale's meaning)
             out["B"].append(rule)
+            continue
+        if isinstance(rule, Split):  # a fused weight: the factor of the split axis splits, the other is shared
+            sides = {lay.side(rule.dim % len(lay.axes)) for lay in hit.values()}
+            if len(sides) != 1 or "b" in sides:
+                raise FormatError(f"Split({rule.pattern!r}) splits {sorted(sides)} axes: not a LoRA factor's")
+            split = "B" if sides == {"o"} else "A"
+            for lay in hit.values():
+                d = lay.factor(split).index(lay.axes[rule.dim % len(lay.axes)][0])
+            out[split].append(replace(rule, dim=d))
+            out["A" if split == "B" else "B"].append(Copy(rule.pattern, rule.to, rule.parts))
+            layouts = {n: lay for n, lay in layouts.items() if n not in hit} | {
+                p: lay for n, lay in hit.items() for p in Copy(rule.pattern, rule.to, rule.parts).names(n)}
             continue
         new: dict[str, _Layout] = {}
         for part in "AB":
@@ -228,7 +269,7 @@ def carry(adapter: Checkpoint, rules: Sequence[Rule], *, alpha: float | None = N
     for base, ab in pairs.items():
         if set(ab) != {"A", "B"}:
             raise FormatError(f"{adapter.path}: {factor_name(base, next(iter(ab)))!r} has no partner")
-    ranks = {p["A"].shape[0 if style == "hf" else -1] for p in pairs.values()}
+    ranks = {p["A"].shape[-1 if style == "maxtext" else 0] for p in pairs.values()}
     if len(ranks) != 1:
         raise FormatError(f"{adapter.path}: ranks {sorted(ranks)}: a carried adapter has one rank "
                           "(MaxText's adapter config has a single r)")
@@ -241,13 +282,24 @@ def carry(adapter: Checkpoint, rules: Sequence[Rule], *, alpha: float | None = N
     out: dict[str, LogicalTensor] = {}
     for part, part_rules in (("A", steps.a), ("B", steps.b)):
         prefix = [Scale(f"^{re.escape(b)}$", f) for b, f in folded.items()] if part == "B" else []
-        moved = apply_rules({b: p[part] for b, p in pairs.items()}, [*prefix, *part_rules])
+        moved = _apply({b: p[part] for b, p in pairs.items()}, [*prefix, *part_rules])
         for name, t in moved.items():
             new = factor_name(name, part)
             out[new] = LogicalTensor(new, dict(t.states), dict(t.scalars))
     extra = {"lora": {"r": r, "lora_alpha": lora_alpha, "from": adapter.path}}
     index = CheckpointIndex("lora", path or adapter.path, out, adapter.step, extra)
     return Checkpoint(index, adapter.files)
+
+
+def _apply(tensors: dict[str, LogicalTensor], rules: Sequence[Rule]) -> dict[str, LogicalTensor]:
+    """:func:`apply_rules`, with :class:`Copy` run here (the same states under each part's name)."""
+    for rule in rules:
+        if isinstance(rule, Copy):
+            tensors = {new: LogicalTensor(new, dict(t.states), dict(t.scalars))
+                       for n, t in tensors.items() for new in (rule.names(n) if rule.matches(n) else [n])}
+        else:
+            tensors = apply_rules(tensors, [rule])
+    return tensors
 
 
 def _config_of(adapter: Checkpoint, style: str) -> dict[str, Any]:

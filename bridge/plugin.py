@@ -117,6 +117,7 @@ from .rules import Expect as Expect
 from .rules import FlatPartition as FlatPartition
 from .rules import Fuse as Fuse
 from .rules import Interleave as Interleave
+from .rules import Join as Join
 from .rules import MergeDims as MergeDims
 from .rules import Pad as Pad
 from .rules import Rename as Rename
