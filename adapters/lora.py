@@ -18,7 +18,10 @@ The MaxText names and shapes are MaxText 0.2.5's adapter tree (``utils/lora_util
 [r, out...]``; its merge ``W + einsum("er,rnd->end", a, b) * lora_alpha / r``); HF names are
 PEFT's (``base_model.model.<module>.lora_A.weight [r, in]``, ``lora_B.weight [out, r]``). A
 pair whose PEFT scaling is not the destination's single ``lora_alpha / r`` (rsLoRA, a rank or
-alpha pattern) has the ratio folded into ``B``. Nothing is read: the result is lazy, like any
+alpha pattern) has the ratio folded into ``B``. Megatron-Bridge's ``adapter.linear_in`` /
+``linear_out`` pairs carry too: a fused QKV or gate/up ``Split`` splits ``B`` like the weight's rows
+and gives every part the same ``A`` (:class:`Copy`); a ``Join`` (parts fused into one weight) is
+refused, since the parts' ``A`` differ. Nothing is read: the result is lazy, like any
 view through rules.
 """
 
@@ -248,7 +251,7 @@ def _for_factor(rule: Rule, lay: _Layout, part: str, next_id: int) -> Rule | Non
 
 def carry(adapter: Checkpoint, rules: Sequence[Rule], *, alpha: float | None = None,
           path: str = "") -> Checkpoint:
-    """``adapter`` (PEFT's folder opened, or MaxText's adapter leaves) seen through the base
+    """``adapter`` (PEFT's folder opened, MaxText's adapter leaves or Megatron-Bridge's) seen through the base
     model's ``rules`` (e.g. ``ckptbridge.recipes.rules(family, src=..., dst=...)``): a checkpoint of
     the destination's ``lora_A``/``lora_B`` tensors (every state: Adam moments move as the rules
     say), lazily. ``extra["lora"]`` holds ``r`` and ``lora_alpha`` (one scaling ``lora_alpha / r``:
