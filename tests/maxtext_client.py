@@ -184,8 +184,9 @@ def _env() -> dict[str, str]:
     return env
 
 
-def run_jobs(jobs: list[dict[str, Any]], timeout: float = 900) -> list[dict[str, Any]]:
-    """Run the jobs in one harness process; their results (losses, converter errors, seconds)."""
+def run_jobs(jobs: list[dict[str, Any]], timeout: float = 900, script: Path = HARNESS) -> list[dict[str, Any]]:
+    """Run the jobs in one harness process; their results (losses, converter errors, seconds).
+    ``script``: a harness with more jobs (``tools/maxtext/lora.py``), the same command line."""
     exe = python()
     if not exe.exists():
         raise HarnessError(f"{exe} is missing: run `make maxtext-venv` (tools/maxtext/setup.sh)")
@@ -193,7 +194,7 @@ def run_jobs(jobs: list[dict[str, Any]], timeout: float = 900) -> list[dict[str,
         spec_file, out_file = Path(tmp) / "jobs.json", Path(tmp) / "results.json"
         spec_file.write_text(json.dumps(jobs))
         proc = subprocess.run(
-            [str(exe), str(HARNESS), "jobs", "--jobs", str(spec_file), "--out", str(out_file)],
+            [str(exe), str(script), "jobs", "--jobs", str(spec_file), "--out", str(out_file)],
             env=_env(), capture_output=True, text=True, timeout=timeout, cwd=tmp,
         )
         if proc.returncode != 0 or not out_file.exists():

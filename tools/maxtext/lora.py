@@ -1,0 +1,130 @@
+"""MaxText 0.2.5's own LoRA code on tiny models, files in and out (``.maxtext/venv``).
+
+MaxText 0.2.5 keeps a served LoRA adapter as a tree beside the base parameters
+(``maxtext/utils/lora_utils.py``): ``get_lora_abstract_state_nnx(base, adapter_config)`` names and
+shapes its leaves (``<module>/lora_a.kernel``, ``<module>/lora_b.kernel`` for the attention
+modules ``target_modules`` names), ``apply_lora_on_base_params_nnx(base, lora, lora_alpha / r)``
+merges them (``W + einsum("er,rnd->end", a, b) * scale``), as ``MaxEngine.apply_adapter`` does.
+The 0.2.5 wheel has no ``hf_lora_to_maxtext.py`` / ``maxtext_to_hf_lora.py``: these two functions
+are its LoRA format. One job (``tests/test_lora_maxtext.py`` drives it)::
+
+    {"cmd": "lora-forward", "spec": {...}, "params": "base.safetensors", "lora": "lora.safetensors",
+     "adapter_config": {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", ...]},
+     "tokens": "t.npy", "out": "logits.npy", "report": "r.json"}
+
+writes MaxText's abstract LoRA tree and the given leaves (path -> shape) to ``report``, merges the
+given leaves with MaxText's function and writes the forward's fp32 logits; ``{"cmd": "lora-tree", "spec", "adapter_config", "report"}`` writes the tree only
+(scanned layers too, which MaxText's 2-D ``einsum`` merge cannot take); ``lora-grad`` (``spec``,
+``params``, ``lora``, ``adapter_config``, ``tokens [b, s+1]``, ``out``) writes the loss's gradient
+with respect to each adapter leaf through MaxText's merge and forward. Every other job goes to ``harness.py`` (``convert-hf`` ...), in the same process::
+
+    .maxtext/venv/bin/python tools/maxtext/lora.py jobs --jobs jobs.json --out results.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import harness  # tools/maxtext/harness.py (the script's own directory)
+
+
+def lora_tree(built: harness.Built, adapter_config: dict[str, Any]) -> dict[str, list[int]]:
+    """MaxText's abstract adapter tree for ``built``'s base: ``{path: shape}`` of its LoRA leaves."""
+    import jax
+    from maxtext.utils import lora_utils
+
+    base = harness._nest({n: jax.ShapeDtypeStruct(harness._unboxed(v).shape, harness._unboxed(v).dtype)
+                          for n, v in built.leaves.items()})
+    state, _ = lora_utils.get_lora_abstract_state_nnx(base, adapter_config)
+    return {p: list(v.shape) for p, v in harness._flat(state.params).items() if v is not None}
+
+
+def lora_forward(job: dict[str, Any], built: harness.Built) -> dict[str, Any]:
+    """``lora-forward`` (see the module doc)."""
+    import jax
+    import numpy as np
+    from maxtext.utils import lora_utils
+
+    cfg = job["adapter_config"]
+    given = harness._read_safetensors(Path(job["lora"]))
+    variables = harness.place_params(built, job["params"])
+    params = jax.tree_util.tree_map(lambda x: x, variables["params"])  # dicts to merge into
+    lora = harness._nest({n: jax.numpy.asarray(a) for n, a in given.items()})
+    lora_utils.apply_lora_on_base_params_nnx(params, lora, float(cfg["lora_alpha"]) / int(cfg["r"]))
+    logits = harness.forward(built, {"params": params}, np.load(job["tokens"], allow_pickle=False))
+    np.save(job["out"], logits)
+    report = {"lora_tree": lora_tree(built, cfg), "given": {n: list(a.shape) for n, a in given.items()}}
+    harness._write_json(Path(job["report"]), report)
+    return {"cmd": job["cmd"], "leaves": len(given)}
+
+
+def lora_grad(job: dict[str, Any], built: harness.Built) -> dict[str, Any]:
+    """``lora-grad``: the gradient of the mean next-token cross-entropy (tokens ``[b, s+1]``) with
+    respect to the adapter's leaves, merged by MaxText's ``apply_lora_on_base_params_nnx``
+    (``out``: a safetensors file of the leaves' gradients)."""
+    import flax.linen as nn
+    import jax
+    import numpy as np
+    from maxtext.utils import lora_utils
+
+    cfg = job["adapter_config"]
+    scale = float(cfg["lora_alpha"]) / int(cfg["r"])
+    base = harness.place_params(built, job["params"])["params"]
+    lora = {n: jax.numpy.asarray(a) for n, a in harness._read_safetensors(Path(job["lora"])).items()}
+    tokens = np.load(job["tokens"], allow_pickle=False)
+    x, y = tokens[:, :-1], tokens[:, 1:]
+
+    def loss_fn(leaves: dict[str, Any]) -> Any:
+        params = jax.tree_util.tree_map(lambda v: v, base)
+        lora_utils.apply_lora_on_base_params_nnx(params, harness._nest(leaves), scale)
+        logits = built.model.apply({"params": params}, x, harness._positions(x), enable_dropout=False,
+                                   model_mode="train")
+        return harness._cross_entropy(logits, y)
+
+    with built.mesh, nn.logical_axis_rules(built.config.logical_axis_rules):
+        loss, grads = jax.jit(jax.value_and_grad(loss_fn))(lora)
+    harness._write_safetensors(Path(job["out"]), {n: np.asarray(g) for n, g in grads.items()})
+    return {"cmd": job["cmd"], "loss": float(loss)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="lora.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("cmd", choices=["jobs"])  # harness.py's command line, so maxtext_client.run_jobs drives both
+    p.add_argument("--jobs", required=True)
+    p.add_argument("--out", required=True)
+    args = p.parse_args(argv)
+    jobs = json.loads(Path(args.jobs).read_text())
+    ndev = harness._devices_for(jobs)
+    os.environ["JAX_PLATFORMS"] = "cpu"  # before jax initialises its backend, as harness.main does
+    os.environ.setdefault("DECOUPLE_GCLOUD", "TRUE")
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
+    os.environ["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={ndev}"])
+    cache: dict[str, harness.Built] = {}
+    results = []
+    for job in jobs:
+        if job["cmd"] not in ("lora-forward", "lora-tree", "lora-grad"):
+            results.append(harness.run_job(job, cache))
+            continue
+        t0, spec = time.time(), harness.Spec.from_json(job["spec"])
+        key = json.dumps(dataclasses.asdict(spec), sort_keys=True)  # harness.run_job's cache key
+        if key not in cache:
+            cache[key] = harness.build(spec)
+        if job["cmd"] == "lora-tree":
+            harness._write_json(Path(job["report"]), {"lora_tree": lora_tree(cache[key], job["adapter_config"])})
+            result = {"cmd": "lora-tree"}
+        else:
+            result = (lora_forward if job["cmd"] == "lora-forward" else lora_grad)(job, cache[key])
+        results.append({**result, "seconds": round(time.time() - t0, 2)})
+    harness._write_json(Path(args.out), results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
