@@ -116,7 +116,7 @@ def run(tmp_path_factory):
     np.save(work / "tokens.npy", tokens)
     jobs, files = [], {}
     for scan in (False, True):
-        spec = mx.spec_from_hf_deepseek(cfg, scan=scan, batch=BATCH, seq=SEQ, mesh=MESH)
+        spec = mx.spec_from_hf(cfg, scan=scan, batch=BATCH, seq=SEQ, mesh=MESH)
         f = files[scan] = {k: work / f"scan{int(scan)}.{k}.{ext}" for k, ext in (
             ("conv", "safetensors"), ("dump", "safetensors"), ("logits", "npy"), ("report", "json"),
             ("conv_report", "json"))}
