@@ -148,8 +148,10 @@ def train_job(spec: dict[str, Any], params: Path, tokens: Path, out: Path, steps
 def load_job(spec: dict[str, Any], source: Path, rules: Any, *, opt: bool = False, dump: Path | None = None,
              tokens: Path | None = None, logits: Path | None = None, train_tokens: Path | None = None,
              steps: int = 0, train_out: Path | None = None, update_scale: dict[str, float] | None = None,
-             save_universal: Path | None = None, report: Path | None = None, **adamw: float) -> dict[str, Any]:
-    """``source`` (anything ckptbridge opens) seen through ``rules`` (rule objects, their JSON, or a
+             save_universal: Path | None = None, report: Path | None = None,
+             open_options: dict[str, Any] | None = None, **adamw: float) -> dict[str, Any]:
+    """``source`` (anything ckptbridge opens, with ``open_options``: ``{"dequantize_dtype": "float32"}``) seen
+    through ``rules`` (rule objects, their JSON, or a
     JSON file) loaded by ``ckptbridge.adapters.flax.load`` onto MaxText's boxed tree on its mesh;
     ``opt``: also into MaxText's AdamW state. Then: ``dump`` the loaded state (params, ``mu/``,
     ``nu/``, ``count``), ``logits`` for ``tokens``, ``steps`` of training on ``train_tokens``
@@ -172,6 +174,8 @@ def load_job(spec: dict[str, Any], source: Path, rules: Any, *, opt: bool = Fals
         job["steps"] = steps
     if update_scale:
         job["update_scale"] = dict(update_scale)
+    if open_options:
+        job["open_options"] = dict(open_options)
     return job
 
 

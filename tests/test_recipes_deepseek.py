@@ -21,6 +21,13 @@ logical-axis shardings. Then, scanned and unscanned:
 3. Back: MaxText's tree through the inverse recipe is HF's checkpoint bitwise (MTP aside).
 4. Negative controls far outside the tolerance: the router bias left at zero (what MaxText's
    converter leaves it), the shared experts' gate and up swapped.
+5. Block fp8: the same model in DeepSeek-V3's release layout (every projection e4m3 with its
+   ``weight_scale_inv`` in another shard, 16 x 24 blocks, ragged at the edges of ``kv_a_proj_with_mqa``
+   (28 rows), ``kv_b_proj`` (88 rows, 20 columns) and the experts (24 rows)) opened dequantized to fp32,
+   through the recipe onto MaxText's scanned tree: every leaf bitwise the recipe applied to DeepSeek's
+   own dequantization (``weight_dequant``, written out in ``test_quantized.py``) saved as plain HF, and
+   MaxText's logits are those of HF's ``DeepseekV3ForCausalLM`` loaded with those dequantized weights;
+   the unquantized model's logits are far off (the test sees the quantization).
 
 HF -> megatron-core: the CLI (``reshard --to megatron``, args from ``recipes.megatron_args``)
 writes a TP 1 checkpoint that megatron-core's ``GPTModel`` (MLA + MoE from its own layer specs;
@@ -35,6 +42,7 @@ their top ``topk / group_topk`` scores, DeepSeek by their top 2 (DeepSeek-V3: 8 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import os
@@ -105,6 +113,44 @@ CONTROLS = {  # label -> the recipe with one fact wrong
 }
 
 
+def _fp8_release(d, out) -> dict:
+    """The saved model ``d`` in DeepSeek-V3's release layout in ``out``: every projection block-fp8 (e4m3,
+    ``test_quantized.BLOCK``) with its ``weight_scale_inv``, weights in two shards and the scales in a third,
+    ``quantization_config`` in config.json. Returns the dequantized weights (DeepSeek's ``weight_dequant``, fp32)."""
+    import torch
+    from safetensors.torch import load_file
+    from test_quantized import BLOCK, QUANTIZED, block_quant, save_shards, weight_dequant
+
+    files = set(json.loads((d / "model.safetensors.index.json").read_text())["weight_map"].values())
+    stored = {n: t for f in sorted(files) for n, t in load_file(str(d / f)).items()}
+    weights, scales, deq = {}, {}, {}
+    for name, t in stored.items():
+        weights[name] = t
+        if name.endswith(".weight") and name.split(".")[-2] in QUANTIZED:
+            weights[name], scales[name + "_scale_inv"] = block_quant(t, BLOCK)
+            deq[name] = weight_dequant(weights[name], scales[name + "_scale_inv"], BLOCK, torch.float32)
+    config = json.loads((d / "config.json").read_text())
+    config["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                     "weight_block_size": list(BLOCK)}
+    names = sorted(weights)
+    save_shards(out, [{n: weights[n] for n in names[::2]}, {n: weights[n] for n in names[1::2]}, scales], config)
+    return deq
+
+
+def _dequantized_model(model, deq: dict, out):
+    """HF's ``DeepseekV3ForCausalLM`` with the dequantized weights (a ``save_pretrained`` checkpoint of
+    the model with them substituted, read back by ``from_pretrained``; no MTP layer)."""
+    import torch
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    hf.save(model, out)
+    for f in sorted(out.glob("*.safetensors")):
+        tensors = load_file(str(f))
+        save_file({n: deq.get(n, t).contiguous() for n, t in tensors.items()}, str(f), metadata={"format": "pt"})
+    return transformers.DeepseekV3ForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     work = tmp_path_factory.mktemp("recipes_deepseek")
@@ -114,6 +160,8 @@ def run(tmp_path_factory):
     mtp = _add_mtp(d, SPEC.layers)
     tokens = hf.tokens(BATCH, SEQ, SPEC.vocab, seed=1)
     np.save(work / "tokens.npy", tokens)
+    deq = _fp8_release(d, work / "fp8")
+    deq_model = _dequantized_model(copy.deepcopy(model), deq, work / "deq")
     jobs, files = [], {}
     for scan in (False, True):
         spec = mx.spec_from_hf(cfg, scan=scan, batch=BATCH, seq=SEQ, mesh=MESH)
@@ -126,9 +174,12 @@ def run(tmp_path_factory):
         for label, wrong in CONTROLS.items() if scan else ():  # the controls once, on the scanned tree
             jobs.append(mx.load_job(spec, d, wrong(recipe(cfg, scan)), tokens=work / "tokens.npy",
                                     logits=work / f"scan{int(scan)}.{label}.npy"))
+    jobs.append(mx.load_job(spec, work / "fp8", recipe(cfg, True), open_options={"dequantize_dtype": "float32"},
+                            dump=work / "fp8.dump.safetensors", tokens=work / "tokens.npy", logits=work / "fp8.npy",
+                            report=work / "fp8.json"))
     results = mx.run_jobs(jobs)
     return {"work": work, "dir": d, "cfg": cfg, "ref": hf.logits(model, tokens), "files": files, "results": results,
-            "mtp": mtp, "model": model}
+            "mtp": mtp, "model": model, "deq": deq, "deq_ref": hf.logits(deq_model, tokens)}
 
 
 def _err(a: np.ndarray, b: np.ndarray) -> float:
@@ -205,6 +256,25 @@ def test_negative_controls_move_the_logits(run, label):
     """Measured: 5.1e-2 (bias at zero), 1.1e-2 (shared gate/up swapped), against 1.6e-7 above."""
     err = _err(np.load(run["work"] / f"scan1.{label}.npy"), run["ref"])
     assert err > 50 * TOL, (label, err)
+
+
+@pytest.mark.heavy
+def test_fp8_release_into_maxtext_gives_the_dequantized_models_logits(run):
+    """Measured: 1.6e-7 from the dequantized model's logits; 1.9e-2 from the unquantized model's."""
+    work = run["work"]
+    report = json.loads((work / "fp8.json").read_text())
+    assert report["not_boxed"] == [] and report["not_maxtext_sharding"] == [] and report["devices"] == 4
+    raw = ckptbridge.open(work / "fp8", dequantize=False)
+    assert sum(n.endswith("_scale_inv") for n in raw) == len(run["deq"]) > 100
+    assert {str(raw[n].dtype) for n in run["deq"]} == {"float8_e4m3fn"}
+    mine = mx.read_params(work / "fp8.dump.safetensors")
+    theirs = ckptbridge.open(work / "deq", rules=recipe(run["cfg"], True))  # DeepSeek's dequantization, plain HF
+    assert sorted(mine) == sorted(theirs)
+    for name, value in mine.items():
+        assert value.dtype == np.float32 and value.tobytes() == theirs[name].read().tobytes(), name
+    logits = np.load(work / "fp8.npy")
+    assert _err(logits, run["deq_ref"]) < TOL
+    assert _err(logits, run["ref"]) > 50 * TOL  # the quantization shows: the test would see it skipped
 
 
 # ------------------------------------------------------------------ data level (no MaxText, no Megatron)

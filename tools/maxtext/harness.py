@@ -32,7 +32,7 @@ Subcommands::
     harness.py train      --spec s.json --params p.safetensors --tokens t.npy --steps 3 --out dir/
                           [--opt-state o.safetensors | --mu m.safetensors --nu n.safetensors --count N]
                           [--lr 1e-3 --b1 .9 --b2 .95 --eps 1e-8 --wd .1]
-    harness.py load       --spec s.json --source CKPT --rules rules.json [--opt] [--dump d.safetensors]
+    harness.py load       --spec s.json --source CKPT --rules rules.json [--open-options '{...}'] [--opt] [--dump d.safetensors]
                           [--tokens t.npy --logits l.npy] [--train-tokens tt.npy --steps N --train-out dir/]
                           [--update-scale '{"query/kernel$": 0.17}'] [--save-universal dir/] [--report r.json]
     harness.py jobs       --jobs jobs.json   # several of the above in one process (one import)
@@ -544,8 +544,9 @@ def _opt_target(built: Built, opt_abstract: Any) -> Any:
     return jax.tree_util.tree_map_with_path(leaf, opt_abstract)
 
 
-def load_recipe(built: Built, source: str, rules: list[dict[str, Any]], tx: Any = None) -> tuple[Any, Any, dict[str, Any]]:
-    """``ckptbridge.open(source, rules=rules)`` loaded by ``ckptbridge.adapters.flax.load`` onto
+def load_recipe(built: Built, source: str, rules: list[dict[str, Any]], tx: Any = None,
+                open_options: dict[str, Any] | None = None) -> tuple[Any, Any, dict[str, Any]]:
+    """``ckptbridge.open(source, rules=rules, **open_options)`` loaded by ``ckptbridge.adapters.flax.load`` onto
     MaxText's own abstract boxed tree (``nn.LogicallyPartitioned`` leaves, placed on MaxText's mesh by
     its logical-axis rules) and, with ``tx``, into that optimizer's state (``mu``/``nu``/``count``).
 
@@ -560,7 +561,7 @@ def load_recipe(built: Built, source: str, rules: list[dict[str, Any]], tx: Any 
 
     cfg = built.config
     t0 = time.perf_counter()
-    ckpt = ckptbridge.open(source, rules=rules)
+    ckpt = ckptbridge.open(source, rules=rules, **(open_options or {}))
     opened = time.perf_counter() - t0
     is_box = lambda x: isinstance(x, nn.LogicallyPartitioned)  # noqa: E731
     kw = {"mesh": built.mesh, "axis_rules": cfg.logical_axis_rules}
@@ -850,7 +851,8 @@ def _load_job(job: dict[str, Any], built: Built) -> dict[str, Any]:
     tx = None
     if job.get("opt"):
         tx = scaled_adamw(hp, update_scale) if update_scale else _tx(built, hp)
-    variables, opt_state, report = load_recipe(built, job["source"], read_rules(job.get("rules") or []), tx)
+    variables, opt_state, report = load_recipe(built, job["source"], read_rules(job.get("rules") or []), tx,
+                                               job.get("open_options"))
     if opt_state is not None:
         report["count"] = int(_adam_of(opt_state).count)
     if job.get("dump"):
@@ -942,6 +944,7 @@ def _parser() -> argparse.ArgumentParser:
     ld.add_argument("--spec", required=True)
     ld.add_argument("--source", required=True, help="anything ckptbridge.open reads")
     ld.add_argument("--rules", help="JSON list of rules (e.g. a recipe)")
+    ld.add_argument("--open-options", type=json.loads, help='JSON options of ckptbridge.open ({"dequantize_dtype": "float32"})')
     ld.add_argument("--opt", action="store_true", help="also load mu/nu/count into MaxText's AdamW state")
     ld.add_argument("--dump", help="write the loaded params (and mu/, nu/, count) as safetensors")
     ld.add_argument("--tokens")
