@@ -161,8 +161,8 @@ def transformer_config(args: Any, tp: int, pp: int) -> Any:
     mla = bool(getattr(args, "multi_latent_attention", False))
     freq = getattr(args, "moe_layer_freq", 1)
     every_layer = freq in (1, None) or (isinstance(freq, list) and all(freq))
-    if not mla and getattr(args, "num_experts", None) and (getattr(args, "moe_grouped_gemm", False) or not every_layer):
-        raise NotImplementedError("core_loss.py builds MoE models without MLA with experts in every layer, no grouped GEMM")
+    if not mla and getattr(args, "num_experts", None) and not every_layer:
+        raise NotImplementedError("core_loss.py builds MoE models without MLA with experts in every layer")
     cls = MLATransformerConfig if mla else TransformerConfig  # MLA (+ MoE): DeepSeek-V3, see mla_cpu.py
     kw = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
     kw.update(pipeline_dtype=args.params_dtype, batch_p2p_comm=not getattr(args, "overlap_p2p_comm", False),
@@ -189,7 +189,9 @@ def transformer_config(args: Any, tp: int, pp: int) -> Any:
 
 
 def build_model(args: Any, tp: int, pp: int) -> Any:
-    """megatron-core ``GPTModel`` with the local spec, as Megatron-LM's gpt_builders builds it."""
+    """megatron-core ``GPTModel`` with the local spec, as Megatron-LM's gpt_builders builds it (its MoE
+    layers' experts: ``SequentialMLP``, or with ``moe_grouped_gemm`` the legacy ``GroupedMLP``, whose
+    grouped GEMM needs ``MEGATRON_CPU_SHIM_GG=1`` on CPU: see cpu_shim.py)."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -201,7 +203,8 @@ def build_model(args: Any, tp: int, pp: int) -> Any:
         spec = mla_local_spec(config)
     else:
         spec = get_gpt_layer_local_spec(normalization=args.normalization, num_experts=config.num_moe_experts,
-                                        qk_layernorm=bool(getattr(args, "qk_layernorm", False)))
+                                        qk_layernorm=bool(getattr(args, "qk_layernorm", False)),
+                                        moe_grouped_gemm=bool(getattr(args, "moe_grouped_gemm", False)))
     model = GPTModel(
         config=config, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings, pre_process=ps.is_pipeline_first_stage(),
