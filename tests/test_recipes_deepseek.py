@@ -31,8 +31,10 @@ logical-axis shardings. Then, scanned and unscanned:
 
 HF -> megatron-core: the CLI (``reshard --to megatron``, args from ``recipes.megatron_args``)
 writes a TP 1 checkpoint that megatron-core's ``GPTModel`` (MLA + MoE from its own layer specs;
-dense first layer) loads strictly on 2 gloo ranks (``tools/megatron/core_loss.py``) and whose
-logits are HF's; Megatron -> HF gives every tensor back bitwise; the router's expert bias zeroed
+dense first layer; the release's MTP layer as its multi-token-prediction block, ``mtp_num_layers=1``)
+loads strictly on 2 gloo ranks (``tools/megatron/core_loss.py``) and whose logits are HF's; Megatron
+-> HF gives every tensor back bitwise (the MTP layer's copies of the embedding and output layer are
+dropped with one line: megatron-core's MTP shares the main model's); the router's expert bias zeroed
 moves the logits far (negative control). On CPU, megatron-core 0.16.1's MLA needs a core
 attention that takes its key/value widths (its local ``DotProductAttention`` does not; Transformer
 Engine's is CUDA-only) and two import-time gaps filled: ``tools/megatron/mla_cpu.py`` says which.
@@ -72,20 +74,26 @@ TOL = 1e-4
 BATCH, SEQ = 4, 12
 MESH = {"fsdp": 2, "tensor": 2}
 SPEC = hf.DeepseekSpec()
-MTP = {  # the release's MTP layer leaves (layer num_hidden_layers), shapes for the tiny model
+MTP = {  # the release's MTP layer leaves (layer num_hidden_layers) besides its decoder layer, shapes for the tiny model
     "enorm.weight": (48,), "hnorm.weight": (48,), "eh_proj.weight": (48, 96), "shared_head.norm.weight": (48,),
+    "embed_tokens.weight": (256, 48), "shared_head.head.weight": (256, 48),
 }
+MTP_COPIES = ("embed_tokens.weight", "shared_head.head.weight")  # megatron-core's MTP shares the main model's
 BIAS = "MoEBiasVar/decoder/moe_layers{}/DeepSeekMoeBlock_0/MoeBlock_0/gate/bias"
 WRONG_WHEN_SCANNED = ("DeepSeekMoeBlock_0/MoeBlock_0/gate/kernel", "DeepSeekMoeBlock_0/shared_experts/wi_0/kernel",
                       "DeepSeekMoeBlock_0/shared_experts/wi_1/kernel", "DeepSeekMoeBlock_0/shared_experts/wo/kernel")
 
 
 def _add_mtp(d, n_layers: int) -> list[str]:
-    """MTP tensors as the release stores them (its own shard, listed in the index)."""
+    """An MTP layer as the release stores it (its own shard, listed in the index): a decoder layer shaped
+    like the last one (MLA, MoE) and the MTP leaves, random."""
     from safetensors.numpy import save_file
 
     rng = np.random.default_rng(7)
-    names = {f"model.layers.{n_layers}.{k}": rng.standard_normal(s).astype(np.float32) for k, s in MTP.items()}
+    last = ckptbridge.open(d)
+    shapes = {f"{n_layers}.{n[len(f'model.layers.{n_layers - 1}.'):]}": last[n].shape for n in last
+              if n.startswith(f"model.layers.{n_layers - 1}.")} | {f"{n_layers}.{k}": s for k, s in MTP.items()}
+    names = {f"model.layers.{k}": (0.1 * rng.standard_normal(s)).astype(np.float32) for k, s in shapes.items()}
     save_file(names, str(d / "model-mtp.safetensors"))
     index = json.loads((d / "model.safetensors.index.json").read_text())
     index["weight_map"] |= {k: "model-mtp.safetensors" for k in names}
@@ -366,6 +374,7 @@ def megatron(tmp_path_factory):
     work = tmp_path_factory.mktemp("deepseek_megatron")
     model = hf.build_deepseek(SPEC)
     d = hf.save(model, work / "hf")
+    mtp = _add_mtp(d, SPEC.layers)
     template = {**ckptbridge.open(MEGATRON_A).extra["megatron"]["args"], "tensor_model_parallel_size": 1,
                 "pipeline_model_parallel_size": 1}
     (work / "args.json").write_text(json.dumps(recipes.megatron_args(d / "config.json", template=template)))
@@ -382,7 +391,7 @@ def megatron(tmp_path_factory):
     recs = [json.loads(line[len("CORE_LOSS "):]) for line in out.stdout.splitlines() if line.startswith("CORE_LOSS ")]
     assert out.returncode == 0 and len(recs) == len(items), out.stdout[-3000:] + out.stderr[-5000:]
     return {"work": work, "dir": d, "model": model, "recs": recs, "dumps": [np.load(r["dump"]) for r in recs],
-            "rules": rules}
+            "rules": rules, "mtp": mtp}
 
 
 @pytest.mark.heavy
@@ -399,9 +408,24 @@ def test_hf_to_megatron_loads_strictly_in_megatron_core_with_hfs_logits(megatron
 
 @pytest.mark.heavy
 def test_megatron_to_hf_gives_the_same_tensors_back(megatron):
+    """The MTP layer too (megatron-core's ``mtp.layers.0``, which GPTModel with ``mtp_num_layers=1`` loaded
+    strictly above), but for its copies of the embedding and output layer, dropped with one line."""
     cfg = recipes.config_from_hf(megatron["dir"] / "config.json")
-    back = ckptbridge.open(megatron["work"] / "mg", rules=recipes.rules("deepseek_v3", src="megatron", dst="hf", **cfg))
+    mg = ckptbridge.open(megatron["work"] / "mg")
+    assert mg.extra["megatron"]["args"]["mtp_num_layers"] == 1
+    mtp = sorted(n for n in mg if n.startswith("mtp.layers.0."))
+    assert {"mtp.layers.0.enorm.weight", "mtp.layers.0.hnorm.weight", "mtp.layers.0.eh_proj.weight",
+            "mtp.layers.0.final_layernorm.weight", "mtp.layers.0.transformer_layer.mlp.router.expert_bias",
+            "mtp.layers.0.transformer_layer.self_attention.linear_kv_down_proj.weight"} <= set(mtp)
+    back = mg.with_rules(recipes.rules("deepseek_v3", src="megatron", dst="hf", **cfg))
     raw = ckptbridge.open(megatron["dir"])
-    assert sorted(back) == sorted(raw)
-    for name in raw:
+    copies = sorted(f"model.layers.{SPEC.layers}.{k}" for k in MTP_COPIES)
+    assert sorted(back) == sorted(n for n in raw if n not in copies)
+    assert sorted(n for n in back if n.startswith(f"model.layers.{SPEC.layers}.")) == \
+        sorted(n for n in megatron["mtp"] if n not in copies)
+    for name in back:
         assert back[name].read().tobytes() == raw[name].read().tobytes(), name
+    with pytest.warns(DroppedTensorsWarning) as caught:  # HF -> megatron: the copies, named on one line
+        ckptbridge.open(megatron["dir"], rules=megatron["rules"])
+    lines = [str(w.message) for w in caught if issubclass(w.category, DroppedTensorsWarning)]
+    assert len(lines) == 1 and all(n in lines[0] for n in copies) and "\n" not in lines[0]

@@ -22,7 +22,13 @@ HF <-> megatron-core: MLA's ``linear_q_down_proj`` / ``linear_q_up_proj`` (norm
 ``linear_kv_up_proj`` (``kv_layernorm`` or TE's fused norm), ``linear_proj``; the router
 ``mlp.router.weight`` and ``mlp.router.expert_bias``; routed experts
 ``mlp.experts.local_experts.N.linear_fc1`` ([gate; up]) / ``linear_fc2``; ``mlp.shared_experts``.
-MTP layers (megatron's ``mtp.layers``) are not mapped: dropped with a warning. The Megatron
+The release's MTP layers (HF ``model.layers.<num_hidden_layers + K>``, ``mtp_layers`` of them) are
+megatron-core's ``mtp.layers.K``: ``enorm``, ``hnorm``, ``eh_proj``, ``shared_head.norm`` as
+``final_layernorm`` and the decoder layer as ``transformer_layer`` (same names as a decoder layer's);
+HF's copies of the embedding and output layer in the MTP layer (``embed_tokens``,
+``shared_head.head``) are dropped with a warning naming them: megatron-core's MTP shares the main
+model's (``megatron_args`` gives ``mtp_num_layers``). Megatron MTP layers beyond ``mtp_layers`` are
+dropped with a warning. The Megatron
 checkpoint adapter lays out experts and MLA at TP 1 / EP 1 only (``reshard --to megatron --tp 1``;
 other layouts fail naming the reason); :func:`megatron_args` gives the args (``-o args=...``).
 """
@@ -50,7 +56,7 @@ class DeepseekConfig:
     qk_rope_head_dim: int
     v_head_dim: int
     q_lora_rank: int = 0  # 0: no query LoRA (``q_proj``)
-    mtp_layers: int = 0  # HF layers n_layers .. n_layers + mtp_layers - 1 (dropped: no target has them here)
+    mtp_layers: int = 0  # HF layers n_layers .. n_layers + mtp_layers - 1 (megatron's mtp.layers; MaxText: dropped)
     scan: bool = True
     megatron_norms: str = "local"  # "local" | "te" (MLA's norms fused into the up projections)
 
@@ -173,6 +179,10 @@ MEGATRON_MLPS = (  # megatron-core MLP prefix -> HF MLP prefix
     (r"mlp\.shared_experts\.", "mlp.shared_experts."),
     (r"mlp\.", "mlp."),
 )
+MEGATRON_MTP = (  # megatron-core MTP layer leaf -> HF MTP layer leaf (besides its transformer_layer)
+    ("enorm.weight", "enorm.weight"), ("hnorm.weight", "hnorm.weight"), ("eh_proj.weight", "eh_proj.weight"),
+    ("final_layernorm.weight", "shared_head.norm.weight"),
+)
 MEGATRON_GLOBAL = (
     (r"^embedding\.word_embeddings\.weight$", "model.embed_tokens.weight"),
     (r"^decoder\.final_layernorm\.weight$", "model.norm.weight"),
@@ -180,12 +190,35 @@ MEGATRON_GLOBAL = (
 )
 
 
+def megatron_mtp(c: DeepseekConfig) -> list[Rule]:
+    """megatron-core's MTP layers -> HF's: ``mtp.layers.K.transformer_layer.`` becomes decoder layer
+    ``n_layers + K`` (the decoder's rules name it), its own leaves HF's; MTP layers beyond ``mtp_layers``
+    are dropped (in both directions: the pattern matches no layer that is mapped)."""
+    keep = "|".join(str(k) for k in range(c.mtp_layers))
+    out: list[Rule] = [Drop(rf"^mtp\.layers\.(?!(?:{keep})\.)" if keep else r"^mtp\.",
+                            f"megatron-core MTP layers beyond mtp_layers={c.mtp_layers}: not mapped to HF")]
+    for k in range(c.mtp_layers):
+        n = c.n_layers + k
+        out.append(Rename(rf"^mtp\.layers\.{k}\.transformer_layer\.(?P<leaf>.+)$", f"decoder.layers.{n}.\\g<leaf>"))
+        out += [Rename(rf"^mtp\.layers\.{k}\.{_esc(mg)}$", f"model.layers.{n}.{hf}") for mg, hf in MEGATRON_MTP]
+    return out
+
+
+def drop_mtp_copies(c: DeepseekConfig) -> list[Rule]:
+    """HF's MTP layers' copies of the embedding and output layer (megatron-core's MTP shares the main ones)."""
+    if not c.mtp_layers:
+        return []
+    layers = "|".join(str(c.n_layers + k) for k in range(c.mtp_layers))
+    return [Drop(rf"^model\.layers\.(?:{layers})\.(embed_tokens|shared_head\.head)\.weight$",
+                 "DeepSeek MTP layers' embedding and output copies: megatron-core's MTP shares the main model's")]
+
+
 def megatron_to_hf(c: DeepseekConfig) -> list[Rule]:
-    """megatron-core -> HF (every rule invertible): SwiGLU ``linear_fc1`` split into gate and up
-    (dense, shared and routed experts), then names."""
+    """megatron-core -> HF (every rule invertible): the MTP layers as decoder layers, SwiGLU
+    ``linear_fc1`` split into gate and up (dense, shared and routed experts), then names."""
     layer = r"^decoder\.layers\.(?P<layer>\d+)\."
     to = r"model.layers.\g<layer>."
-    out: list[Rule] = [Drop(r"^mtp\.", "megatron-core MTP layers: not mapped to HF")]
+    out: list[Rule] = megatron_mtp(c)
     q_norm, kv_norm = MEGATRON_NORMS[c.megatron_norms]
     table = [*MEGATRON_LAYER, (q_norm, "self_attn.q_a_layernorm.weight"), (kv_norm, "self_attn.kv_a_layernorm.weight")]
     for mg, hf in MEGATRON_MLPS:
@@ -198,7 +231,7 @@ def megatron_to_hf(c: DeepseekConfig) -> list[Rule]:
         out += [Rename(rf"^decoder\.layers\.{i}\.mlp\.linear_fc1\.layer_norm_weight$",
                        f"model.layers.{i}.post_attention_layernorm.weight") for i in range(c.first_dense)]
     out += [Rename(mg, hf) for mg, hf in MEGATRON_GLOBAL]
-    return out + hf_expects(c) + drop_mtp(c)
+    return out + hf_expects(c) + drop_mtp_copies(c)
 
 
 def config_from_hf(hf: Mapping[str, Any]) -> dict[str, Any]:
@@ -214,7 +247,8 @@ def megatron_args(hf: Mapping[str, Any]) -> dict[str, Any]:
     """The Megatron args of an HF DeepSeek-V3 ``config.json`` over the Llama-like ones that
     :func:`ckptbridge.recipes.megatron_args` writes: MLA (``multi_latent_attention``, the LoRA ranks,
     the head widths, YaRN) and MoE (experts, shared experts, sigmoid grouped routing with the expert
-    bias, ``moe_layer_freq``: the first ``first_k_dense_replace`` layers dense). megatron-core ranks
+    bias, ``moe_layer_freq``: the first ``first_k_dense_replace`` layers dense; ``mtp_num_layers`` from
+    ``num_nextn_predict_layers``). megatron-core ranks
     expert groups by their top ``topk / group_topk`` scores, DeepSeek by their top 2: the same routing
     only when ``num_experts_per_tok = 2 x topk_group`` (DeepSeek-V3: 8 = 2 x 4); other values fail here."""
     topk, groups = int(hf["num_experts_per_tok"]), int(hf.get("topk_group") or 0)
@@ -235,7 +269,7 @@ def megatron_args(hf: Mapping[str, Any]) -> dict[str, Any]:
         moe_router_topk_scaling_factor=float(hf.get("routed_scaling_factor") or 1.0), moe_router_pre_softmax=False,
         moe_layer_freq=[0] * dense + [1] * (int(hf["num_hidden_layers"]) - dense), moe_grouped_gemm=False,
         moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_token_dispatcher_type="alltoall",
-        moe_router_dtype="fp32", mtp_num_layers=None)
+        moe_router_dtype="fp32", mtp_num_layers=int(hf.get("num_nextn_predict_layers") or 0) or None)
     if rope.get("rope_type") == "yarn":
         args.update(rope_type="yarn", rotary_scaling_factor=float(rope["factor"]),
                     original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
