@@ -38,7 +38,10 @@ dropped with one line: megatron-core's MTP shares the main model's); the router'
 moves the logits far (negative control). On CPU, megatron-core 0.16.1's MLA needs a core
 attention that takes its key/value widths (its local ``DotProductAttention`` does not; Transformer
 Engine's is CUDA-only) and two import-time gaps filled: ``tools/megatron/mla_cpu.py`` says which.
-The tiny model routes 4 of 16 experts in the top 2 of 4 groups: megatron-core ranks groups by
+With ``megatron_experts="grouped"`` (the legacy ``GroupedMLP`` module's ``mlp.experts.weight1`` / ``weight2``,
+the MTP layer's too) the model fills megatron-core's ``GPTModel(moe_grouped_gemm=True)`` strictly
+(``tools/megatron/core_module.py``) with the logits of the ``SequentialMLP`` model, bitwise (bf16, GroupedMLP's
+only dtype). The tiny model routes 4 of 16 experts in the top 2 of 4 groups: megatron-core ranks groups by
 their top ``topk / group_topk`` scores, DeepSeek by their top 2 (DeepSeek-V3: 8 / 4 = 2).
 """
 
@@ -299,7 +302,8 @@ def test_config_from_hf_and_family(no_q_lora):
     cfg = recipes.config_from_hf(no_q_lora / "config.json")
     assert recipes.family_from_hf(no_q_lora / "config.json") == "deepseek_v3"
     assert cfg == {"n_heads": 4, "n_layers": 2, "first_dense": 0, "q_lora_rank": 0, "kv_lora_rank": 20,
-                   "qk_nope_head_dim": 12, "qk_rope_head_dim": 8, "v_head_dim": 10, "mtp_layers": 1}
+                   "qk_nope_head_dim": 12, "qk_rope_head_dim": 8, "v_head_dim": 10, "mtp_layers": 1,
+                   "n_experts": 16, "moe_mlp": 24}
 
 
 @pytest.mark.parametrize("scan", [False, True], ids=["unscanned", "scanned"])
@@ -359,6 +363,8 @@ def test_a_config_that_does_not_fit_fails_before_reading(no_q_lora):
 # ------------------------------------------------------------------ HF -> megatron-core (MLA + MoE, 2 gloo ranks)
 
 MEGATRON_A = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "megatron", "A", "tp2pp2", "torch")
+CORE_MODULE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "megatron",
+                           "core_module.py")
 CORE_LOSS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "megatron", "core_loss.py")
 
 
@@ -429,3 +435,41 @@ def test_megatron_to_hf_gives_the_same_tensors_back(megatron):
         ckptbridge.open(megatron["dir"], rules=megatron["rules"])
     lines = [str(w.message) for w in caught if issubclass(w.category, DroppedTensorsWarning)]
     assert len(lines) == 1 and all(n in lines[0] for n in copies) and "\n" not in lines[0]
+
+
+@pytest.mark.heavy
+def test_grouped_gemm_names_fill_megatron_cores_grouped_mlp(megatron):
+    """GroupedMLP (bf16) through the grouped recipe == SequentialMLP (bf16) through the sequential one, bitwise;
+    the grouped names back to HF bitwise."""
+    import subprocess
+
+    work, d = megatron["work"], megatron["dir"]
+    cfg = recipes.config_from_hf(d / "config.json")
+    args = {**json.loads((work / "args.json").read_text()), "bf16": True, "params_dtype": "torch.bfloat16"}
+    grouped = recipes.rules("deepseek_v3", src="hf", dst="megatron", **cfg, megatron_experts="grouped")
+    argv = []
+    for label, a, rules in (("grouped", {**args, "moe_grouped_gemm": True}, grouped),
+                            ("sequential", args, megatron["rules"])):
+        (work / f"{label}.args.json").write_text(json.dumps(a))
+        (work / f"{label}.rules.json").write_text(json.dumps(ckptbridge.rules_to_json(rules)))
+        argv.append(f"{work / f'{label}.args.json'},{work / f'{label}.rules.json'}={work / f'{label}.npy'}")
+    np.save(work / "grouped_tokens.npy", hf.tokens(2, SEQ, SPEC.vocab, seed=5))
+    out = subprocess.run([sys.executable, CORE_MODULE, "--source", str(d), "--tokens", str(work / "grouped_tokens.npy"),
+                          *argv], capture_output=True, text=True, timeout=600,
+                         env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"))
+    recs = [json.loads(line[len("CORE_MODULE "):]) for line in out.stdout.splitlines() if line.startswith("CORE_MODULE ")]
+    assert out.returncode == 0 and len(recs) == 2, out.stdout[-3000:] + out.stderr[-5000:]
+    assert [(r.get("error"), r["unplaced"], r["experts"]) for r in recs] == [
+        (None, [], "GroupedMLP"), (None, [], "SequentialMLP")], recs
+    assert np.load(work / "grouped.npy").tobytes() == np.load(work / "sequential.npy").tobytes()
+    with pytest.warns(DroppedTensorsWarning):  # the MTP layer's embedding and output copies
+        mg = ckptbridge.open(d, rules=grouped)
+    assert {f"{at}.mlp.experts.weight{k}" for at in ("decoder.layers.1", "mtp.layers.0.transformer_layer")
+            for k in (1, 2)} <= set(mg) and not [n for n in mg if "local_experts" in n]
+    assert mg["decoder.layers.1.mlp.experts.weight1"].shape == (SPEC.emb, SPEC.experts * 2 * SPEC.moe_mlp)
+    back = mg.with_rules(recipes.rules("deepseek_v3", src="megatron", dst="hf", **cfg, megatron_experts="grouped"))
+    raw = ckptbridge.open(d)
+    assert sorted(back) == sorted(n for n in raw if not n.endswith(("embed_tokens.weight", "shared_head.head.weight"))
+                                  or not n.startswith(f"model.layers.{SPEC.layers}."))
+    for name in back:
+        assert back[name].read().tobytes() == raw[name].read().tobytes(), name

@@ -28,7 +28,9 @@ megatron-core's ``mtp.layers.K``: ``enorm``, ``hnorm``, ``eh_proj``, ``shared_he
 HF's copies of the embedding and output layer in the MTP layer (``embed_tokens``,
 ``shared_head.head``) are dropped with a warning naming them: megatron-core's MTP shares the main
 model's (``megatron_args`` gives ``mtp_num_layers``). Megatron MTP layers beyond ``mtp_layers`` are
-dropped with a warning. The Megatron
+dropped with a warning. ``megatron_experts="grouped"`` names the routed experts as megatron-core's
+legacy ``GroupedMLP`` module holds them (``mlp.experts.weight1`` / ``weight2``, as in the ``qwen3_moe``
+recipe; it needs ``n_experts`` and ``moe_mlp``, which ``config_from_hf`` gives). The Megatron
 checkpoint adapter lays out experts and MLA at TP 1 / EP 1 only (``reshard --to megatron --tp 1``;
 other layouts fail naming the reason); :func:`megatron_args` gives the args (``-o args=...``).
 """
@@ -42,6 +44,7 @@ from typing import Any
 from .._errors import OptionError
 from ..rules import Drop, Expect, Rename, Rule, Split, SplitDim, Stack, Transpose
 from ._family import Family
+from .qwen3_moe import grouped_experts
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,9 @@ class DeepseekConfig:
     mtp_layers: int = 0  # HF layers n_layers .. n_layers + mtp_layers - 1 (megatron's mtp.layers; MaxText: dropped)
     scan: bool = True
     megatron_norms: str = "local"  # "local" | "te" (MLA's norms fused into the up projections)
+    n_experts: int | None = None  # routed experts (megatron_experts="grouped" needs them and moe_mlp)
+    moe_mlp: int | None = None  # the routed experts' width
+    megatron_experts: str = "sequential"  # "sequential" (SequentialMLP's local_experts.N) | "grouped" (GroupedMLP)
 
     def __post_init__(self) -> None:
         for key in ("n_heads", "n_layers", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
@@ -68,6 +74,12 @@ class DeepseekConfig:
             raise OptionError(f"recipe config: first_dense={self.first_dense} is not in 0..n_layers={self.n_layers}")
         if self.megatron_norms not in ("local", "te"):
             raise OptionError(f"recipe config: megatron_norms must be 'local' or 'te', got {self.megatron_norms!r}")
+        if self.megatron_experts not in ("sequential", "grouped"):
+            raise OptionError("recipe config: megatron_experts must be 'sequential' or 'grouped', "
+                              f"got {self.megatron_experts!r}")
+        if self.megatron_experts == "grouped" and not (self.n_experts and self.moe_mlp):
+            raise OptionError("recipe config: megatron_experts='grouped' needs n_experts and moe_mlp, "
+                              f"got n_experts={self.n_experts!r}, moe_mlp={self.moe_mlp!r}")
 
     @property
     def qk_head_dim(self) -> int:
@@ -219,6 +231,8 @@ def megatron_to_hf(c: DeepseekConfig) -> list[Rule]:
     layer = r"^decoder\.layers\.(?P<layer>\d+)\."
     to = r"model.layers.\g<layer>."
     out: list[Rule] = megatron_mtp(c)
+    if c.megatron_experts == "grouped":  # after the MTP layer became a decoder layer
+        out += grouped_experts(int(c.n_experts or 0), int(c.moe_mlp or 0))
     q_norm, kv_norm = MEGATRON_NORMS[c.megatron_norms]
     table = [*MEGATRON_LAYER, (q_norm, "self_attn.q_a_layernorm.weight"), (kv_norm, "self_attn.kv_a_layernorm.weight")]
     for mg, hf in MEGATRON_MLPS:
@@ -240,7 +254,8 @@ def config_from_hf(hf: Mapping[str, Any]) -> dict[str, Any]:
             "first_dense": int(hf.get("first_k_dense_replace") or 0), "q_lora_rank": int(hf.get("q_lora_rank") or 0),
             "kv_lora_rank": int(hf["kv_lora_rank"]), "qk_nope_head_dim": int(hf["qk_nope_head_dim"]),
             "qk_rope_head_dim": int(hf["qk_rope_head_dim"]), "v_head_dim": int(hf["v_head_dim"]),
-            "mtp_layers": int(hf.get("num_nextn_predict_layers") or 0)}
+            "mtp_layers": int(hf.get("num_nextn_predict_layers") or 0), "n_experts": int(hf["n_routed_experts"]),
+            "moe_mlp": int(hf["moe_intermediate_size"])}
 
 
 def megatron_args(hf: Mapping[str, Any]) -> dict[str, Any]:

@@ -109,12 +109,12 @@ def hf_to_maxtext(c: MoeConfig) -> list[Rule]:
     return spliced(_gpt.hf_to_maxtext(c), c, names, per_layer) + maxtext_moe_expects(c)
 
 
-def grouped_experts(c: MoeConfig) -> list[Rule]:
-    """megatron-core's legacy ``GroupedMLP`` buffers -> ``SequentialMLP``'s per-expert weights, as its
-    forward views them: ``weight1`` ``[E, X * 2F]`` is ``view(X, E, 2F)`` (a reinterpretation of the
-    bytes, not a transpose), expert N's ``linear_fc1`` ``[2F, E]`` its ``[N].T``; ``weight2``
-    ``[X * F, E]`` is ``view(X, F, E)``, expert N's ``linear_fc2`` ``[E, F]`` its ``[N].T``."""
-    x, f = int(c.n_experts or 0), int(c.moe_mlp or 0)
+def grouped_experts(x: int, f: int) -> list[Rule]:
+    """megatron-core's legacy ``GroupedMLP`` buffers of ``x`` experts ``f`` wide -> ``SequentialMLP``'s
+    per-expert weights, as its forward views them: ``weight1`` ``[E, X * 2F]`` is ``view(X, E, 2F)`` (a
+    reinterpretation of the bytes, not a transpose), expert N's ``linear_fc1`` ``[2F, E]`` its ``[N].T``;
+    ``weight2`` ``[X * F, E]`` is ``view(X, F, E)``, expert N's ``linear_fc2`` ``[E, F]`` its ``[N].T``
+    (shared with the ``deepseek_v3`` recipe)."""
     at = r"^decoder\.layers\." + L + r"\.mlp\.experts\."
     to = r"decoder.layers.\g<layer>.mlp.experts.local_experts.{expert}."
     return [Reshape(at + r"weight1$", (x, -1, 2 * f), (-1, x * 2 * f)),
@@ -136,7 +136,7 @@ def megatron_to_hf(c: MoeConfig) -> list[Rule]:
         [Expect(layer + r"mlp\.router\.weight$", (c.n_experts, None), f"n_experts = {c.n_experts} router rows")]
     return [
         *check,
-        *(grouped_experts(c) if c.megatron_experts == "grouped" else ()),
+        *(grouped_experts(int(c.n_experts or 0), int(c.moe_mlp or 0)) if c.megatron_experts == "grouped" else ()),
         *megatron_qk_norm_names(),
         Rename(layer + r"mlp\.router\.weight$", r"model.layers.\g<layer>.mlp.gate.weight"),
         Split(expert + r"linear_fc1\.weight$",

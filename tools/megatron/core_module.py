@@ -7,7 +7,7 @@ Megatron args JSON as ``core_loss.py`` builds it (local spec, TP 1, PP 1), then 
 fills every tensor of the module's ``state_dict`` in place (its own names: ``mlp.experts.weight1`` for
 a GroupedMLP; the local spec's ``_extra_state`` entries are ``None``, not tensors) and reports any
 tensor the rules give that has no place; the logits of GPTModel's forward on the
-tokens are saved to ``OUT`` (``.npy``, fp32 ``[batch, seq, vocab]``). Prints one line per item,
+tokens are saved to ``OUT`` (``.npy``, fp32 ``[batch, seq, vocab]``, ``core_loss.logits``). Prints one line per item,
 ``CORE_MODULE {"rules", "out", "unplaced" | "error", "experts"}`` (``experts``: the class of the
 first MoE layer's experts)::
 
@@ -31,6 +31,7 @@ def run_item(model: Any, source: str, rules_file: str, tokens: Any, out: str) ->
     """Fill ``model`` from ``source`` seen through the rules in ``rules_file``; its logits to ``out``."""
     import numpy as np
     import torch
+    from core_loss import logits
 
     from ckptbridge.adapters import torch as cbt
 
@@ -44,11 +45,10 @@ def run_item(model: Any, source: str, rules_file: str, tokens: Any, out: str) ->
         traceback.print_exc()
         return {**rec, "error": f"{type(e).__name__}: {e}"}
     seq = tokens.shape[1]
-    attn = torch.tril(torch.ones(1, 1, seq, seq)) < 0.5  # True = masked (causal), as core_loss.py
-    pos = torch.arange(seq).unsqueeze(0).expand(tokens.shape[0], seq).contiguous()
-    with torch.no_grad():
-        logits = model(tokens, pos, attn)
-    np.save(out, logits.float().numpy())
+    batch = {"tokens": tokens, "labels": torch.roll(tokens, -1, dims=1),  # labels: only an MTP block reads them
+             "attention_mask": torch.tril(torch.ones(1, 1, seq, seq)) < 0.5,  # True = masked (causal), as core_loss.py
+             "position_ids": torch.arange(seq).unsqueeze(0).expand(tokens.shape[0], seq).contiguous()}
+    np.save(out, logits(model, [batch]))
     return rec
 
 
