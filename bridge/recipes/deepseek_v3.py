@@ -144,7 +144,7 @@ def hf_expects(c: DeepseekConfig) -> list[Rule]:
 def hf_to_maxtext(c: DeepseekConfig) -> list[Rule]:
     """HF -> MaxText (every rule invertible; see the module doc)."""
     h = c.n_heads
-    out: list[Rule] = [*hf_expects(c), *drop_mtp(c)]  # the order megatron_to_hf ends with (routes compose)
+    out: list[Rule] = [*hf_expects(c), *drop_mtp(c)]  # hf_expects: what megatron_to_hf ends with (routes compose)
     for i in range(c.n_layers):  # renumber: dense layers 0.., MoE layers 0.. from the first MoE layer
         at = f"dense_layers_{i}" if i < c.first_dense else f"moe_layers_{i - c.first_dense}"
         out.append(Rename(rf"^model\.layers\.{i}\.(?P<leaf>.+)$", f"decoder/{at}/\\g<leaf>"))
@@ -245,7 +245,7 @@ def megatron_to_hf(c: DeepseekConfig) -> list[Rule]:
         out += [Rename(rf"^decoder\.layers\.{i}\.mlp\.linear_fc1\.layer_norm_weight$",
                        f"model.layers.{i}.post_attention_layernorm.weight") for i in range(c.first_dense)]
     out += [Rename(mg, hf) for mg, hf in MEGATRON_GLOBAL]
-    return out + hf_expects(c) + drop_mtp_copies(c)
+    return out + drop_mtp_copies(c) + hf_expects(c)  # hf_to_maxtext starts with hf_expects: routes compose
 
 
 def config_from_hf(hf: Mapping[str, Any]) -> dict[str, Any]:
