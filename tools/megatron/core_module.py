@@ -3,13 +3,14 @@
 Needs only megatron-core (PyPI). One gloo rank on CPU (``tools/megatron/cpu_shim.py``, with its
 pure-torch ``grouped_gemm`` for the legacy ``GroupedMLP`` of ``moe_grouped_gemm=True``, which
 megatron-core runs in bf16 only). For each ``ARGS,RULES=OUT`` item the model is built from the
-Megatron args JSON as ``core_loss.py`` builds it (local spec, TP 1, PP 1), then ``ckptbridge.adapters.torch.load_into(state, source, rules, strict=True)``
-fills every tensor of the module's ``state_dict`` in place (its own names: ``mlp.experts.weight1`` for
-a GroupedMLP; the local spec's ``_extra_state`` entries are ``None``, not tensors) and reports any
-tensor the rules give that has no place; the logits of GPTModel's forward on the
-tokens are saved to ``OUT`` (``.npy``, fp32 ``[batch, seq, vocab]``, ``core_loss.logits``). Prints one line per item,
-``CORE_MODULE {"rules", "out", "unplaced" | "error", "experts"}`` (``experts``: the class of the
-first MoE layer's experts)::
+Megatron args JSON as ``core_loss.py`` builds it (local spec, TP 1, PP 1; an MTP block with
+``mtp_num_layers``), then ``ckptbridge.adapters.torch.load_into(state, source, rules, strict=True)``
+fills every tensor of the module's ``state_dict`` in place (its own names: ``mlp.experts.weight1``
+for a GroupedMLP; the local spec's ``_extra_state`` entries are ``None``, not tensors) and reports
+any tensor the rules give that has no place; the logits of GPTModel's forward on the tokens
+(``core_loss.logits``) are saved to ``OUT`` (``.npy``, fp32 ``[batch, seq, vocab]``). Prints one
+line per item, ``CORE_MODULE {"rules", "out", "unplaced" | "error", "experts"}`` (``experts``: the
+class of the first MoE layer's experts)::
 
     python tools/megatron/core_module.py --source hf_dir --tokens t.npy args.json,rules.json=logits.npy
 """
