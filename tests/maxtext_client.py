@@ -53,8 +53,8 @@ def spec_from_hf(cfg: dict[str, Any], *, scan: bool = True, mesh: dict[str, int]
     scaling constants MaxText hard-codes); everything else to ``rope_type=default``.
     """
     family = cfg["model_type"]
-    if family in MORE_SPECS:
-        return MORE_SPECS[family](cfg, scan=scan, mesh=mesh, batch=batch, seq=seq)
+    if family in FAMILY_SPECS:
+        return FAMILY_SPECS[family](cfg, scan=scan, mesh=mesh, batch=batch, seq=seq)
     if family not in ("llama", "mistral", "qwen2", "mixtral", "qwen3", "qwen3_moe"):
         raise ValueError(f"model_type {family!r} has no MaxText counterpart here")
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
@@ -148,8 +148,10 @@ def train_job(spec: dict[str, Any], params: Path, tokens: Path, out: Path, steps
 def load_job(spec: dict[str, Any], source: Path, rules: Any, *, opt: bool = False, dump: Path | None = None,
              tokens: Path | None = None, logits: Path | None = None, train_tokens: Path | None = None,
              steps: int = 0, train_out: Path | None = None, update_scale: dict[str, float] | None = None,
-             save_universal: Path | None = None, report: Path | None = None, **adamw: float) -> dict[str, Any]:
-    """``source`` (anything ckptbridge opens) seen through ``rules`` (rule objects, their JSON, or a
+             save_universal: Path | None = None, report: Path | None = None,
+             open_options: dict[str, Any] | None = None, **adamw: float) -> dict[str, Any]:
+    """``source`` (anything ckptbridge opens, with ``open_options``: ``{"dequantize_dtype": "float32"}``) seen
+    through ``rules`` (rule objects, their JSON, or a
     JSON file) loaded by ``ckptbridge.adapters.flax.load`` onto MaxText's boxed tree on its mesh;
     ``opt``: also into MaxText's AdamW state. Then: ``dump`` the loaded state (params, ``mu/``,
     ``nu/``, ``count``), ``logits`` for ``tokens``, ``steps`` of training on ``train_tokens``
@@ -172,6 +174,8 @@ def load_job(spec: dict[str, Any], source: Path, rules: Any, *, opt: bool = Fals
         job["steps"] = steps
     if update_scale:
         job["update_scale"] = dict(update_scale)
+    if open_options:
+        job["open_options"] = dict(open_options)
     return job
 
 
@@ -221,7 +225,7 @@ def write_params(path: Path, arrays: dict[str, np.ndarray]) -> Path:
     return Path(path)
 
 
-# ------------------------------------------------------------------ more families (harness FAMILY_MODULES)
+# ------------------------------------------------------------------ more families (FAMILY_SPECS)
 
 
 def _common_spec(family: str, cfg: dict[str, Any], *, scan: bool, mesh: dict[str, int] | None, batch: int,
@@ -271,9 +275,6 @@ def gpt_oss_spec(cfg: dict[str, Any], *, scan: bool = True, mesh: dict[str, int]
     return {**spec, "experts": cfg["num_local_experts"], "experts_per_tok": cfg["num_experts_per_tok"]}
 
 
-MORE_SPECS = {"gemma3_text": gemma3_spec, "gpt_oss": gpt_oss_spec}
-
-
 def spec_from_hf_deepseek(cfg: dict[str, Any], *, scan: bool = True, batch: int = 8, seq: int = 16,
                           mesh: dict[str, int] | None = None) -> dict[str, Any]:
     """The harness spec of MaxText's DeepSeek decoder (``decoder_block=deepseek``, see
@@ -310,3 +311,8 @@ def spec_from_hf_deepseek(cfg: dict[str, Any], *, scan: bool = True, batch: int 
     if mesh is not None:
         spec["mesh"] = dict(mesh)
     return spec
+
+
+# HF model_type -> its harness spec, for the families whose spec is not the Llama-like one above
+# (the harness's side of each family is its tools/maxtext/<module>.py, see tools/maxtext/registry.py)
+FAMILY_SPECS = {"gemma3_text": gemma3_spec, "gpt_oss": gpt_oss_spec, "deepseek_v3": spec_from_hf_deepseek}

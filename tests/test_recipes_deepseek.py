@@ -21,20 +21,33 @@ logical-axis shardings. Then, scanned and unscanned:
 3. Back: MaxText's tree through the inverse recipe is HF's checkpoint bitwise (MTP aside).
 4. Negative controls far outside the tolerance: the router bias left at zero (what MaxText's
    converter leaves it), the shared experts' gate and up swapped.
+5. Block fp8: the same model in DeepSeek-V3's release layout (every projection e4m3 with its
+   ``weight_scale_inv`` in another shard, 16 x 24 blocks, ragged at the edges of ``kv_a_proj_with_mqa``
+   (28 rows), ``kv_b_proj`` (88 rows, 20 columns) and the experts (24 rows)) opened dequantized to fp32,
+   through the recipe onto MaxText's scanned tree: every leaf bitwise the recipe applied to DeepSeek's
+   own dequantization (``weight_dequant``, written out in ``test_quantized.py``) saved as plain HF, and
+   MaxText's logits are those of HF's ``DeepseekV3ForCausalLM`` loaded with those dequantized weights;
+   the unquantized model's logits are far off (the test sees the quantization).
 
 HF -> megatron-core: the CLI (``reshard --to megatron``, args from ``recipes.megatron_args``)
 writes a TP 1 checkpoint that megatron-core's ``GPTModel`` (MLA + MoE from its own layer specs;
-dense first layer) loads strictly on 2 gloo ranks (``tools/megatron/core_loss.py``) and whose
-logits are HF's; Megatron -> HF gives every tensor back bitwise; the router's expert bias zeroed
+dense first layer; the release's MTP layer as its multi-token-prediction block, ``mtp_num_layers=1``)
+loads strictly on 2 gloo ranks (``tools/megatron/core_loss.py``) and whose logits are HF's; Megatron
+-> HF gives every tensor back bitwise (the MTP layer's copies of the embedding and output layer are
+dropped with one line: megatron-core's MTP shares the main model's); the router's expert bias zeroed
 moves the logits far (negative control). On CPU, megatron-core 0.16.1's MLA needs a core
 attention that takes its key/value widths (its local ``DotProductAttention`` does not; Transformer
 Engine's is CUDA-only) and two import-time gaps filled: ``tools/megatron/mla_cpu.py`` says which.
-The tiny model routes 4 of 16 experts in the top 2 of 4 groups: megatron-core ranks groups by
+With ``megatron_experts="grouped"`` (the legacy ``GroupedMLP`` module's ``mlp.experts.weight1`` / ``weight2``,
+the MTP layer's too) the model fills megatron-core's ``GPTModel(moe_grouped_gemm=True)`` strictly
+(``tools/megatron/core_module.py``) with the logits of the ``SequentialMLP`` model, bitwise (bf16, GroupedMLP's
+only dtype). The tiny model routes 4 of 16 experts in the top 2 of 4 groups: megatron-core ranks groups by
 their top ``topk / group_topk`` scores, DeepSeek by their top 2 (DeepSeek-V3: 8 / 4 = 2).
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import os
@@ -64,20 +77,26 @@ TOL = 1e-4
 BATCH, SEQ = 4, 12
 MESH = {"fsdp": 2, "tensor": 2}
 SPEC = hf.DeepseekSpec()
-MTP = {  # the release's MTP layer leaves (layer num_hidden_layers), shapes for the tiny model
+MTP = {  # the release's MTP layer leaves (layer num_hidden_layers) besides its decoder layer, shapes for the tiny model
     "enorm.weight": (48,), "hnorm.weight": (48,), "eh_proj.weight": (48, 96), "shared_head.norm.weight": (48,),
+    "embed_tokens.weight": (256, 48), "shared_head.head.weight": (256, 48),
 }
+MTP_COPIES = ("embed_tokens.weight", "shared_head.head.weight")  # megatron-core's MTP shares the main model's
 BIAS = "MoEBiasVar/decoder/moe_layers{}/DeepSeekMoeBlock_0/MoeBlock_0/gate/bias"
 WRONG_WHEN_SCANNED = ("DeepSeekMoeBlock_0/MoeBlock_0/gate/kernel", "DeepSeekMoeBlock_0/shared_experts/wi_0/kernel",
                       "DeepSeekMoeBlock_0/shared_experts/wi_1/kernel", "DeepSeekMoeBlock_0/shared_experts/wo/kernel")
 
 
 def _add_mtp(d, n_layers: int) -> list[str]:
-    """MTP tensors as the release stores them (its own shard, listed in the index)."""
+    """An MTP layer as the release stores it (its own shard, listed in the index): a decoder layer shaped
+    like the last one (MLA, MoE) and the MTP leaves, random."""
     from safetensors.numpy import save_file
 
     rng = np.random.default_rng(7)
-    names = {f"model.layers.{n_layers}.{k}": rng.standard_normal(s).astype(np.float32) for k, s in MTP.items()}
+    last = ckptbridge.open(d)
+    shapes = {f"{n_layers}.{n[len(f'model.layers.{n_layers - 1}.'):]}": last[n].shape for n in last
+              if n.startswith(f"model.layers.{n_layers - 1}.")} | {f"{n_layers}.{k}": s for k, s in MTP.items()}
+    names = {f"model.layers.{k}": (0.1 * rng.standard_normal(s)).astype(np.float32) for k, s in shapes.items()}
     save_file(names, str(d / "model-mtp.safetensors"))
     index = json.loads((d / "model.safetensors.index.json").read_text())
     index["weight_map"] |= {k: "model-mtp.safetensors" for k in names}
@@ -105,6 +124,44 @@ CONTROLS = {  # label -> the recipe with one fact wrong
 }
 
 
+def _fp8_release(d, out) -> dict:
+    """The saved model ``d`` in DeepSeek-V3's release layout in ``out``: every projection block-fp8 (e4m3,
+    ``test_quantized.BLOCK``) with its ``weight_scale_inv``, weights in two shards and the scales in a third,
+    ``quantization_config`` in config.json. Returns the dequantized weights (DeepSeek's ``weight_dequant``, fp32)."""
+    import torch
+    from safetensors.torch import load_file
+    from test_quantized import BLOCK, QUANTIZED, block_quant, save_shards, weight_dequant
+
+    files = set(json.loads((d / "model.safetensors.index.json").read_text())["weight_map"].values())
+    stored = {n: t for f in sorted(files) for n, t in load_file(str(d / f)).items()}
+    weights, scales, deq = {}, {}, {}
+    for name, t in stored.items():
+        weights[name] = t
+        if name.endswith(".weight") and name.split(".")[-2] in QUANTIZED:
+            weights[name], scales[name + "_scale_inv"] = block_quant(t, BLOCK)
+            deq[name] = weight_dequant(weights[name], scales[name + "_scale_inv"], BLOCK, torch.float32)
+    config = json.loads((d / "config.json").read_text())
+    config["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                     "weight_block_size": list(BLOCK)}
+    names = sorted(weights)
+    save_shards(out, [{n: weights[n] for n in names[::2]}, {n: weights[n] for n in names[1::2]}, scales], config)
+    return deq
+
+
+def _dequantized_model(model, deq: dict, out):
+    """HF's ``DeepseekV3ForCausalLM`` with the dequantized weights (a ``save_pretrained`` checkpoint of
+    the model with them substituted, read back by ``from_pretrained``; no MTP layer)."""
+    import torch
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    hf.save(model, out)
+    for f in sorted(out.glob("*.safetensors")):
+        tensors = load_file(str(f))
+        save_file({n: deq.get(n, t).contiguous() for n, t in tensors.items()}, str(f), metadata={"format": "pt"})
+    return transformers.DeepseekV3ForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     work = tmp_path_factory.mktemp("recipes_deepseek")
@@ -114,9 +171,11 @@ def run(tmp_path_factory):
     mtp = _add_mtp(d, SPEC.layers)
     tokens = hf.tokens(BATCH, SEQ, SPEC.vocab, seed=1)
     np.save(work / "tokens.npy", tokens)
+    deq = _fp8_release(d, work / "fp8")
+    deq_model = _dequantized_model(copy.deepcopy(model), deq, work / "deq")
     jobs, files = [], {}
     for scan in (False, True):
-        spec = mx.spec_from_hf_deepseek(cfg, scan=scan, batch=BATCH, seq=SEQ, mesh=MESH)
+        spec = mx.spec_from_hf(cfg, scan=scan, batch=BATCH, seq=SEQ, mesh=MESH)
         f = files[scan] = {k: work / f"scan{int(scan)}.{k}.{ext}" for k, ext in (
             ("conv", "safetensors"), ("dump", "safetensors"), ("logits", "npy"), ("report", "json"),
             ("conv_report", "json"))}
@@ -126,9 +185,12 @@ def run(tmp_path_factory):
         for label, wrong in CONTROLS.items() if scan else ():  # the controls once, on the scanned tree
             jobs.append(mx.load_job(spec, d, wrong(recipe(cfg, scan)), tokens=work / "tokens.npy",
                                     logits=work / f"scan{int(scan)}.{label}.npy"))
+    jobs.append(mx.load_job(spec, work / "fp8", recipe(cfg, True), open_options={"dequantize_dtype": "float32"},
+                            dump=work / "fp8.dump.safetensors", tokens=work / "tokens.npy", logits=work / "fp8.npy",
+                            report=work / "fp8.json"))
     results = mx.run_jobs(jobs)
     return {"work": work, "dir": d, "cfg": cfg, "ref": hf.logits(model, tokens), "files": files, "results": results,
-            "mtp": mtp, "model": model}
+            "mtp": mtp, "model": model, "deq": deq, "deq_ref": hf.logits(deq_model, tokens)}
 
 
 def _err(a: np.ndarray, b: np.ndarray) -> float:
@@ -207,6 +269,25 @@ def test_negative_controls_move_the_logits(run, label):
     assert err > 50 * TOL, (label, err)
 
 
+@pytest.mark.heavy
+def test_fp8_release_into_maxtext_gives_the_dequantized_models_logits(run):
+    """Measured: 1.6e-7 from the dequantized model's logits; 1.9e-2 from the unquantized model's."""
+    work = run["work"]
+    report = json.loads((work / "fp8.json").read_text())
+    assert report["not_boxed"] == [] and report["not_maxtext_sharding"] == [] and report["devices"] == 4
+    raw = ckptbridge.open(work / "fp8", dequantize=False)
+    assert sum(n.endswith("_scale_inv") for n in raw) == len(run["deq"]) > 100
+    assert {str(raw[n].dtype) for n in run["deq"]} == {"float8_e4m3fn"}
+    mine = mx.read_params(work / "fp8.dump.safetensors")
+    theirs = ckptbridge.open(work / "deq", rules=recipe(run["cfg"], True))  # DeepSeek's dequantization, plain HF
+    assert sorted(mine) == sorted(theirs)
+    for name, value in mine.items():
+        assert value.dtype == np.float32 and value.tobytes() == theirs[name].read().tobytes(), name
+    logits = np.load(work / "fp8.npy")
+    assert _err(logits, run["deq_ref"]) < TOL
+    assert _err(logits, run["ref"]) > 50 * TOL  # the quantization shows: the test would see it skipped
+
+
 # ------------------------------------------------------------------ data level (no MaxText, no Megatron)
 
 
@@ -221,7 +302,8 @@ def test_config_from_hf_and_family(no_q_lora):
     cfg = recipes.config_from_hf(no_q_lora / "config.json")
     assert recipes.family_from_hf(no_q_lora / "config.json") == "deepseek_v3"
     assert cfg == {"n_heads": 4, "n_layers": 2, "first_dense": 0, "q_lora_rank": 0, "kv_lora_rank": 20,
-                   "qk_nope_head_dim": 12, "qk_rope_head_dim": 8, "v_head_dim": 10, "mtp_layers": 1}
+                   "qk_nope_head_dim": 12, "qk_rope_head_dim": 8, "v_head_dim": 10, "mtp_layers": 1,
+                   "n_experts": 16, "moe_mlp": 24}
 
 
 @pytest.mark.parametrize("scan", [False, True], ids=["unscanned", "scanned"])
@@ -281,6 +363,8 @@ def test_a_config_that_does_not_fit_fails_before_reading(no_q_lora):
 # ------------------------------------------------------------------ HF -> megatron-core (MLA + MoE, 2 gloo ranks)
 
 MEGATRON_A = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "megatron", "A", "tp2pp2", "torch")
+CORE_MODULE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "megatron",
+                           "core_module.py")
 CORE_LOSS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "megatron", "core_loss.py")
 
 
@@ -296,6 +380,7 @@ def megatron(tmp_path_factory):
     work = tmp_path_factory.mktemp("deepseek_megatron")
     model = hf.build_deepseek(SPEC)
     d = hf.save(model, work / "hf")
+    mtp = _add_mtp(d, SPEC.layers)
     template = {**ckptbridge.open(MEGATRON_A).extra["megatron"]["args"], "tensor_model_parallel_size": 1,
                 "pipeline_model_parallel_size": 1}
     (work / "args.json").write_text(json.dumps(recipes.megatron_args(d / "config.json", template=template)))
@@ -312,7 +397,7 @@ def megatron(tmp_path_factory):
     recs = [json.loads(line[len("CORE_LOSS "):]) for line in out.stdout.splitlines() if line.startswith("CORE_LOSS ")]
     assert out.returncode == 0 and len(recs) == len(items), out.stdout[-3000:] + out.stderr[-5000:]
     return {"work": work, "dir": d, "model": model, "recs": recs, "dumps": [np.load(r["dump"]) for r in recs],
-            "rules": rules}
+            "rules": rules, "mtp": mtp}
 
 
 @pytest.mark.heavy
@@ -329,9 +414,62 @@ def test_hf_to_megatron_loads_strictly_in_megatron_core_with_hfs_logits(megatron
 
 @pytest.mark.heavy
 def test_megatron_to_hf_gives_the_same_tensors_back(megatron):
+    """The MTP layer too (megatron-core's ``mtp.layers.0``, which GPTModel with ``mtp_num_layers=1`` loaded
+    strictly above), but for its copies of the embedding and output layer, dropped with one line."""
     cfg = recipes.config_from_hf(megatron["dir"] / "config.json")
-    back = ckptbridge.open(megatron["work"] / "mg", rules=recipes.rules("deepseek_v3", src="megatron", dst="hf", **cfg))
+    mg = ckptbridge.open(megatron["work"] / "mg")
+    assert mg.extra["megatron"]["args"]["mtp_num_layers"] == 1
+    mtp = sorted(n for n in mg if n.startswith("mtp.layers.0."))
+    assert {"mtp.layers.0.enorm.weight", "mtp.layers.0.hnorm.weight", "mtp.layers.0.eh_proj.weight",
+            "mtp.layers.0.final_layernorm.weight", "mtp.layers.0.transformer_layer.mlp.router.expert_bias",
+            "mtp.layers.0.transformer_layer.self_attention.linear_kv_down_proj.weight"} <= set(mtp)
+    back = mg.with_rules(recipes.rules("deepseek_v3", src="megatron", dst="hf", **cfg))
     raw = ckptbridge.open(megatron["dir"])
-    assert sorted(back) == sorted(raw)
-    for name in raw:
+    copies = sorted(f"model.layers.{SPEC.layers}.{k}" for k in MTP_COPIES)
+    assert sorted(back) == sorted(n for n in raw if n not in copies)
+    assert sorted(n for n in back if n.startswith(f"model.layers.{SPEC.layers}.")) == \
+        sorted(n for n in megatron["mtp"] if n not in copies)
+    for name in back:
+        assert back[name].read().tobytes() == raw[name].read().tobytes(), name
+    with pytest.warns(DroppedTensorsWarning) as caught:  # HF -> megatron: the copies, named on one line
+        ckptbridge.open(megatron["dir"], rules=megatron["rules"])
+    lines = [str(w.message) for w in caught if issubclass(w.category, DroppedTensorsWarning)]
+    assert len(lines) == 1 and all(n in lines[0] for n in copies) and "\n" not in lines[0]
+
+
+@pytest.mark.heavy
+def test_grouped_gemm_names_fill_megatron_cores_grouped_mlp(megatron):
+    """GroupedMLP (bf16) through the grouped recipe == SequentialMLP (bf16) through the sequential one, bitwise;
+    the grouped names back to HF bitwise."""
+    import subprocess
+
+    work, d = megatron["work"], megatron["dir"]
+    cfg = recipes.config_from_hf(d / "config.json")
+    args = {**json.loads((work / "args.json").read_text()), "bf16": True, "params_dtype": "torch.bfloat16"}
+    grouped = recipes.rules("deepseek_v3", src="hf", dst="megatron", **cfg, megatron_experts="grouped")
+    argv = []
+    for label, a, rules in (("grouped", {**args, "moe_grouped_gemm": True}, grouped),
+                            ("sequential", args, megatron["rules"])):
+        (work / f"{label}.args.json").write_text(json.dumps(a))
+        (work / f"{label}.rules.json").write_text(json.dumps(ckptbridge.rules_to_json(rules)))
+        argv.append(f"{work / f'{label}.args.json'},{work / f'{label}.rules.json'}={work / f'{label}.npy'}")
+    np.save(work / "grouped_tokens.npy", hf.tokens(2, SEQ, SPEC.vocab, seed=5))
+    out = subprocess.run([sys.executable, CORE_MODULE, "--source", str(d), "--tokens", str(work / "grouped_tokens.npy"),
+                          *argv], capture_output=True, text=True, timeout=600,
+                         env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"))
+    recs = [json.loads(line[len("CORE_MODULE "):]) for line in out.stdout.splitlines() if line.startswith("CORE_MODULE ")]
+    assert out.returncode == 0 and len(recs) == 2, out.stdout[-3000:] + out.stderr[-5000:]
+    assert [(r.get("error"), r["unplaced"], r["experts"]) for r in recs] == [
+        (None, [], "GroupedMLP"), (None, [], "SequentialMLP")], recs
+    assert np.load(work / "grouped.npy").tobytes() == np.load(work / "sequential.npy").tobytes()
+    with pytest.warns(DroppedTensorsWarning):  # the MTP layer's embedding and output copies
+        mg = ckptbridge.open(d, rules=grouped)
+    assert {f"{at}.mlp.experts.weight{k}" for at in ("decoder.layers.1", "mtp.layers.0.transformer_layer")
+            for k in (1, 2)} <= set(mg) and not [n for n in mg if "local_experts" in n]
+    assert mg["decoder.layers.1.mlp.experts.weight1"].shape == (SPEC.emb, SPEC.experts * 2 * SPEC.moe_mlp)
+    back = mg.with_rules(recipes.rules("deepseek_v3", src="megatron", dst="hf", **cfg, megatron_experts="grouped"))
+    raw = ckptbridge.open(d)
+    assert sorted(back) == sorted(n for n in raw if not n.endswith(("embed_tokens.weight", "shared_head.head.weight"))
+                                  or not n.startswith(f"model.layers.{SPEC.layers}."))
+    for name in back:
         assert back[name].read().tobytes() == raw[name].read().tobytes(), name

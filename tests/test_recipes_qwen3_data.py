@@ -41,7 +41,7 @@ def test_config_from_hf():
     assert recipes.family_from_hf(cfg) == "qwen3_moe"
     assert recipes.family_from_hf({**cfg, "model_type": "qwen3"}) == "qwen3"
     assert recipes.config_from_hf(cfg) == {"n_heads": 32, "n_kv_heads": 4, "head_dim": 128, "tie_embeddings": False,
-                                           "qkv_bias": False, "rope": "default", "n_experts": 128}
+                                           "qkv_bias": False, "rope": "default", "n_experts": 128, "moe_mlp": 768}
     del cfg["num_experts"]  # what transformers 5 writes
     assert recipes.config_from_hf({**cfg, "num_local_experts": 64})["n_experts"] == 64
     args = recipes.megatron_args({**cfg, "num_local_experts": 64, "mlp_only_layers": [1], "rms_norm_eps": 1e-6})
@@ -94,6 +94,17 @@ def test_expert_count_that_does_not_fit_fails_before_any_read(moe):
         recipes.rules("qwen3_moe", src="hf", dst="maxtext", **cfg, hf_experts="stacked")
     with pytest.raises(OptionError, match="megatron <-> hf maps save_pretrained's experts"):
         recipes.rules("qwen3_moe", src="hf", dst="megatron", **cfg, hf_experts="fused")
+    cfg = {**recipes.config_from_hf(split / "config.json"), "moe_mlp": 40}  # the experts are 48 wide
+    for layout, path in (("split", split), ("fused", fused)):
+        with pytest.raises(ShapeMismatchError, match=r"'model\.layers\.\d\.mlp\.experts\..*expected shape .*moe_mlp"):
+            ckptbridge.open(path, rules=recipes.rules("qwen3_moe", src="hf", dst="maxtext", **cfg, hf_experts=layout))
+    with pytest.raises(ShapeMismatchError, match=r"expected shape (\(40, \*\) \(moe_mlp = 40 rows\), found \(48, 64\)|"
+                                                 r"\(\*, 40\) \(moe_mlp = 40 columns\), found \(64, 48\))"):
+        ckptbridge.open(split, rules=recipes.rules("qwen3_moe", src="hf", dst="megatron", **cfg, megatron_experts="grouped"))
+    with pytest.raises(OptionError, match="megatron_experts='grouped' needs n_experts and moe_mlp"):
+        recipes.rules("qwen3_moe", src="hf", dst="megatron", **{**cfg, "moe_mlp": None}, megatron_experts="grouped")
+    with pytest.raises(OptionError, match="megatron_experts must be 'sequential' or 'grouped'"):
+        recipes.rules("qwen3_moe", src="hf", dst="megatron", **cfg, megatron_experts="te")
 
 
 def test_megatron_layout_of_moe_checkpoints():

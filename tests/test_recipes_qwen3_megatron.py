@@ -11,10 +11,20 @@ experts), loads each rank's file with ``load_state_dict(strict=True)`` and dumps
 equal HF's (1e-4) and its loss is HF's cross-entropy. Back through the inverse recipe (Megatron ->
 HF) every tensor is the HF original, bitwise, and with ``recipes.hf_config(args, family=...)`` as its
 config.json transformers loads it with the original's logits.
+
+Grouped GEMM (``megatron_experts="grouped"``): the Qwen3-MoE model through the recipe with megatron-core's
+legacy ``GroupedMLP`` names (``mlp.experts.weight1`` / ``weight2``) fills a ``GPTModel`` built with
+``moe_grouped_gemm=True`` (``tools/megatron/core_module.py``: every tensor of its ``state_dict`` filled,
+nothing left over; cpu_shim's pure-torch grouped GEMM). megatron-core runs GroupedMLP in bf16 only: its
+logits are bitwise those of the same model built with ``SequentialMLP`` experts and filled by the
+sequential recipe, whose fp32 logits are HF's (1e-4). A weight1 laid out as ``[E, X, 2F]`` (experts
+stacked on the columns, not megatron-core's ``view(X, E, 2F)``) loads as strictly and moves the logits
+far (negative control).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -28,7 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import hf_models as hf
 
 import ckptbridge
-from ckptbridge import recipes
+from ckptbridge import Reshape, Unstack, recipes
 
 pytestmark = pytest.mark.heavy
 
@@ -43,6 +53,8 @@ MODELS = {
     "qwen3_moe": hf.HFSpec("qwen3_moe", mlp=48, experts=4, experts_per_tok=2, **SHAPE),
 }
 CASES = {"qwen3_tp1": ("qwen3", 1), "qwen3_moe_tp1": ("qwen3_moe", 1), "qwen3_moe_tp2": ("qwen3_moe", 2)}
+CORE_MODULE = os.path.join(ROOT, "tools", "megatron", "core_module.py")
+BF16 = {"bf16": True, "params_dtype": "torch.bfloat16"}
 
 
 def _cli(*argv: str) -> None:
@@ -116,3 +128,76 @@ def test_megatron_to_hf_gives_the_same_tensors_back(run, label):
     tokens = run["dumps"][label]["tokens"]
     got, want = hf.logits(model.eval(), tokens), hf.logits(run["models"][name], tokens)
     assert float(np.abs(got.astype(np.float64) - want).max()) < TOL
+
+
+# ------------------------------------------------------------------ grouped GEMM (legacy GroupedMLP)
+
+
+def _experts_on_columns(rules: tuple) -> tuple:
+    """The megatron -> HF grouped rules with weight1 read as ``[E, X, 2F]`` (a plausible wrong layout)."""
+    out = []
+    for r in rules:
+        if isinstance(r, Reshape):  # view(X, E, 2F) -> split the columns into (X, 2F) instead
+            x, _e, f2 = r.shape
+            r = Reshape(r.pattern, (-1, x, f2), r.from_shape)
+        elif isinstance(r, Unstack) and "weight1" in r.pattern:
+            r = dataclasses.replace(r, dim=1)
+        out.append(r)
+    return tuple(out)
+
+
+@pytest.fixture(scope="module")
+def grouped(run):
+    """core_module.py: GroupedMLP (bf16) through the grouped recipe, SequentialMLP (bf16 and fp32) through the
+    sequential one, GroupedMLP with the wrong weight1 layout; one process."""
+    work, d = run["work"], run["dirs"]["qwen3_moe"]
+    cfg = recipes.config_from_hf(d / "config.json")
+    args = json.loads((work / "args_qwen3_moe.json").read_text())
+    np.save(work / "grouped_tokens.npy", hf.tokens(2, 12, MODELS["qwen3_moe"].vocab, seed=3))
+    to_hf = recipes.rules("qwen3_moe", src="megatron", dst="hf", **cfg, megatron_experts="grouped")
+    items = {  # label -> (args, rules HF -> megatron)
+        "grouped": ({**args, **BF16, "moe_grouped_gemm": True}, ckptbridge.invert(to_hf)),
+        "sequential": ({**args, **BF16}, recipes.rules("qwen3_moe", src="hf", dst="megatron", **cfg)),
+        "sequential_fp32": (args, recipes.rules("qwen3_moe", src="hf", dst="megatron", **cfg)),
+        "wrong_layout": ({**args, **BF16, "moe_grouped_gemm": True}, ckptbridge.invert(_experts_on_columns(to_hf))),
+    }
+    argv = []
+    for label, (a, rules) in items.items():
+        (work / f"{label}.args.json").write_text(json.dumps(a))
+        (work / f"{label}.rules.json").write_text(json.dumps(ckptbridge.rules_to_json(rules)))
+        argv.append(f"{work / f'{label}.args.json'},{work / f'{label}.rules.json'}={work / f'{label}.logits.npy'}")
+    out = subprocess.run([sys.executable, CORE_MODULE, "--source", str(d), "--tokens", str(work / "grouped_tokens.npy"),
+                          *argv], capture_output=True, text=True, cwd=ROOT, timeout=600,
+                         env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"))
+    recs = [json.loads(line[len("CORE_MODULE "):]) for line in out.stdout.splitlines() if line.startswith("CORE_MODULE ")]
+    assert out.returncode == 0 and len(recs) == len(items), out.stdout[-3000:] + out.stderr[-5000:]
+    vocab = MODELS["qwen3_moe"].vocab
+    return {"recs": dict(zip(items, recs)), "tokens": np.load(work / "grouped_tokens.npy"),
+            "logits": {k: np.load(work / f"{k}.logits.npy")[..., :vocab].astype(np.float64) for k in items}}
+
+
+def test_grouped_gemm_names_load_strictly_in_megatron_cores_grouped_mlp(run, grouped):
+    """Measured: grouped == sequential bitwise (bf16); sequential fp32 2.4e-7 from HF; wrong layout 6.4e-2 off."""
+    recs, lg = grouped["recs"], grouped["logits"]
+    for label, experts in (("grouped", "GroupedMLP"), ("sequential", "SequentialMLP"),
+                           ("sequential_fp32", "SequentialMLP"), ("wrong_layout", "GroupedMLP")):
+        assert "error" not in recs[label] and recs[label]["unplaced"] == [] and recs[label]["experts"] == experts, recs
+    assert lg["grouped"].tobytes() == lg["sequential"].tobytes()  # the same model, megatron-core's two experts modules
+    ref = hf.logits(run["models"]["qwen3_moe"], grouped["tokens"])
+    assert float(np.abs(lg["sequential_fp32"] - ref).max()) < TOL
+    assert float(np.abs(lg["wrong_layout"] - lg["grouped"]).max()) > 100 * TOL
+
+
+def test_grouped_gemm_names_back_to_hf_bitwise(run):
+    d = run["dirs"]["qwen3_moe"]
+    cfg = {**recipes.config_from_hf(d / "config.json"), "megatron_experts": "grouped"}
+    mg = ckptbridge.open(d, rules=recipes.rules("qwen3_moe", src="hf", dst="megatron", **cfg))
+    spec = MODELS["qwen3_moe"]
+    assert mg["decoder.layers.1.mlp.experts.weight1"].shape == (spec.emb, spec.experts * 2 * spec.mlp)
+    assert mg["decoder.layers.1.mlp.experts.weight2"].shape == (spec.experts * spec.mlp, spec.emb)
+    assert not [n for n in mg if "local_experts" in n]
+    back = mg.with_rules(recipes.rules("qwen3_moe", src="megatron", dst="hf", **cfg))
+    raw = ckptbridge.open(d)
+    assert sorted(back) == sorted(raw)
+    for name in raw:
+        assert back[name].read().tobytes() == raw[name].read().tobytes(), name

@@ -22,7 +22,15 @@ HF <-> megatron-core: MLA's ``linear_q_down_proj`` / ``linear_q_up_proj`` (norm
 ``linear_kv_up_proj`` (``kv_layernorm`` or TE's fused norm), ``linear_proj``; the router
 ``mlp.router.weight`` and ``mlp.router.expert_bias``; routed experts
 ``mlp.experts.local_experts.N.linear_fc1`` ([gate; up]) / ``linear_fc2``; ``mlp.shared_experts``.
-MTP layers (megatron's ``mtp.layers``) are not mapped: dropped with a warning. The Megatron
+The release's MTP layers (HF ``model.layers.<num_hidden_layers + K>``, ``mtp_layers`` of them) are
+megatron-core's ``mtp.layers.K``: ``enorm``, ``hnorm``, ``eh_proj``, ``shared_head.norm`` as
+``final_layernorm`` and the decoder layer as ``transformer_layer`` (same names as a decoder layer's);
+HF's copies of the embedding and output layer in the MTP layer (``embed_tokens``,
+``shared_head.head``) are dropped with a warning naming them: megatron-core's MTP shares the main
+model's (``megatron_args`` gives ``mtp_num_layers``). Megatron MTP layers beyond ``mtp_layers`` are
+dropped with a warning. ``megatron_experts="grouped"`` names the routed experts as megatron-core's
+legacy ``GroupedMLP`` module holds them (``mlp.experts.weight1`` / ``weight2``, as in the ``qwen3_moe``
+recipe; it needs ``n_experts`` and ``moe_mlp``, which ``config_from_hf`` gives). The Megatron
 checkpoint adapter lays out experts and MLA at TP 1 / EP 1 only (``reshard --to megatron --tp 1``;
 other layouts fail naming the reason); :func:`megatron_args` gives the args (``-o args=...``).
 """
@@ -36,6 +44,7 @@ from typing import Any
 from .._errors import OptionError
 from ..rules import Drop, Expect, Rename, Rule, Split, SplitDim, Stack, Transpose
 from ._family import Family
+from .qwen3_moe import grouped_experts
 
 
 @dataclass(frozen=True)
@@ -50,9 +59,12 @@ class DeepseekConfig:
     qk_rope_head_dim: int
     v_head_dim: int
     q_lora_rank: int = 0  # 0: no query LoRA (``q_proj``)
-    mtp_layers: int = 0  # HF layers n_layers .. n_layers + mtp_layers - 1 (dropped: no target has them here)
+    mtp_layers: int = 0  # HF layers n_layers .. n_layers + mtp_layers - 1 (megatron's mtp.layers; MaxText: dropped)
     scan: bool = True
     megatron_norms: str = "local"  # "local" | "te" (MLA's norms fused into the up projections)
+    n_experts: int | None = None  # routed experts (megatron_experts="grouped" needs them and moe_mlp)
+    moe_mlp: int | None = None  # the routed experts' width
+    megatron_experts: str = "sequential"  # "sequential" (SequentialMLP's local_experts.N) | "grouped" (GroupedMLP)
 
     def __post_init__(self) -> None:
         for key in ("n_heads", "n_layers", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
@@ -62,6 +74,12 @@ class DeepseekConfig:
             raise OptionError(f"recipe config: first_dense={self.first_dense} is not in 0..n_layers={self.n_layers}")
         if self.megatron_norms not in ("local", "te"):
             raise OptionError(f"recipe config: megatron_norms must be 'local' or 'te', got {self.megatron_norms!r}")
+        if self.megatron_experts not in ("sequential", "grouped"):
+            raise OptionError("recipe config: megatron_experts must be 'sequential' or 'grouped', "
+                              f"got {self.megatron_experts!r}")
+        if self.megatron_experts == "grouped" and not (self.n_experts and self.moe_mlp):
+            raise OptionError("recipe config: megatron_experts='grouped' needs n_experts and moe_mlp, "
+                              f"got n_experts={self.n_experts!r}, moe_mlp={self.moe_mlp!r}")
 
     @property
     def qk_head_dim(self) -> int:
@@ -126,7 +144,7 @@ def hf_expects(c: DeepseekConfig) -> list[Rule]:
 def hf_to_maxtext(c: DeepseekConfig) -> list[Rule]:
     """HF -> MaxText (every rule invertible; see the module doc)."""
     h = c.n_heads
-    out: list[Rule] = [*hf_expects(c), *drop_mtp(c)]  # the order megatron_to_hf ends with (routes compose)
+    out: list[Rule] = [*hf_expects(c), *drop_mtp(c)]  # hf_expects: what megatron_to_hf ends with (routes compose)
     for i in range(c.n_layers):  # renumber: dense layers 0.., MoE layers 0.. from the first MoE layer
         at = f"dense_layers_{i}" if i < c.first_dense else f"moe_layers_{i - c.first_dense}"
         out.append(Rename(rf"^model\.layers\.{i}\.(?P<leaf>.+)$", f"decoder/{at}/\\g<leaf>"))
@@ -173,6 +191,10 @@ MEGATRON_MLPS = (  # megatron-core MLP prefix -> HF MLP prefix
     (r"mlp\.shared_experts\.", "mlp.shared_experts."),
     (r"mlp\.", "mlp."),
 )
+MEGATRON_MTP = (  # megatron-core MTP layer leaf -> HF MTP layer leaf (besides its transformer_layer)
+    ("enorm.weight", "enorm.weight"), ("hnorm.weight", "hnorm.weight"), ("eh_proj.weight", "eh_proj.weight"),
+    ("final_layernorm.weight", "shared_head.norm.weight"),
+)
 MEGATRON_GLOBAL = (
     (r"^embedding\.word_embeddings\.weight$", "model.embed_tokens.weight"),
     (r"^decoder\.final_layernorm\.weight$", "model.norm.weight"),
@@ -180,12 +202,37 @@ MEGATRON_GLOBAL = (
 )
 
 
+def megatron_mtp(c: DeepseekConfig) -> list[Rule]:
+    """megatron-core's MTP layers -> HF's: ``mtp.layers.K.transformer_layer.`` becomes decoder layer
+    ``n_layers + K`` (the decoder's rules name it), its own leaves HF's; MTP layers beyond ``mtp_layers``
+    are dropped (in both directions: the pattern matches no layer that is mapped)."""
+    keep = "|".join(str(k) for k in range(c.mtp_layers))
+    out: list[Rule] = [Drop(rf"^mtp\.layers\.(?!(?:{keep})\.)" if keep else r"^mtp\.",
+                            f"megatron-core MTP layers beyond mtp_layers={c.mtp_layers}: not mapped to HF")]
+    for k in range(c.mtp_layers):
+        n = c.n_layers + k
+        out.append(Rename(rf"^mtp\.layers\.{k}\.transformer_layer\.(?P<leaf>.+)$", f"decoder.layers.{n}.\\g<leaf>"))
+        out += [Rename(rf"^mtp\.layers\.{k}\.{_esc(mg)}$", f"model.layers.{n}.{hf}") for mg, hf in MEGATRON_MTP]
+    return out
+
+
+def drop_mtp_copies(c: DeepseekConfig) -> list[Rule]:
+    """HF's MTP layers' copies of the embedding and output layer (megatron-core's MTP shares the main ones)."""
+    if not c.mtp_layers:
+        return []
+    layers = "|".join(str(c.n_layers + k) for k in range(c.mtp_layers))
+    return [Drop(rf"^model\.layers\.(?:{layers})\.(embed_tokens|shared_head\.head)\.weight$",
+                 "DeepSeek MTP layers' embedding and output copies: megatron-core's MTP shares the main model's")]
+
+
 def megatron_to_hf(c: DeepseekConfig) -> list[Rule]:
-    """megatron-core -> HF (every rule invertible): SwiGLU ``linear_fc1`` split into gate and up
-    (dense, shared and routed experts), then names."""
+    """megatron-core -> HF (every rule invertible): the MTP layers as decoder layers, SwiGLU
+    ``linear_fc1`` split into gate and up (dense, shared and routed experts), then names."""
     layer = r"^decoder\.layers\.(?P<layer>\d+)\."
     to = r"model.layers.\g<layer>."
-    out: list[Rule] = [Drop(r"^mtp\.", "megatron-core MTP layers: not mapped to HF")]
+    out: list[Rule] = megatron_mtp(c)
+    if c.megatron_experts == "grouped":  # after the MTP layer became a decoder layer
+        out += grouped_experts(int(c.n_experts or 0), int(c.moe_mlp or 0))
     q_norm, kv_norm = MEGATRON_NORMS[c.megatron_norms]
     table = [*MEGATRON_LAYER, (q_norm, "self_attn.q_a_layernorm.weight"), (kv_norm, "self_attn.kv_a_layernorm.weight")]
     for mg, hf in MEGATRON_MLPS:
@@ -198,7 +245,7 @@ def megatron_to_hf(c: DeepseekConfig) -> list[Rule]:
         out += [Rename(rf"^decoder\.layers\.{i}\.mlp\.linear_fc1\.layer_norm_weight$",
                        f"model.layers.{i}.post_attention_layernorm.weight") for i in range(c.first_dense)]
     out += [Rename(mg, hf) for mg, hf in MEGATRON_GLOBAL]
-    return out + hf_expects(c) + drop_mtp(c)
+    return out + drop_mtp_copies(c) + hf_expects(c)  # hf_to_maxtext starts with hf_expects: routes compose
 
 
 def config_from_hf(hf: Mapping[str, Any]) -> dict[str, Any]:
@@ -207,14 +254,16 @@ def config_from_hf(hf: Mapping[str, Any]) -> dict[str, Any]:
             "first_dense": int(hf.get("first_k_dense_replace") or 0), "q_lora_rank": int(hf.get("q_lora_rank") or 0),
             "kv_lora_rank": int(hf["kv_lora_rank"]), "qk_nope_head_dim": int(hf["qk_nope_head_dim"]),
             "qk_rope_head_dim": int(hf["qk_rope_head_dim"]), "v_head_dim": int(hf["v_head_dim"]),
-            "mtp_layers": int(hf.get("num_nextn_predict_layers") or 0)}
+            "mtp_layers": int(hf.get("num_nextn_predict_layers") or 0), "n_experts": int(hf["n_routed_experts"]),
+            "moe_mlp": int(hf["moe_intermediate_size"])}
 
 
 def megatron_args(hf: Mapping[str, Any]) -> dict[str, Any]:
     """The Megatron args of an HF DeepSeek-V3 ``config.json`` over the Llama-like ones that
     :func:`ckptbridge.recipes.megatron_args` writes: MLA (``multi_latent_attention``, the LoRA ranks,
     the head widths, YaRN) and MoE (experts, shared experts, sigmoid grouped routing with the expert
-    bias, ``moe_layer_freq``: the first ``first_k_dense_replace`` layers dense). megatron-core ranks
+    bias, ``moe_layer_freq``: the first ``first_k_dense_replace`` layers dense; ``mtp_num_layers`` from
+    ``num_nextn_predict_layers``). megatron-core ranks
     expert groups by their top ``topk / group_topk`` scores, DeepSeek by their top 2: the same routing
     only when ``num_experts_per_tok = 2 x topk_group`` (DeepSeek-V3: 8 = 2 x 4); other values fail here."""
     topk, groups = int(hf["num_experts_per_tok"]), int(hf.get("topk_group") or 0)
@@ -235,7 +284,7 @@ def megatron_args(hf: Mapping[str, Any]) -> dict[str, Any]:
         moe_router_topk_scaling_factor=float(hf.get("routed_scaling_factor") or 1.0), moe_router_pre_softmax=False,
         moe_layer_freq=[0] * dense + [1] * (int(hf["num_hidden_layers"]) - dense), moe_grouped_gemm=False,
         moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_token_dispatcher_type="alltoall",
-        moe_router_dtype="fp32", mtp_num_layers=None)
+        moe_router_dtype="fp32", mtp_num_layers=int(hf.get("num_nextn_predict_layers") or 0) or None)
     if rope.get("rope_type") == "yarn":
         args.update(rope_type="yarn", rotary_scaling_factor=float(rope["factor"]),
                     original_max_position_embeddings=int(rope["original_max_position_embeddings"]),

@@ -10,10 +10,18 @@ MaxText (``decoder_block=qwen3_moe``, ``moe_block`` in every layer): the router 
 scanned tree on axis 1 (``[X, L, ...]``), as MaxText's converter stacks them
 (``QWEN_MAXTEXT_TO_HF_PARAM_MAPPING``: experts outer, layers inner). megatron-core: the router
 ``mlp.router.weight`` ``[X, E]``, experts ``mlp.experts.local_experts.N.linear_fc1`` (``[gate; up]``)
-and ``linear_fc2`` (the local spec's ``SequentialMLP``). A layer without experts (HF
-``mlp_only_layers``) keeps the dense names; MaxText's Qwen3-MoE decoder has none.
+and ``linear_fc2`` (the local spec's ``SequentialMLP``), or with ``megatron_experts="grouped"`` the
+legacy ``GroupedMLP`` module's two buffers per layer (``moe_grouped_gemm=True``, local spec):
+``mlp.experts.weight1`` ``[E, X * 2F]`` and ``mlp.experts.weight2`` ``[X * F, E]``, which megatron-core
+reads as ``weight1.view(X, E, 2F)`` and ``weight2.view(X, F, E)`` (expert N's ``linear_fc1`` is
+``[N].T``); it needs ``n_experts`` and ``moe_mlp`` (F, ``config_from_hf`` reads both). That is the
+names of the module's ``state_dict`` (``ckptbridge.adapters.torch.load_module`` into a built
+``GPTModel``); a Megatron *checkpoint* of a GroupedMLP run is read with per-expert names already (the
+Megatron adapter splits the buffers), so it takes the default ``"sequential"``. A layer without
+experts (HF ``mlp_only_layers``) keeps the dense names; MaxText's Qwen3-MoE decoder has none.
 
     recipes.rules("qwen3_moe", src="hf", dst="maxtext", n_heads=32, n_kv_heads=4, head_dim=128, n_experts=128)
+    recipes.rules("qwen3_moe", src="hf", dst="megatron", **recipes.config_from_hf(cfg), megatron_experts="grouped")
 """
 
 from __future__ import annotations
@@ -23,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._errors import OptionError
-from ..rules import Expect, Rename, Rule, Split, Stack, Transpose
+from ..rules import Expect, Rename, Reshape, Rule, Split, SplitDim, Stack, Transpose, Unstack
 from . import _gpt, qwen3
 from ._family import Family
 from ._gpt import HF_LAYER, MX_LAYER, L, RecipeConfig
@@ -34,10 +42,12 @@ EXPERTS = (("gate_proj", "wi_0"), ("up_proj", "wi_1"), ("down_proj", "wo"))  # H
 
 @dataclass(frozen=True)
 class MoeConfig(RecipeConfig):
-    """:class:`RecipeConfig` plus the expert count and the HF experts' layout."""
+    """:class:`RecipeConfig` plus the expert count, the experts' width and the HF and Megatron experts' layouts."""
 
     n_experts: int | None = None
     hf_experts: str = "split"  # "split" (save_pretrained's names) | "fused" (the module's parameters)
+    moe_mlp: int | None = None  # the experts' width F (HF moe_intermediate_size); megatron_experts="grouped" needs it
+    megatron_experts: str = "sequential"  # "sequential" (SequentialMLP's local_experts.N) | "grouped" (GroupedMLP)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -45,15 +55,28 @@ class MoeConfig(RecipeConfig):
             raise OptionError(f"recipe config: n_experts must be a positive integer, got {self.n_experts!r}")
         if self.hf_experts not in ("split", "fused"):
             raise OptionError(f"recipe config: hf_experts must be 'split' or 'fused', got {self.hf_experts!r}")
+        if self.megatron_experts not in ("sequential", "grouped"):
+            raise OptionError("recipe config: megatron_experts must be 'sequential' or 'grouped', "
+                              f"got {self.megatron_experts!r}")
+        if self.megatron_experts == "grouped" and not (self.n_experts and self.moe_mlp and int(self.moe_mlp) > 0):
+            raise OptionError("recipe config: megatron_experts='grouped' needs n_experts and moe_mlp (the experts' "
+                              f"width), got n_experts={self.n_experts!r}, moe_mlp={self.moe_mlp!r}")
 
 
 def hf_moe_expects(c: MoeConfig) -> list[Rule]:
-    x = c.n_experts
-    if x is None:
-        return []
-    out: list[Rule] = [Expect(HF_LAYER + r"mlp\.gate\.weight$", (x, None), f"n_experts = {x} router rows")]
-    if c.hf_experts == "fused":
-        out.append(Expect(HF_LAYER + r"mlp\.experts\.(gate_up|down)_proj$", (x, None, None), f"n_experts = {x}"))
+    x, f = c.n_experts, c.moe_mlp
+    out: list[Rule] = []
+    if x is not None:
+        out.append(Expect(HF_LAYER + r"mlp\.gate\.weight$", (x, None), f"n_experts = {x} router rows"))
+        if c.hf_experts == "fused":
+            out.append(Expect(HF_LAYER + r"mlp\.experts\.(gate_up|down)_proj$", (x, None, None), f"n_experts = {x}"))
+    if f is not None and c.hf_experts == "split":
+        expert = HF_LAYER + r"mlp\.experts\.\d+\."
+        out += [Expect(expert + r"(gate|up)_proj\.weight$", (f, None), f"moe_mlp = {f} rows"),
+                Expect(expert + r"down_proj\.weight$", (None, f), f"moe_mlp = {f} columns")]
+    elif f is not None:
+        out += [Expect(HF_LAYER + r"mlp\.experts\.gate_up_proj$", (None, 2 * f, None), f"2 x moe_mlp = {2 * f}"),
+                Expect(HF_LAYER + r"mlp\.experts\.down_proj$", (None, None, f), f"moe_mlp = {f} columns")]
     return out
 
 
@@ -86,9 +109,24 @@ def hf_to_maxtext(c: MoeConfig) -> list[Rule]:
     return spliced(_gpt.hf_to_maxtext(c), c, names, per_layer) + maxtext_moe_expects(c)
 
 
+def grouped_experts(x: int, f: int) -> list[Rule]:
+    """megatron-core's legacy ``GroupedMLP`` buffers of ``x`` experts ``f`` wide -> ``SequentialMLP``'s
+    per-expert weights, as its forward views them: ``weight1`` ``[E, X * 2F]`` is ``view(X, E, 2F)`` (a
+    reinterpretation of the bytes, not a transpose), expert N's ``linear_fc1`` ``[2F, E]`` its ``[N].T``;
+    ``weight2`` ``[X * F, E]`` is ``view(X, F, E)``, expert N's ``linear_fc2`` ``[E, F]`` its ``[N].T``
+    (shared with the ``deepseek_v3`` recipe)."""
+    at = r"^decoder\.layers\." + L + r"\.mlp\.experts\."
+    to = r"decoder.layers.\g<layer>.mlp.experts.local_experts.{expert}."
+    return [Reshape(at + r"weight1$", (x, -1, 2 * f), (-1, x * 2 * f)),
+            Unstack(at + r"weight1$", to + "linear_fc1.weight", dim=0, index="expert"),
+            SplitDim(at + r"weight2$", dim=0, sizes=(x, f)),
+            Unstack(at + r"weight2$", to + "linear_fc2.weight", dim=0, index="expert"),
+            Transpose(at + r"local_experts\.\d+\.linear_fc[12]\.weight$", (1, 0))]
+
+
 def megatron_to_hf(c: MoeConfig) -> list[Rule]:
     """megatron-core -> HF: Qwen3's rules, the router renamed, each local expert's ``linear_fc1``
-    split into gate and up."""
+    split into gate and up (``megatron_experts="grouped"``: first out of GroupedMLP's buffers)."""
     if c.hf_experts != "split":
         raise OptionError("recipe 'qwen3_moe': megatron <-> hf maps save_pretrained's experts (hf_experts='split')")
     layer = r"^decoder\.layers\." + L + r"\."
@@ -98,6 +136,7 @@ def megatron_to_hf(c: MoeConfig) -> list[Rule]:
         [Expect(layer + r"mlp\.router\.weight$", (c.n_experts, None), f"n_experts = {c.n_experts} router rows")]
     return [
         *check,
+        *(grouped_experts(int(c.n_experts or 0), int(c.moe_mlp or 0)) if c.megatron_experts == "grouped" else ()),
         *megatron_qk_norm_names(),
         Rename(layer + r"mlp\.router\.weight$", r"model.layers.\g<layer>.mlp.gate.weight"),
         Split(expert + r"linear_fc1\.weight$",
@@ -117,8 +156,8 @@ def n_experts(hf: Mapping[str, Any]) -> int:
 
 
 def config_from_hf(hf: Mapping[str, Any]) -> dict[str, Any]:
-    """Qwen3's config plus ``n_experts``."""
-    return {**_gpt.config_from_hf(hf), "n_experts": n_experts(hf)}
+    """Qwen3's config plus ``n_experts`` and ``moe_mlp`` (the experts' width)."""
+    return {**_gpt.config_from_hf(hf), "n_experts": n_experts(hf), "moe_mlp": int(hf["moe_intermediate_size"])}
 
 
 def megatron_args(hf: Mapping[str, Any]) -> dict[str, Any]:

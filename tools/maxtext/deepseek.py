@@ -1,11 +1,11 @@
-"""DeepSeek-V3 in MaxText 0.2.5 for the harness (``harness.py`` imports it for ``family="deepseek_v3"``).
+"""DeepSeek-V3 in MaxText 0.2.5 for the harness (``registry.FAMILIES``: ``family="deepseek_v3"``).
 
 MaxText builds DeepSeek-V3 from ``decoder_block=deepseek`` (``models/deepseek.py``: MLA attention,
 ``first_num_dense_layers`` dense layers then MoE layers with shared experts); its router keeps the
 correction bias in the ``MoEBiasVar`` collection only when ``model_name`` starts with
 ``deepseek3`` (``layers/moe.py`` ``GateLogit``), so the spec names ``deepseek3-tiny`` and overrides
 every shape (``override_model_config``). The shapes come in ``spec.extra`` (keys of MaxText's
-``base.yml``), written by ``tests/maxtext_client.py``'s ``spec_from_hf_deepseek``::
+``base.yml``), written by ``tests/maxtext_client.py``'s ``spec_from_hf`` (``spec_from_hf_deepseek``)::
 
     spec = Spec(family="deepseek_v3", experts=8, experts_per_tok=2, extra={"q_lora_rank": 24, ...})
 """
@@ -13,6 +13,8 @@ every shape (``override_model_config``). The shapes come in ``spec.extra`` (keys
 from __future__ import annotations
 
 from typing import Any
+
+from registry import MaxTextFamily
 
 # MaxText keys a DeepSeek spec must give (the rest of base.yml's defaults are DeepSeek-V3's or unused)
 KEYS = ("first_num_dense_layers", "base_moe_mlp_dim", "shared_experts", "routed_scaling_factor",
@@ -22,7 +24,7 @@ KEYS = ("first_num_dense_layers", "base_moe_mlp_dim", "shared_experts", "routed_
 
 
 def overrides(spec: Any) -> dict[str, Any]:
-    """MaxText overrides for a DeepSeek-V3 spec (on top of the harness's common ones)."""
+    """MaxText overrides for a DeepSeek-V3 spec (on top of the harness's common ones; its ``extra`` after)."""
     missing = [k for k in KEYS if k not in spec.extra]
     if missing:
         raise SystemExit(f"spec: deepseek_v3 needs maxtext keys {missing}")
@@ -41,5 +43,7 @@ def overrides(spec: Any) -> dict[str, Any]:
         "rope_interleave": True,
         "rope_truncate": True,
         "rope_attention_scaling": False,
-        **spec.extra,
     }
+
+
+FAMILIES = (MaxTextFamily("deepseek_v3", overrides, "deepseek3-671b", moe=True),)

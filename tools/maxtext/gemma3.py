@@ -1,4 +1,4 @@
-"""The harness's Gemma 3 text decoder (``harness.FAMILY_MODULES``): MaxText overrides, the converter.
+"""The harness's Gemma 3 text decoder (``registry.FAMILIES``): MaxText overrides, the converter.
 
 MaxText 0.2.5 builds Gemma 3 from ``decoder_block=gemma3`` with ``model_name`` one of its Gemma 3
 sizes: ``models/gemma3.py`` ``get_query_pre_attn_scalar`` raises for any other name, and
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-CONVERTER_KEY = "gemma3-4b"
+from registry import MaxTextFamily
 
 
 def overrides(spec: Any) -> dict[str, Any]:
@@ -44,3 +44,6 @@ def hf_name(name: str) -> str:
     """The converter's ``model.language_model.`` tensor names as a ``Gemma3ForCausalLM`` spells them."""
     prefix = "model.language_model."
     return "model." + name[len(prefix):] if name.startswith(prefix) else name
+
+
+FAMILIES = (MaxTextFamily("gemma3", overrides, "gemma3-4b", converter_config=converter_config, hf_name=hf_name),)

@@ -1,4 +1,4 @@
-"""The harness's gpt-oss (``harness.FAMILY_MODULES``): MaxText overrides and its converter.
+"""The harness's gpt-oss (``registry.FAMILIES``): MaxText overrides and its converter.
 
 MaxText 0.2.5 builds gpt-oss from ``decoder_block=gpt_oss`` (``models/gpt_oss.py``: sliding and full
 attention alternating, ``inhomogeneous_layer_cycle_interval=2``, attention biases and sinks, a routed
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-CONVERTER_KEY = "gpt-oss-20b"
+from registry import MaxTextFamily
 
 
 def overrides(spec: Any) -> dict[str, Any]:
@@ -29,9 +29,4 @@ def overrides(spec: Any) -> dict[str, Any]:
     }
 
 
-def converter_config(hf: dict[str, Any]) -> dict[str, Any]:
-    return hf
-
-
-def hf_name(name: str) -> str:
-    return name
+FAMILIES = (MaxTextFamily("gpt_oss", overrides, "gpt-oss-20b", moe=True),)

@@ -5,8 +5,8 @@ Runs inside ``.maxtext/venv`` (Python 3.12, ``maxtext==0.2.5``, jax[cpu]; built 
 ``tests/maxtext_client.py``. Every subcommand reads and writes plain files:
 
 - a **spec** (JSON) names the model: ``family`` (llama|mistral|qwen2|mixtral|qwen3|qwen3_moe|
-  deepseek_v3, or a ``FAMILY_MODULES`` family: gemma3|gpt_oss, whose ``tools/maxtext/<family>.py``
-  adds its MaxText keys; ``extra`` adds more), ``emb``,
+  deepseek_v3|gemma3|gpt_oss: each registered by a ``tools/maxtext/<module>.py``, see
+  ``tools/maxtext/registry.py``, with its MaxText keys and converter; ``extra`` adds more), ``emb``,
   ``layers``, ``heads``, ``kv_heads``, ``head_dim``, ``mlp``, ``vocab``, ``scan``,
   ``rope_type`` (default|llama3.1), ``rope_theta``, ``norm_eps``, ``tied``, ``experts``,
   ``experts_per_tok``, ``extra`` (family-specific MaxText keys: ``deepseek_v3``'s MLA and MoE shapes,
@@ -32,7 +32,7 @@ Subcommands::
     harness.py train      --spec s.json --params p.safetensors --tokens t.npy --steps 3 --out dir/
                           [--opt-state o.safetensors | --mu m.safetensors --nu n.safetensors --count N]
                           [--lr 1e-3 --b1 .9 --b2 .95 --eps 1e-8 --wd .1]
-    harness.py load       --spec s.json --source CKPT --rules rules.json [--opt] [--dump d.safetensors]
+    harness.py load       --spec s.json --source CKPT --rules rules.json [--open-options '{...}'] [--opt] [--dump d.safetensors]
                           [--tokens t.npy --logits l.npy] [--train-tokens tt.npy --steps N --train-out dir/]
                           [--update-scale '{"query/kernel$": 0.17}'] [--save-universal dir/] [--report r.json]
     harness.py jobs       --jobs jobs.json   # several of the above in one process (one import)
@@ -65,12 +65,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-import qwen3 as _qwen3  # tools/maxtext/qwen3.py (the script's own directory)
+import registry  # tools/maxtext/registry.py (the script's own directory): the families
 
-FAMILIES = ("llama", "mistral", "qwen2", "mixtral", "deepseek_v3", *_qwen3.FAMILIES)
-MOE_FAMILIES = ("mixtral", "deepseek_v3", *_qwen3.MOE_FAMILIES)
-# families whose MaxText overrides, converter key and converter names live in tools/maxtext/<family>.py
-FAMILY_MODULES = ("gemma3", "gpt_oss")
 EXTRA_COLLECTIONS = ("MoEBiasVar",)  # MaxText's DeepSeek router correction bias (layers/moe.py MoEBiasVar)
 ROPE_TYPES = ("default", "llama3.1")
 
@@ -100,7 +96,7 @@ class Spec:
     weight_dtype: str = "float32"  # MaxText's weight_dtype (the parameter tree's dtype); compute stays fp32
     norm_topk_prob: bool = False  # qwen3_moe: renormalise the top-k router weights
     extra: dict[str, Any] = field(default_factory=dict)  # more MaxText overrides (deepseek_v3's MLA and
-    # MoE shapes, a FAMILY_MODULES family's window ...)
+    # MoE shapes, gemma3's window ...)
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Spec:
@@ -109,12 +105,12 @@ class Spec:
         if unknown:
             raise SystemExit(f"spec: unknown keys {unknown} (known: {sorted(known)})")
         spec = cls(**data)
-        if spec.family not in FAMILIES + FAMILY_MODULES:
-            raise SystemExit(f"spec: family {spec.family!r} is not one of {FAMILIES + FAMILY_MODULES}")
+        family = registry.family(spec.family)
         if spec.rope_type not in ROPE_TYPES:
             raise SystemExit(f"spec: rope_type {spec.rope_type!r} is not one of {ROPE_TYPES}")
-        if spec.family in FAMILIES and (spec.family in MOE_FAMILIES) != (spec.experts > 0):
-            raise SystemExit(f"spec: experts > 0 exactly when family is one of {MOE_FAMILIES}")
+        if family.moe != (spec.experts > 0):
+            moe = sorted(name for name, fam in registry.families().items() if fam.moe)
+            raise SystemExit(f"spec: experts > 0 exactly when family is one of {moe}")
         return spec
 
     @property
@@ -163,22 +159,7 @@ def maxtext_overrides(spec: Spec) -> list[str]:
     unknown = set(spec.mesh) - {"data", "fsdp", "tensor", "expert"}
     if unknown:
         raise SystemExit(f"spec: mesh axes {sorted(unknown)} are not supported (data, fsdp, tensor, expert)")
-    if spec.family in FAMILY_MODULES:
-        ov |= family_module(spec.family).overrides(spec) | spec.extra
-    elif spec.family == "llama":
-        ov["decoder_block"] = "llama2"
-    elif spec.family == "mistral":
-        ov["decoder_block"] = "mistral"
-    elif spec.family == "qwen2":
-        ov |= {"decoder_block": "qwen2", "attention_bias": True, "use_qk_norm": False}
-    elif spec.family in _qwen3.FAMILIES:
-        ov |= _qwen3.overrides(spec)
-    elif spec.family == "deepseek_v3":
-        import deepseek
-
-        ov |= deepseek.overrides(spec)
-    else:
-        ov["decoder_block"] = "mixtral"
+    ov |= registry.family(spec.family).overrides(spec) | spec.extra
     if spec.experts:  # dense (non-megablox) experts, no token dropping: runs on XLA:CPU
         ov = {
             "num_experts": spec.experts,
@@ -189,22 +170,6 @@ def maxtext_overrides(spec: Spec) -> list[str]:
             "megablox": False,
         } | ov  # a family's own keys (deepseek_v3's base_moe_mlp_dim) win
     return [f"{k}={v}" for k, v in ov.items()]
-
-
-def family_module(family: str) -> Any:
-    """``tools/maxtext/<family>.py`` of a FAMILY_MODULES family: ``overrides(spec)`` (MaxText keys),
-    ``CONVERTER_KEY`` (into MaxText's PARAM_MAPPING/HOOK_FNS), ``converter_config(hf_config)`` (the HF
-    config.json as MaxText's converter reads it) and ``hf_name(name)`` (the converter's HF tensor name
-    as the HF checkpoint spells it)."""
-    import importlib.util
-
-    path = Path(__file__).resolve().parent / f"{family}.py"
-    mod_spec = importlib.util.spec_from_file_location(f"harness_{family}", path)
-    if mod_spec is None or mod_spec.loader is None:
-        raise SystemExit(f"no harness module {path}")
-    module = importlib.util.module_from_spec(mod_spec)
-    mod_spec.loader.exec_module(module)
-    return module
 
 
 # ----------------------------------------------------------------------------- MaxText
@@ -579,8 +544,9 @@ def _opt_target(built: Built, opt_abstract: Any) -> Any:
     return jax.tree_util.tree_map_with_path(leaf, opt_abstract)
 
 
-def load_recipe(built: Built, source: str, rules: list[dict[str, Any]], tx: Any = None) -> tuple[Any, Any, dict[str, Any]]:
-    """``ckptbridge.open(source, rules=rules)`` loaded by ``ckptbridge.adapters.flax.load`` onto
+def load_recipe(built: Built, source: str, rules: list[dict[str, Any]], tx: Any = None,
+                open_options: dict[str, Any] | None = None) -> tuple[Any, Any, dict[str, Any]]:
+    """``ckptbridge.open(source, rules=rules, **open_options)`` loaded by ``ckptbridge.adapters.flax.load`` onto
     MaxText's own abstract boxed tree (``nn.LogicallyPartitioned`` leaves, placed on MaxText's mesh by
     its logical-axis rules) and, with ``tx``, into that optimizer's state (``mu``/``nu``/``count``).
 
@@ -595,7 +561,7 @@ def load_recipe(built: Built, source: str, rules: list[dict[str, Any]], tx: Any 
 
     cfg = built.config
     t0 = time.perf_counter()
-    ckpt = ckptbridge.open(source, rules=rules)
+    ckpt = ckptbridge.open(source, rules=rules, **(open_options or {}))
     opened = time.perf_counter() - t0
     is_box = lambda x: isinstance(x, nn.LogicallyPartitioned)  # noqa: E731
     kw = {"mesh": built.mesh, "axis_rules": cfg.logical_axis_rules}
@@ -648,30 +614,6 @@ def _state_arrays(params: Any, opt_state: Any) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- converter
 
 
-# family/rope -> the MaxText model key whose PARAM_MAPPING / HOOK_FNS convert it
-def converter_key(spec: Spec) -> tuple[str, bool]:
-    """(key into MaxText's PARAM_MAPPING/HOOK_FNS, drop its rotary permutation hook).
-
-    MaxText 0.2.5 ships HF->MaxText hooks for ``llama3.1-*`` (interleaved rotary, always
-    permutes q/k), ``qwen2.5-*`` and ``mixtral-*``; none for a rotate-half Llama or for
-    Mistral (``mistral-7b`` has an HF id but no mapping; its only HF path is the torch
-    standalone script, bf16 only). Those use the llama3.1 hooks without ``adjust_rope``.
-    """
-    if spec.family in FAMILY_MODULES:
-        return family_module(spec.family).CONVERTER_KEY, False
-    if spec.family == "qwen2":
-        return "qwen2.5-7b", False
-    if spec.family in _qwen3.CONVERTER_KEYS:
-        return _qwen3.CONVERTER_KEYS[spec.family], False
-    if spec.family == "deepseek_v3":
-        return "deepseek3-671b", False
-    if spec.family == "mixtral":
-        if spec.rope_type != "default":
-            raise SystemExit("mixtral: MaxText's converter has no rotary permutation; use rope_type=default")
-        return "mixtral-8x7b", False
-    return "llama3.1-8b", spec.rope_type == "default"
-
-
 def _strip_rope(hooks: Any) -> Any:
     if isinstance(hooks, list):
         return [h for h in hooks if getattr(h, "__name__", "") != "adjust_rope"]
@@ -693,7 +635,7 @@ def convert_hf(built: Built, spec: Spec, hf_dir: Path, save_dtype: str = "float3
 
     cfg = built.config
     hf_cfg, hf_name = _converter_view(spec, json.loads((hf_dir / "config.json").read_text()))
-    key, drop_rope = converter_key(spec)
+    key, drop_rope = registry.family(spec.family).converter_key(spec)
     mapping = PARAM_MAPPING[key](hf_cfg, cfg, cfg.scan_layers)
     hooks = HOOK_FNS[key](hf_cfg, cfg, cfg.scan_layers, saving_to_hf=False)
     if drop_rope:
@@ -740,7 +682,7 @@ def convert_to_hf(built: Built, spec: Spec, params: dict[str, Any], hf_cfg: dict
 
     cfg = built.config
     hf_cfg, hf_name = _converter_view(spec, hf_cfg)
-    key, drop_rope = converter_key(spec)
+    key, drop_rope = registry.family(spec.family).converter_key(spec)
     maps = _get_model_mappings(key, cfg.scan_layers, hf_cfg, cfg)
     hooks = maps["hook_fn_mapping"]
     if drop_rope:
@@ -760,11 +702,9 @@ def convert_to_hf(built: Built, spec: Spec, params: dict[str, Any], hf_cfg: dict
 
 def _converter_view(spec: Spec, hf_cfg: dict[str, Any]) -> tuple[dict[str, Any], Callable[[str], str]]:
     """The HF config as MaxText's converter for ``spec`` reads it, and its HF tensor names as the
-    checkpoint spells them (the identity but for a FAMILY_MODULES family that says otherwise)."""
-    if spec.family not in FAMILY_MODULES:
-        return hf_cfg, lambda name: name
-    mod = family_module(spec.family)
-    return mod.converter_config(hf_cfg), mod.hf_name
+    checkpoint spells them (the identity but where the family's record says otherwise)."""
+    fam = registry.family(spec.family)
+    return fam.converter_config(hf_cfg), fam.hf_name
 
 
 def _mt_name(mt_key: str) -> str:
@@ -911,7 +851,8 @@ def _load_job(job: dict[str, Any], built: Built) -> dict[str, Any]:
     tx = None
     if job.get("opt"):
         tx = scaled_adamw(hp, update_scale) if update_scale else _tx(built, hp)
-    variables, opt_state, report = load_recipe(built, job["source"], read_rules(job.get("rules") or []), tx)
+    variables, opt_state, report = load_recipe(built, job["source"], read_rules(job.get("rules") or []), tx,
+                                               job.get("open_options"))
     if opt_state is not None:
         report["count"] = int(_adam_of(opt_state).count)
     if job.get("dump"):
@@ -1003,6 +944,7 @@ def _parser() -> argparse.ArgumentParser:
     ld.add_argument("--spec", required=True)
     ld.add_argument("--source", required=True, help="anything ckptbridge.open reads")
     ld.add_argument("--rules", help="JSON list of rules (e.g. a recipe)")
+    ld.add_argument("--open-options", type=json.loads, help='JSON options of ckptbridge.open ({"dequantize_dtype": "float32"})')
     ld.add_argument("--opt", action="store_true", help="also load mu/nu/count into MaxText's AdamW state")
     ld.add_argument("--dump", help="write the loaded params (and mu/, nu/, count) as safetensors")
     ld.add_argument("--tokens")

@@ -161,8 +161,8 @@ def transformer_config(args: Any, tp: int, pp: int) -> Any:
     mla = bool(getattr(args, "multi_latent_attention", False))
     freq = getattr(args, "moe_layer_freq", 1)
     every_layer = freq in (1, None) or (isinstance(freq, list) and all(freq))
-    if not mla and getattr(args, "num_experts", None) and (getattr(args, "moe_grouped_gemm", False) or not every_layer):
-        raise NotImplementedError("core_loss.py builds MoE models without MLA with experts in every layer, no grouped GEMM")
+    if not mla and getattr(args, "num_experts", None) and not every_layer:
+        raise NotImplementedError("core_loss.py builds MoE models without MLA with experts in every layer")
     cls = MLATransformerConfig if mla else TransformerConfig  # MLA (+ MoE): DeepSeek-V3, see mla_cpu.py
     kw = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
     kw.update(pipeline_dtype=args.params_dtype, batch_p2p_comm=not getattr(args, "overlap_p2p_comm", False),
@@ -189,10 +189,16 @@ def transformer_config(args: Any, tp: int, pp: int) -> Any:
 
 
 def build_model(args: Any, tp: int, pp: int) -> Any:
-    """megatron-core ``GPTModel`` with the local spec, as Megatron-LM's gpt_builders builds it."""
+    """megatron-core ``GPTModel`` with the local spec, as Megatron-LM's gpt_builders builds it (its MoE
+    layers' experts: ``SequentialMLP``, or with ``moe_grouped_gemm`` the legacy ``GroupedMLP``, whose
+    grouped GEMM needs ``MEGATRON_CPU_SHIM_GG=1`` on CPU: see cpu_shim.py), and with ``mtp_num_layers``
+    its multi-token-prediction block (``get_gpt_mtp_block_spec``: the last decoder layer's spec)."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,
+        get_gpt_mtp_block_spec,
+    )
 
     config = transformer_config(args, tp, pp)
     if config.multi_latent_attention:  # dense and MoE layers, MLA on CPU
@@ -201,9 +207,11 @@ def build_model(args: Any, tp: int, pp: int) -> Any:
         spec = mla_local_spec(config)
     else:
         spec = get_gpt_layer_local_spec(normalization=args.normalization, num_experts=config.num_moe_experts,
-                                        qk_layernorm=bool(getattr(args, "qk_layernorm", False)))
+                                        qk_layernorm=bool(getattr(args, "qk_layernorm", False)),
+                                        moe_grouped_gemm=bool(getattr(args, "moe_grouped_gemm", False)))
+    mtp = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False) if config.mtp_num_layers else None
     model = GPTModel(
-        config=config, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
+        config=config, transformer_layer_spec=spec, mtp_block_spec=mtp, vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings, pre_process=ps.is_pipeline_first_stage(),
         post_process=ps.is_pipeline_last_stage(), fp16_lm_cross_entropy=bool(args.fp16_lm_cross_entropy),
         parallel_output=True, share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
@@ -501,11 +509,24 @@ def logits(model: Any, batches: list[dict[str, Any]]) -> Any:
     import torch
     from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 
+    inner = getattr(model, "module", model)
+    seen: list[Any] = []
+    # megatron-core 0.16.1's GPTModel runs its MTP block only with labels, and then returns the loss:
+    # the main logits are then its output layer's last output ([s, b, vocab / tp]; the MTP's come first),
+    # copied (its cross entropy turns them into probabilities in place)
+    hook = inner.output_layer.register_forward_hook(lambda _m, _i, o: seen.append(o[0].clone())) \
+        if getattr(inner, "mtp_process", False) else None
     out = []
     with torch.no_grad():
         for b in batches:
-            local = model(b["tokens"], b["position_ids"], b["attention_mask"])  # [b, s, vocab / tp]
+            if hook is None:
+                local = model(b["tokens"], b["position_ids"], b["attention_mask"])  # [b, s, vocab / tp]
+            else:
+                model(b["tokens"], b["position_ids"], b["attention_mask"], labels=b["labels"])
+                local = seen[-1].transpose(0, 1)
             out.append(gather_from_tensor_model_parallel_region(local.contiguous()).float())
+    if hook is not None:
+        hook.remove()
     return torch.cat(out).numpy()
 
 
