@@ -68,9 +68,11 @@ from ckptbridge.plugin import (
 from ckptbridge.plugin import dtypes as _dtypes
 
 from ._common import TRACKER, rank_dir_name
-from ._layout import LAYER_RE, MegatronConfig, local_params, stage_layers, true_vocab_size
+from ._layout import MegatronConfig, true_vocab_size
+from ._moe import is_buffer
 from ._optim import buffer_layout, ddp_bucket_size, group_order
 from ._reader import index
+from ._write_moe import expert_groups, file_ranks, optimizer_split, rank_params
 
 _VOCAB = ("embedding.word_embeddings.weight", "output_layer.weight")
 
@@ -101,20 +103,24 @@ def _source_info(ckpt: Any, args_file: str | None = None) -> dict[str, Any]:
 
 
 def _target_args(src: Mapping[str, Any], tp: int, pp: int, dp: int | None, dist_opt: bool,
-                 padded: int) -> dict[str, Any]:
+                 padded: int, ep: int, etp: int) -> dict[str, Any]:
     args = dict(src)
     changed_pp = int(src.get("pipeline_model_parallel_size") or 1) != pp
     args.update(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                 transformer_pipeline_model_parallel_size=pp, padded_vocab_size=padded,
                 use_distributed_optimizer=dist_opt, virtual_pipeline_model_parallel_size=None,
                 num_layers_per_virtual_pipeline_stage=None, num_virtual_stages_per_pipeline_rank=None,
-                expert_tensor_parallel_size=tp)
+                expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
+    if src.get("num_experts"):  # Megatron-LM requires sequence parallelism for MoE with TP > 1
+        args["sequence_parallel"] = tp > 1
     if changed_pp:
         args.update(decoder_first_pipeline_num_layers=None, decoder_last_pipeline_num_layers=None)
-    if dp is not None:
-        args["data_parallel_size"] = dp
-    dpv = int(args.get("data_parallel_size") or 1)
-    args["world_size"] = tp * pp * dpv
+    # the world must hold both grids: TP x DP = ETP x EP x expert-DP ranks per stage
+    fits = [d for d in ((dp,) if dp is not None else (int(args.get("data_parallel_size") or 1),)) if (tp * d) % (ep * etp) == 0]
+    if dp is not None and not fits:
+        raise OptionError(f"format 'megatron' (write): TP={tp} x DP={dp} is not a multiple of EP={ep} x ETP={etp}")
+    args["data_parallel_size"] = fits[0] if fits else math.lcm(tp, ep * etp) // tp
+    args["world_size"] = tp * pp * int(args["data_parallel_size"])
     return args
 
 
@@ -205,7 +211,10 @@ class MegatronWriteOptions(WriteOptions):
 
     ``tp``: tensor-parallel size (default: the source's).
     ``pp``: pipeline-parallel size (default: the source's).
-    ``dp``: data-parallel size recorded in the args (default: the source's).
+    ``dp``: data-parallel size recorded in the args (default: the source's where it fits the new layout,
+    else the smallest that does).
+    ``ep``, ``etp``: expert-parallel and expert-tensor-parallel sizes of a mixture-of-experts model
+    (default: the source's EP; ETP: the source's where EP and TP are kept, else TP).
     ``distributed_optimizer``: write ``distrib_optim.pt`` (default: as the source).
     ``iteration``: the iteration number (default: the source's step).
     ``args``: a JSON file of Megatron args for a source that has none (an HF model), or overrides.
@@ -216,13 +225,15 @@ class MegatronWriteOptions(WriteOptions):
     tp: int | None = None
     pp: int | None = None
     dp: int | None = None
+    ep: int | None = None
+    etp: int | None = None
     distributed_optimizer: bool | None = None
     iteration: int | None = None
     args: str | None = None
     optimizer: bool = True
 
     def validate(self) -> None:
-        for name in ("tp", "pp", "dp"):
+        for name in ("tp", "pp", "dp", "ep", "etp"):
             v = getattr(self, name)
             if v is not None and v < 1:
                 raise OptionError(f"format 'megatron' (write): {name} must be >= 1, got {v}")
@@ -233,34 +244,48 @@ def write(ckpt: Any, dst: str, options: MegatronWriteOptions | None = None) -> s
     o = options or MegatronWriteOptions()
     dst = os.path.abspath(os.fspath(dst))
     with staged_dir(dst, overwrite=o.overwrite) as stage:
-        _write(ckpt, stage, o.tp, o.pp, o.dp, o.distributed_optimizer, o.iteration, o.args, o.optimizer)
+        _write(ckpt, stage, o)
     return dst
 
 
-def _write(ckpt: Any, tmp: str, tp: int | None, pp: int | None, dp: int | None,
-           distributed_optimizer: bool | None, iteration: int | None, args_file: str | None,
-           optimizer: bool = True) -> None:
-    info = _source_info(ckpt, args_file)
+def _layout(src_args: Mapping[str, Any], src_cfg: MegatronConfig, o: MegatronWriteOptions) -> tuple[int, int, int, int]:
+    """The target's TP, PP, EP and ETP (ETP: the source's while TP and EP stay, else TP)."""
+    tp = int(o.tp or src_args.get("tensor_model_parallel_size") or 1)
+    pp = int(o.pp or src_args.get("pipeline_model_parallel_size") or 1)
+    if not src_cfg.num_experts:
+        if (o.ep or 1) > 1 or (o.etp is not None and o.etp != tp):
+            raise OptionError("format 'megatron' (write): ep/etp options need a mixture-of-experts model")
+        return tp, pp, 1, tp
+    ep = int(o.ep or src_cfg.ep)
+    kept = tp == src_cfg.tp and ep == src_cfg.ep
+    etp = int(o.etp or (src_cfg.etp if kept else tp))
+    if src_cfg.num_experts % ep or (src_cfg.moe_ffn and src_cfg.moe_ffn % etp):
+        raise FormatError(f"EP={ep} must divide the {src_cfg.num_experts} experts and ETP={etp} the expert FFN "
+                          f"size ({src_cfg.moe_ffn})")
+    return tp, pp, ep, etp
+
+
+def _write(ckpt: Any, tmp: str, o: MegatronWriteOptions) -> None:
+    info = _source_info(ckpt, o.args)
     src_args = dict(info["args"])
-    tp = int(tp or src_args.get("tensor_model_parallel_size") or 1)
-    pp = int(pp or src_args.get("pipeline_model_parallel_size") or 1)
     src_cfg = MegatronConfig.from_args(src_args, info.get("vocab_size"), where=ckpt.path)
-    if src_cfg.num_experts and (src_cfg.ep > 1 or src_cfg.grouped_gemm):
-        raise FormatError(f"{ckpt.path}: writing expert-parallel (EP={src_cfg.ep}) or grouped-GEMM "
-                          "mixture-of-experts checkpoints is not supported yet; they can be read, and "
-                          "EP 1 SequentialMLP layouts can be written")
+    if src_cfg.num_experts and src_cfg.grouped_gemm:
+        raise FormatError(f"{ckpt.path}: writing grouped-GEMM mixture-of-experts checkpoints is not supported yet; "
+                          "they can be read, and SequentialMLP layouts (experts.local_experts.K) can be written")
+    tp, pp, ep, etp = _layout(src_args, src_cfg, o)
     vocab = src_cfg.vocab
     if vocab is None:
         vocab = ckpt["embedding.word_embeddings.weight"].shape[0]
     multiple = src_cfg.divisible_by * tp
     padded = int(math.ceil(vocab / multiple) * multiple)
     kind = info.get("optimizer_kind")
-    dist_opt = distributed_optimizer if distributed_optimizer is not None else kind == "distributed"
-    args = _target_args(src_args, tp, pp, int(dp) if dp else None, dist_opt, padded)
+    dist_opt = o.distributed_optimizer if o.distributed_optimizer is not None else kind == "distributed"
+    args = _target_args(src_args, tp, pp, int(o.dp) if o.dp else None, dist_opt, padded, ep, etp)
     cfg = MegatronConfig.from_args(args, vocab, where=tmp)
     if cfg.heads % tp or cfg.groups % tp or cfg.ffn % tp:
         raise FormatError(f"TP={tp} must divide the heads ({cfg.heads}), query groups ({cfg.groups}) and "
                           f"FFN size ({cfg.ffn})")
+    iteration = o.iteration
     it = int(iteration if iteration is not None else (ckpt.step if ckpt.step is not None else info.get("iteration") or 0))
     src = _Source(ckpt, info, cfg)
 
@@ -272,47 +297,57 @@ def _write(ckpt: Any, tmp: str, tp: int | None, pp: int | None, dp: int | None,
         shapes[n] = (padded, *shape[1:]) if n in _VOCAB else shape
     weight_dtype = "bfloat16" if cfg.bf16 else "float16" if cfg.fp16 else "float32"
     mixed = cfg.bf16 or cfg.fp16
-    have_opt = optimizer and all(src.has_state(n, "exp_avg") and src.has_state(n, "exp_avg_sq") for n in names)
+    have_opt = o.optimizer and all(src.has_state(n, "exp_avg") and src.has_state(n, "exp_avg_sq")
+                                   for n in names if not is_buffer(n))
+    if have_opt and dist_opt and ep > 1:
+        raise FormatError(f"{ckpt.path}: writing the distributed optimizer's state at EP={ep} is not supported yet "
+                          "(write with -o distributed_optimizer=false, or -o optimizer=false)")
     groups_src = [dict(g) for g in (info.get("param_groups") or [])] or _default_groups(args)
     for g in groups_src:
         g.pop("step", None)
+        g["is_expert_parallel"] = False
         if isinstance(g.get("betas"), list):
             g["betas"] = tuple(g["betas"])
     step = next((src.tensor(n).scalars.get("step") for n in names if "step" in src.tensor(n).scalars), it)
 
     it_dir = os.path.join(tmp, f"iter_{it:07d}")
-    layers = stage_layers(cfg, args)
     ns = _to_namespace(args)
     for p in range(pp):
-        offset = layers[p].start
-        for t in range(tp):
+        for rank in file_ranks(tp, ep, etp):
             model: OrderedDict[str, Any] = OrderedDict()
             values: dict[str, dict[str, Tensor]] = {}  # read when the file is written, one at a time
-            for name, local, boxes in local_params(cfg, args, names, shapes, t, p):
-                m = LAYER_RE.match(name)
-                local_name = f"decoder.layers.{int(m.group(1)) - offset}.{m.group(2)}" if m else name
-                values[local_name] = {key: Tensor(_reader(src, name, state, tuple(boxes), dtype, local), dtype, local)
-                                      for key, state, dtype in _states(src, name, mixed, have_opt)}
-                model[local_name] = values[local_name]["weights"]
-                if local_name.endswith(".weight") and _has_extra_state(local_name):
-                    model[local_name[: -len("weight")] + "_extra_state"] = None
+            params = rank_params(cfg, args, names, shapes, rank, p)
+            for rp in params:
+                values[rp.local_name] = {key: Tensor(_reader(src, rp.name, state, rp.boxes, dtype, rp.shape), dtype,
+                                                     rp.shape)
+                                         for key, state, dtype in _states(src, rp.name, mixed, have_opt and not rp.buffer)}
+                model[rp.local_name] = values[rp.local_name]["weights"]
+                if rp.local_name.endswith(".weight") and _has_extra_state(rp.local_name):
+                    model[rp.local_name[: -len("weight")] + "_extra_state"] = None
             state_dict: dict[str, Any] = {
                 "args": ns, "checkpoint_version": 3.0, "iteration": it, "model": model,
                 "num_floating_point_operations_so_far": info.get("num_floating_point_operations_so_far", 0),
             }
             if info.get("opt_param_scheduler") is not None:
                 state_dict["opt_param_scheduler"] = dict(info["opt_param_scheduler"])
-            local_list = [(ln, v["weights"].dims()) for ln, v in values.items()]
-            rank_dir = os.path.join(it_dir, rank_dir_name(t, p, pp))
+            rank_dir = os.path.join(it_dir, rank_dir_name(rank.tp, p, pp, rank.ep if ep > 1 else None))
             os.makedirs(rank_dir)
             if have_opt:
-                order = group_order(local_list, groups_src, args, rank_dir)
+                parts = optimizer_split(params, ep)
                 if dist_opt:
+                    local_list = [(rp.local_name, rp.shape) for rp in parts[0]]
                     state_dict["optimizer"] = {"optimizer": {"param_groups": [
                         {**g, "step": float(step)} for g in groups_src]}}
                     _write_distrib_optim(rank_dir, cfg, args, p, local_list, values, weight_dtype)
                 else:
-                    state_dict["optimizer"] = _adam_state(groups_src, order, values, step, mixed)
+                    opts = []
+                    for i, part in enumerate(parts):
+                        local_list = [(rp.local_name, rp.shape) for rp in part]
+                        groups = groups_src if i == 0 else expert_groups(groups_src)
+                        order = group_order(local_list, groups, args, rank_dir)
+                        used = [(g, o_) for g, o_ in zip(groups, order) if o_ or i == 0]
+                        opts.append(_adam_state([g for g, _ in used], [o_ for _, o_ in used], values, step, mixed))
+                    state_dict["optimizer"] = opts[0] if len(opts) == 1 else opts
             save_torch(state_dict, os.path.join(rank_dir, "model_optim_rng.pt"))
     with open(os.path.join(tmp, TRACKER), "w") as fh:
         fh.write(str(it))
