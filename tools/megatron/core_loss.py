@@ -94,6 +94,8 @@ class Item:
     pp: int | None = None
     optim: bool = False
     save_to: str | None = None
+    ep: int | None = None
+    etp: int | None = None
 
     @staticmethod
     def parse(text: str) -> Item:
@@ -106,7 +108,7 @@ class Item:
         path, _, opts = body.rpartition(":") if "=" in body.rsplit(":", 1)[-1] else (body, "", "")
         kw = dict(o.split("=", 1) for o in opts.split(",") if o)
         return Item(path, True, int(kw.get("tp", 0)) or None, int(kw.get("pp", 0)) or None,
-                    kw.get("optim", "0") == "1")
+                    kw.get("optim", "0") == "1", ep=int(kw.get("ep", 0)) or None, etp=int(kw.get("etp", 0)) or None)
 
 
 def saved_args(path: str) -> tuple[dict[str, Any], int | None]:
@@ -149,7 +151,7 @@ def _revive(v: Any) -> Any:
     return v
 
 
-def transformer_config(args: Any, tp: int, pp: int) -> Any:
+def transformer_config(args: Any, tp: int, pp: int, ep: int = 1, etp: int | None = None) -> Any:
     """megatron-core ``TransformerConfig`` from the saved args (Megatron-LM's
     ``core_transformer_config_from_args``, core_v0.16.1, for the dense GPT cases)."""
     import torch
@@ -171,7 +173,8 @@ def transformer_config(args: Any, tp: int, pp: int) -> Any:
               num_layers_in_first_pipeline_stage=getattr(args, "decoder_first_pipeline_num_layers", None),
               num_layers_in_last_pipeline_stage=getattr(args, "decoder_last_pipeline_num_layers", None),
               num_query_groups=args.num_query_groups if getattr(args, "group_query_attention", False) else None,
-              tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, **EVAL_OVERRIDES)
+              tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
+              expert_tensor_parallel_size=etp or tp, **EVAL_OVERRIDES)
     if getattr(args, "swiglu", False):
         kw.update(activation_func=F.silu, gated_linear_unit=True)
     elif getattr(args, "squared_relu", False):
@@ -188,13 +191,13 @@ def transformer_config(args: Any, tp: int, pp: int) -> Any:
     return cls(**kw)
 
 
-def build_model(args: Any, tp: int, pp: int) -> Any:
+def build_model(args: Any, tp: int, pp: int, ep: int = 1, etp: int | None = None) -> Any:
     """megatron-core ``GPTModel`` with the local spec, as Megatron-LM's gpt_builders builds it."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    config = transformer_config(args, tp, pp)
+    config = transformer_config(args, tp, pp, ep, etp)
     if config.multi_latent_attention:  # dense and MoE layers, MLA on CPU
         from mla_cpu import mla_local_spec
 
@@ -217,8 +220,9 @@ def build_model(args: Any, tp: int, pp: int) -> Any:
     return model
 
 
-def load_legacy(model: Any, path: str, args: Any, tp: int, pp: int) -> dict[str, Any]:
-    """Megatron-LM ``load_checkpoint`` for ``--ckpt-format torch``: this rank's file, strict load."""
+def load_legacy(model: Any, path: str, args: Any, tp: int, pp: int, ep: int = 1) -> dict[str, Any]:
+    """Megatron-LM ``load_checkpoint`` for ``--ckpt-format torch``: this rank's file
+    (``mp_rank_TT[_PPP][_EEE]``, EEE its expert-parallel rank when EP > 1), strict load."""
     import torch
     from megatron.core import parallel_state as ps
 
@@ -226,16 +230,18 @@ def load_legacy(model: Any, path: str, args: Any, tp: int, pp: int) -> dict[str,
 
     it_dir, _ = resolve_iter_dir(path)
     f = os.path.join(it_dir, rank_dir_name(ps.get_tensor_model_parallel_rank(),
-                                           ps.get_pipeline_model_parallel_rank(), pp), "model_optim_rng.pt")
+                                           ps.get_pipeline_model_parallel_rank(), pp,
+                                           ps.get_expert_model_parallel_rank() if ep > 1 else None), "model_optim_rng.pt")
     sd = torch.load(f, map_location="cpu", weights_only=False)  # a file ckptbridge (or Megatron) wrote
     ck = sd.get("args")
     if ck is None or float(sd.get("checkpoint_version", 0)) < 3.0:
         raise ValueError(f"{f}: no args / checkpoint_version {sd.get('checkpoint_version')} < 3.0")
     # Megatron-LM's check_checkpoint_args, plus the layout this file must be for
     for name in ("num_layers", "hidden_size", "num_attention_heads", "padded_vocab_size",
-                 "tensor_model_parallel_size", "pipeline_model_parallel_size"):
-        want = {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp}.get(name, getattr(args, name))
-        if getattr(ck, name) != want:
+                 "tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size"):
+        want = {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
+                "expert_model_parallel_size": ep}.get(name, getattr(args, name))
+        if (getattr(ck, name, None) or 1) != want:
             raise ValueError(f"{f}: args.{name} = {getattr(ck, name)}, the model needs {want}")
     if "model" not in sd:
         raise ValueError(f"{f}: no 'model' state dict (virtual pipeline checkpoints are not evaluated here)")
@@ -544,23 +550,28 @@ def evaluate(item: Item, opts: argparse.Namespace, index: int = 0) -> dict[str, 
     if item.dist and item.tp and vocab is not None:  # Megatron-LM pads the tokenizer's vocab for the run's TP
         mult = int(args.make_vocab_size_divisible_by) * tp
         args.padded_vocab_size = -(-vocab // mult) * mult
-    if world % (tp * pp):
-        return {"ckpt": item.path, "error": f"TP{tp} x PP{pp} does not divide --world {world}"}
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    # expert parallelism: a dist: item's ep=/etp= (default EP 1, ETP = TP when it names a layout), else the run's
+    ep = item.ep or (1 if item.tp or item.pp else int(getattr(args, "expert_model_parallel_size", None) or 1))
+    etp = item.etp or (tp if item.tp or item.pp or item.ep else
+                       int(getattr(args, "expert_tensor_parallel_size", None) or tp))
+    if world % (tp * pp) or world % (ep * etp * pp):
+        return {"ckpt": item.path, "error": f"TP{tp} x PP{pp} (EP{ep} x ETP{etp}) does not divide --world {world}"}
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                 expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
     model_parallel_cuda_manual_seed(opts.seed)
     err = ""
     model = sd = None
     try:
-        model = build_model(args, tp, pp)
+        model = build_model(args, tp, pp, ep, etp)
         if item.dist:
             load_dist(model, item.path)
         else:
-            sd = load_legacy(model, item.path, args, tp, pp)
+            sd = load_legacy(model, item.path, args, tp, pp, ep)
     except Exception as e:  # reported (all ranks agree below), not raised: the next item still runs
         err = f"rank {dist.get_rank()}: {type(e).__name__}: {e}"
         if opts.verbose:
             traceback.print_exc()
-    rec: dict[str, Any] = {"ckpt": item.path, "dist": item.dist, "tp": tp, "pp": pp}
+    rec: dict[str, Any] = {"ckpt": item.path, "dist": item.dist, "tp": tp, "pp": pp, "ep": ep, "etp": etp}
     err = _all_agree_on_error(err)
     if err:
         rec["error"] = err
@@ -640,6 +651,10 @@ def worker(rank: int, world: int, port: int, opts: argparse.Namespace) -> None:
     cpu_shim.patch_distopt_state_dict()
     cpu_shim.patch_distopt_load()
     cpu_shim.patch_moe_no_te()
+    # expert parallelism on CPU/gloo (the fixtures' Megatron-LM runs had these too; cpu_shim.py says why)
+    cpu_shim.patch_moe_cpu_splits()
+    cpu_shim.patch_gloo_uneven_all_gather()
+    cpu_shim.patch_chained_optimizer_ep_reshard()
     import torch
     import torch.distributed as dist
 
