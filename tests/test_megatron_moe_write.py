@@ -6,7 +6,9 @@ expert optimizer; TP 2 x EP 2 with expert-TP 1), read from its legacy per-rank f
 (``ckptbridge reshard --to megatron``, legacy per-rank files):
 
 * ``ep1``: TP 1 x EP 1 (TP 2 -> 1, EP 2 -> 1: one optimizer, experts ordinary params);
-* ``ep2``: TP 1 x EP 2 from ``ep1`` (EP 1 -> 2: ``mp_rank_00_00E``, a dense + expert optimizer).
+* ``tp2ep2etp1``: TP 2 x EP 2 with expert-TP 1, from ``ep1`` (TP 1 -> 2, EP 1 -> 2: the files
+  ``mp_rank_00_000`` and ``mp_rank_01_001`` of the expert-data-parallel rank 0 ranks, a dense + expert
+  optimizer; megatron-core trains it with sequence parallelism).
 
 ``tools/megatron/core_loss.py`` (megatron-core 0.16.1, 2 gloo ranks) loads each written checkpoint
 strictly (``load_state_dict(strict=True)`` of this rank's ``mp_rank_TT_EEE`` file, the optimizer through
@@ -56,7 +58,7 @@ def _swap_gate_up(src: str, dst: str) -> None:
     import torch
 
     shutil.copytree(src, dst)
-    f = os.path.join(dst, "iter_0000005", "mp_rank_00_001", "model_optim_rng.pt")
+    f = os.path.join(dst, "iter_0000005", "mp_rank_01_001", "model_optim_rng.pt")
     sd = torch.load(f, map_location="cpu", weights_only=False)  # a file this test wrote
     key = "decoder.layers.1.mlp.experts.local_experts.1.linear_fc1.weight"
     gate, up = sd["model"][key].chunk(2, 0)
@@ -69,7 +71,7 @@ def losses(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]
     work = tmp_path_factory.mktemp("moe_write")
     src = os.path.join(SRC, "torch")
     _reshard(src, str(work / "ep1"), "tp=1", "ep=1")
-    _reshard(str(work / "ep1"), str(work / "ep2"), "ep=2")
+    _reshard(str(work / "ep1"), str(work / "tp2ep2etp1"), "tp=2", "ep=2", "etp=1")
     right = _write_moe.rank_params
 
     def local_as_global(cfg: Any, args: Any, names: Any, shapes: Any, rank: Any, pp: int) -> Any:
@@ -77,11 +79,11 @@ def losses(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(_writer, "rank_params", local_as_global)
-        _reshard(str(work / "ep1"), str(work / "local_as_global"), "ep=2")
-    _swap_gate_up(str(work / "ep2"), str(work / "gate_up_swapped"))
+        _reshard(str(work / "ep1"), str(work / "local_as_global"), "tp=2", "ep=2", "etp=1")
+    _swap_gate_up(str(work / "tp2ep2etp1"), str(work / "gate_up_swapped"))
     dist = os.path.join(SRC, "torch_dist")
     items = {"ref:ep1": f"dist:{dist}:tp=1,pp=1,ep=1,optim=1", "ep1": str(work / "ep1"),
-             "ref:ep2": f"dist:{dist}:tp=1,pp=1,ep=2,optim=1", "ep2": str(work / "ep2"),
+             "ref:tp2ep2etp1": f"dist:{dist}:tp=2,pp=1,ep=2,etp=1,optim=1", "tp2ep2etp1": str(work / "tp2ep2etp1"),
              "local_as_global": str(work / "local_as_global"), "gate_up_swapped": str(work / "gate_up_swapped")}
     dump = str(work / "dump")
     out = subprocess.run([sys.executable, CORE_LOSS, "--world", "2", "--microbatches", "1", "--train-step",
@@ -109,10 +111,10 @@ def _logit_diff(a: dict[str, Any], b: dict[str, Any]) -> float:
 
 
 def test_written_moe_layouts_resume_in_megatron_core_as_its_own_reshard(losses: dict[str, dict[str, Any]]) -> None:
-    for label in ("ep1", "ep2"):
+    for label, layout in (("ep1", (1, 1, 1)), ("tp2ep2etp1", (2, 2, 1))):
         got, ref = losses[label], losses[f"ref:{label}"]
         assert "error" not in got and "error" not in ref, (got.get("error"), ref.get("error"))
-        assert (got["tp"], got["ep"], got["etp"]) == (ref["tp"], ref["ep"], ref["etp"]) == (1, int(label[-1]), 1)
+        assert (got["tp"], got["ep"], got["etp"]) == (ref["tp"], ref["ep"], ref["etp"]) == layout
         assert _token_diff(got["token_losses"], ref["token_losses"]) <= RTOL, label
         assert _logit_diff(got, ref) <= RTOL, label
         assert got["step"]["updated"] and ref["step"]["updated"]
@@ -122,7 +124,7 @@ def test_written_moe_layouts_resume_in_megatron_core_as_its_own_reshard(losses: 
         assert got["step"]["after_loss"] < got["loss"]  # the step trained (Adam moments carried over)
     # what ckptbridge wrote reads back bitwise equal to the source, every expert and Adam moment
     src = ckptbridge.open(os.path.join(SRC, "torch"))
-    back = ckptbridge.open(losses["ep2"]["ckpt"])
+    back = ckptbridge.open(losses["tp2ep2etp1"]["ckpt"])
     assert set(back.tensors) == set(src.tensors) and back.extra["megatron"]["moe"]["ep"] == 2
     for name, t in src.tensors.items():
         for state in t.states:
@@ -131,10 +133,48 @@ def test_written_moe_layouts_resume_in_megatron_core_as_its_own_reshard(losses: 
 
 @pytest.mark.parametrize("label", ["local_as_global", "gate_up_swapped"])
 def test_negative_controls_wrong_expert_or_swapped_gate_up_fail_by_far(losses: dict, label: str) -> None:
-    got, ref = losses[label], losses["ref:ep2"]
+    got, ref = losses[label], losses["ref:tp2ep2etp1"]
     assert "error" not in got, got.get("error")
     assert _logit_diff(got, ref) > 1000 * RTOL, label  # measured 1.2e-2 (wrong experts), 1.4e-3 (swapped)
     assert _token_diff(got["token_losses"], ref["token_losses"]) > 10 * RTOL, label
+
+
+def test_written_ep2_files_are_megatron_lms_own(tmp_path: Any) -> None:
+    """EP 2 -> EP 2: every rank file ckptbridge writes holds what Megatron-LM's own save wrote (the same
+    model keys in the same order, the same tensors, the ChainedOptimizer's two Adam state dicts with the
+    same param groups and slot numbering)."""
+    import pickle
+    import types
+
+    import torch
+
+    class Opaque:
+        def __init__(self, *args: Any) -> None:
+            self.args = args
+
+    class NoMegatron(pickle.Unpickler):  # the saved args' megatron enums, without importing megatron-core
+        def find_class(self, module: str, name: str) -> Any:
+            return Opaque if module.startswith("megatron") else super().find_class(module, name)
+
+    unpickle = types.ModuleType("unpickle_no_megatron")
+    unpickle.Unpickler = NoMegatron  # type: ignore[attr-defined]
+    unpickle.load = pickle.load  # type: ignore[attr-defined]
+    src = os.path.join(HERE, "fixtures", "megatron_moe", "M", "tp1ep2", "torch")
+    _reshard(src, str(tmp_path / "ep2"))
+    for rank in ("mp_rank_00_000", "mp_rank_00_001"):
+        a, b = (torch.load(os.path.join(d, "iter_0000005", rank, "model_optim_rng.pt"), map_location="cpu",
+                           weights_only=False, pickle_module=unpickle)  # files Megatron-LM / this test wrote
+                for d in (src, str(tmp_path / "ep2")))
+        assert list(a["model"]) == list(b["model"])
+        for k, v in a["model"].items():
+            assert (v is None and b["model"][k] is None) or torch.equal(v, b["model"][k]), (rank, k)
+        assert isinstance(b["optimizer"], list) and len(a["optimizer"]) == len(b["optimizer"]) == 2
+        for oa, ob in zip(a["optimizer"], b["optimizer"]):
+            assert oa["param_groups"] == ob["param_groups"], rank
+            assert oa["state"].keys() == ob["state"].keys()
+            for slot, st in oa["state"].items():
+                for k, v in st.items():
+                    assert torch.equal(v.float(), ob["state"][slot][k].float()), (rank, slot, k)
 
 
 def test_legacy_layout_that_would_lose_dense_shards_is_refused(tmp_path: Any) -> None:

@@ -151,9 +151,10 @@ def _revive(v: Any) -> Any:
     return v
 
 
-def transformer_config(args: Any, tp: int, pp: int, ep: int = 1, etp: int | None = None) -> Any:
+def transformer_config(args: Any, tp: int, pp: int, ep: int = 1, etp: int | None = None, train: bool = False) -> Any:
     """megatron-core ``TransformerConfig`` from the saved args (Megatron-LM's
-    ``core_transformer_config_from_args``, core_v0.16.1, for the dense GPT cases)."""
+    ``core_transformer_config_from_args``, core_v0.16.1, for the dense GPT cases). ``train`` with MoE at
+    TP > 1: sequence parallelism on (megatron-core's MoELayer refuses to train without it)."""
     import torch
     import torch.nn.functional as F
     from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
@@ -175,6 +176,8 @@ def transformer_config(args: Any, tp: int, pp: int, ep: int = 1, etp: int | None
               num_query_groups=args.num_query_groups if getattr(args, "group_query_attention", False) else None,
               tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
               expert_tensor_parallel_size=etp or tp, **EVAL_OVERRIDES)
+    if train and tp > 1 and kw["num_moe_experts"]:
+        kw["sequence_parallel"] = True
     if getattr(args, "swiglu", False):
         kw.update(activation_func=F.silu, gated_linear_unit=True)
     elif getattr(args, "squared_relu", False):
@@ -191,13 +194,13 @@ def transformer_config(args: Any, tp: int, pp: int, ep: int = 1, etp: int | None
     return cls(**kw)
 
 
-def build_model(args: Any, tp: int, pp: int, ep: int = 1, etp: int | None = None) -> Any:
+def build_model(args: Any, tp: int, pp: int, ep: int = 1, etp: int | None = None, train: bool = False) -> Any:
     """megatron-core ``GPTModel`` with the local spec, as Megatron-LM's gpt_builders builds it."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    config = transformer_config(args, tp, pp, ep, etp)
+    config = transformer_config(args, tp, pp, ep, etp, train)
     if config.multi_latent_attention:  # dense and MoE layers, MLA on CPU
         from mla_cpu import mla_local_spec
 
@@ -562,7 +565,7 @@ def evaluate(item: Item, opts: argparse.Namespace, index: int = 0) -> dict[str, 
     err = ""
     model = sd = None
     try:
-        model = build_model(args, tp, pp, ep, etp)
+        model = build_model(args, tp, pp, ep, etp, bool(opts.train_step))
         if item.dist:
             load_dist(model, item.path)
         else:
@@ -655,6 +658,7 @@ def worker(rank: int, world: int, port: int, opts: argparse.Namespace) -> None:
     cpu_shim.patch_moe_cpu_splits()
     cpu_shim.patch_gloo_uneven_all_gather()
     cpu_shim.patch_chained_optimizer_ep_reshard()
+    cpu_shim.patch_torch_norm_sequence_parallel()  # the local spec's norms under sequence parallelism (MoE, TP > 1)
     import torch
     import torch.distributed as dist
 
