@@ -14,7 +14,9 @@ buffers to ``distrib_optim.pt``), ``opt_param_scheduler`` and
 (they are per-rank and do not carry over to another layout): resume
 with ``--no-load-rng``.
 
-Options: ``tp``, ``pp`` (default: the source's), ``dp`` (recorded in the args),
+Options: ``tp``, ``pp`` (default: the source's), ``ep``, ``etp`` (mixture of experts:
+expert-parallel and expert-tensor-parallel sizes; files ``mp_rank_TT[_PPP]_EEE`` at EP > 1, the
+optimizer a dense + expert ChainedOptimizer, see ``_write_moe.py``), ``dp`` (recorded in the args),
 ``distributed_optimizer`` (default: as the source; ``True`` writes
 ``distrib_optim.pt``), ``iteration``, ``optimizer`` (``false``: the model weights only, as
 Megatron-LM's ``tools/checkpoint/convert.py`` writes them). The target has no virtual pipeline and
