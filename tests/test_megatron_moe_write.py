@@ -110,6 +110,7 @@ def _logit_diff(a: dict[str, Any], b: dict[str, Any]) -> float:
     return float(np.max(np.abs(a["logits"] - b["logits"])) / np.max(np.abs(b["logits"])))
 
 
+@pytest.mark.heavy
 def test_written_moe_layouts_resume_in_megatron_core_as_its_own_reshard(losses: dict[str, dict[str, Any]]) -> None:
     for label, layout in (("ep1", (1, 1, 1)), ("tp2ep2etp1", (2, 2, 1))):
         got, ref = losses[label], losses[f"ref:{label}"]
@@ -131,6 +132,7 @@ def test_written_moe_layouts_resume_in_megatron_core_as_its_own_reshard(losses: 
             assert (back[name].state(state)[...] == src[name].state(state)[...]).all(), (name, state)
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("label", ["local_as_global", "gate_up_swapped"])
 def test_negative_controls_wrong_expert_or_swapped_gate_up_fail_by_far(losses: dict, label: str) -> None:
     got, ref = losses[label], losses["ref:tp2ep2etp1"]
