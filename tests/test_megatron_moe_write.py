@@ -141,10 +141,33 @@ def test_negative_controls_wrong_expert_or_swapped_gate_up_fail_by_far(losses: d
     assert _token_diff(got["token_losses"], ref["token_losses"]) > 10 * RTOL, label
 
 
-def test_written_ep2_files_are_megatron_lms_own(tmp_path: Any) -> None:
-    """EP 2 -> EP 2: every rank file ckptbridge writes holds what Megatron-LM's own save wrote (the same
-    model keys in the same order, the same tensors, the ChainedOptimizer's two Adam state dicts with the
-    same param groups and slot numbering)."""
+def _same(a: Any, b: Any, where: str) -> None:
+    """Two unpickled trees hold the same keys (in the same order, but inside Adam slots), values and
+    tensors (bitwise)."""
+    import torch
+
+    if torch.is_tensor(a):
+        assert torch.is_tensor(b) and a.dtype == b.dtype and torch.equal(a, b), where
+    elif isinstance(a, dict):  # (an Adam slot's step / exp_avg / exp_avg_sq in any order)
+        same_keys = list(a) == list(b) if "/state/" not in where else set(a) == set(b)
+        assert isinstance(b, dict) and same_keys, (where, list(a), list(b))
+        for k in a:
+            _same(a[k], b[k], f"{where}/{k}")
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, (where, a, b)
+
+
+@pytest.mark.parametrize("fam,src_fmt", [("M/tp1ep2", "torch"), ("D/tp1ep2dp4", "torch_dist")])
+def test_written_ep2_files_are_megatron_lms_own(tmp_path: Any, fam: str, src_fmt: str) -> None:
+    """EP 2 -> EP 2: every rank file ckptbridge writes holds what Megatron-LM's own legacy save wrote:
+    the same model keys in the same order and tensors; ``M`` (torch Adam): the ChainedOptimizer's two
+    Adam state dicts, param groups and slot numbering; ``D`` (distributed optimizer, written from its
+    ``torch_dist`` copy): both optimizers' param groups and ``distrib_optim.pt`` -- ``[dense, expert]``
+    coalesced buffers, the dense one only in the file of dense-DP rank 0 (``None`` in EP rank 1's)."""
     import pickle
     import types
 
@@ -161,22 +184,19 @@ def test_written_ep2_files_are_megatron_lms_own(tmp_path: Any) -> None:
     unpickle = types.ModuleType("unpickle_no_megatron")
     unpickle.Unpickler = NoMegatron  # type: ignore[attr-defined]
     unpickle.load = pickle.load  # type: ignore[attr-defined]
-    src = os.path.join(HERE, "fixtures", "megatron_moe", "M", "tp1ep2", "torch")
-    _reshard(src, str(tmp_path / "ep2"))
+    mine, theirs = str(tmp_path / "ep2"), os.path.join(HERE, "fixtures", "megatron_moe", fam, "torch")
+    _reshard(os.path.join(HERE, "fixtures", "megatron_moe", fam, src_fmt), mine)
+    files = ["model_optim_rng.pt"] + (["distrib_optim.pt"] if fam.startswith("D") else [])
     for rank in ("mp_rank_00_000", "mp_rank_00_001"):
-        a, b = (torch.load(os.path.join(d, "iter_0000005", rank, "model_optim_rng.pt"), map_location="cpu",
-                           weights_only=False, pickle_module=unpickle)  # files Megatron-LM / this test wrote
-                for d in (src, str(tmp_path / "ep2")))
-        assert list(a["model"]) == list(b["model"])
-        for k, v in a["model"].items():
-            assert (v is None and b["model"][k] is None) or torch.equal(v, b["model"][k]), (rank, k)
-        assert isinstance(b["optimizer"], list) and len(a["optimizer"]) == len(b["optimizer"]) == 2
-        for oa, ob in zip(a["optimizer"], b["optimizer"]):
-            assert oa["param_groups"] == ob["param_groups"], rank
-            assert oa["state"].keys() == ob["state"].keys()
-            for slot, st in oa["state"].items():
-                for k, v in st.items():
-                    assert torch.equal(v.float(), ob["state"][slot][k].float()), (rank, slot, k)
+        for f in files:
+            a, b = (torch.load(os.path.join(d, "iter_0000005", rank, f), map_location="cpu", weights_only=False,
+                               pickle_module=unpickle) for d in (theirs, mine))  # files Megatron-LM / this test wrote
+            if f == "model_optim_rng.pt":
+                assert isinstance(b["optimizer"], list) and len(b["optimizer"]) == 2
+                a, b = {k: a[k] for k in ("model", "optimizer")}, {k: b[k] for k in ("model", "optimizer")}
+            else:
+                assert (a[0] is None) == (rank == "mp_rank_00_001")
+            _same(a, b, f"{rank}/{f}")
 
 
 def test_legacy_layout_that_would_lose_dense_shards_is_refused(tmp_path: Any) -> None:

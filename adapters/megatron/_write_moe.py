@@ -42,11 +42,12 @@ _MOE_PART = re.compile(r"^decoder\.layers\.(\d+)\.mlp\.(router|experts\.local_ex
 
 @dataclass(frozen=True)
 class RankFile:
-    """One legacy rank file: the writing rank's dense TP rank, EP rank and expert-TP rank."""
+    """One legacy rank file: the writing rank's dense TP rank, EP rank, expert-TP rank and dense DP rank."""
 
     tp: int
     ep: int
     etp: int
+    dp: int = 0
 
 
 @dataclass(frozen=True)
@@ -65,7 +66,7 @@ class RankParam:
 def file_ranks(tp: int, ep: int, etp: int) -> list[RankFile]:
     """The (TP, EP, ETP) ranks of one pipeline stage that write a legacy file (expert-DP rank 0)."""
     world = math.lcm(tp, ep * etp)
-    out = [RankFile(c.tp, c.ep, c.etp) for c in rank_grid(tp, 1, ep, etp, world) if c.edp == 0]
+    out = [RankFile(c.tp, c.ep, c.etp, c.dp) for c in rank_grid(tp, 1, ep, etp, world) if c.edp == 0]
     if {f.tp for f in out} != set(range(tp)):
         raise FormatError(f"TP={tp} EP={ep} ETP={etp}: Megatron-LM's legacy format saves from the expert-data-"
                           f"parallel rank 0 ranks only, which hold TP ranks {sorted({f.tp for f in out})}: the other "

@@ -301,9 +301,6 @@ def _write(ckpt: Any, tmp: str, o: MegatronWriteOptions) -> None:
     mixed = cfg.bf16 or cfg.fp16
     have_opt = o.optimizer and all(src.has_state(n, "exp_avg") and src.has_state(n, "exp_avg_sq")
                                    for n in names if not is_buffer(n))
-    if have_opt and dist_opt and ep > 1:
-        raise FormatError(f"{ckpt.path}: writing the distributed optimizer's state at EP={ep} is not supported yet "
-                          "(write with -o distributed_optimizer=false, or -o optimizer=false)")
     groups_src = [dict(g) for g in (info.get("param_groups") or [])] or _default_groups(args)
     for g in groups_src:
         g.pop("step", None)
@@ -335,21 +332,21 @@ def _write(ckpt: Any, tmp: str, o: MegatronWriteOptions) -> None:
             rank_dir = os.path.join(it_dir, rank_dir_name(rank.tp, p, pp, rank.ep if ep > 1 else None))
             os.makedirs(rank_dir)
             if have_opt:
-                parts = optimizer_split(params, ep)
+                entries, states = [], []
+                for i, part in enumerate(optimizer_split(params, ep)):  # [all] or [dense, expert]
+                    local_list = [(rp.local_name, rp.shape) for rp in part]
+                    groups = groups_src if i == 0 else expert_groups(groups_src)
+                    order = group_order(local_list, groups, args, rank_dir) if i or not dist_opt else [[]] * len(groups)
+                    used = [(g, o_) for g, o_ in zip(groups, order) if o_ or i == 0]
+                    if dist_opt:  # the dense state only in the file of dense-DP rank 0 (Megatron's dp-zero gather)
+                        entries.append({"optimizer": {"param_groups": [{**g, "step": float(step)} for g, _ in used]}})
+                        states.append(_distrib_state(rank_dir, cfg, args, p, local_list, values, weight_dtype, i == 0)
+                                      if i or rank.dp == 0 else None)
+                    else:
+                        entries.append(_adam_state([g for g, _ in used], [o_ for _, o_ in used], values, step, mixed))
+                state_dict["optimizer"] = entries[0] if len(entries) == 1 else entries
                 if dist_opt:
-                    local_list = [(rp.local_name, rp.shape) for rp in parts[0]]
-                    state_dict["optimizer"] = {"optimizer": {"param_groups": [
-                        {**g, "step": float(step)} for g in groups_src]}}
-                    _write_distrib_optim(rank_dir, cfg, args, p, local_list, values, weight_dtype)
-                else:
-                    opts = []
-                    for i, part in enumerate(parts):
-                        local_list = [(rp.local_name, rp.shape) for rp in part]
-                        groups = groups_src if i == 0 else expert_groups(groups_src)
-                        order = group_order(local_list, groups, args, rank_dir)
-                        used = [(g, o_) for g, o_ in zip(groups, order) if o_ or i == 0]
-                        opts.append(_adam_state([g for g, _ in used], [o_ for _, o_ in used], values, step, mixed))
-                    state_dict["optimizer"] = opts[0] if len(opts) == 1 else opts
+                    save_torch(states[0] if len(states) == 1 else states, os.path.join(rank_dir, "distrib_optim.pt"))
             save_torch(state_dict, os.path.join(rank_dir, "model_optim_rng.pt"))
     with open(os.path.join(tmp, TRACKER), "w") as fh:
         fh.write(str(it))
@@ -422,12 +419,13 @@ def _adam_state(groups: list[dict[str, Any]], order: list[list[str]], values: Ma
     return {"optimizer": adam, "fp32_from_fp16_params": masters} if mixed else adam
 
 
-def _write_distrib_optim(rank_dir: str, cfg: MegatronConfig, args: Mapping[str, Any], pp: int,
-                         local_list: list[tuple[str, tuple[int, ...]]], values: Mapping[str, Mapping[str, Tensor]],
-                         weight_dtype: str) -> None:
-    """``distrib_optim.pt``: the rank's coalesced fp32 buffers (master, exp_avg, exp_avg_sq), each
-    written piece by piece as the parameters' slots come (one parameter's state in memory at a time)."""
-    shared = ("embedding.word_embeddings.weight", "output_layer.weight") if cfg.tied and cfg.pp > 1 else ()
+def _distrib_state(rank_dir: str, cfg: MegatronConfig, args: Mapping[str, Any], pp: int,
+                   local_list: list[tuple[str, tuple[int, ...]]], values: Mapping[str, Mapping[str, Tensor]],
+                   weight_dtype: str, dense: bool = True) -> dict[Any, Any]:
+    """One optimizer's part of ``distrib_optim.pt`` (``dense``: the dense grad buffer, else the expert
+    one): its coalesced fp32 buffers (master, exp_avg, exp_avg_sq), each written piece by piece as the
+    parameters' slots come (one parameter's state in memory at a time)."""
+    shared = ("embedding.word_embeddings.weight", "output_layer.weight") if dense and cfg.tied and cfg.pp > 1 else ()
     num = sum(math.prod(s) for _, s in local_list)
     slots, sizes = buffer_layout(local_list, ddp_bucket_size(args, pp, 0, num), shared)
     total = sum(sizes)
@@ -451,5 +449,4 @@ def _write_distrib_optim(rank_dir: str, cfg: MegatronConfig, args: Mapping[str, 
     pdt = Global("torch", weight_dtype)
     gdt = Global("torch", "float32") if (weight_dtype == "float32" or args.get("accumulate_allreduce_grads_in_fp32")) \
         else pdt
-    save_torch({"buckets_coalesced": True, 0: {(pdt, gdt): {**bufs, "numel_unpadded": total}}},
-               os.path.join(rank_dir, "distrib_optim.pt"))
+    return {"buckets_coalesced": True, 0: {(pdt, gdt): {**bufs, "numel_unpadded": total}}}
