@@ -48,13 +48,13 @@ both formats; every expert is one logical tensor under its global id
 
 Writing MoE (legacy per-rank files, see ``_write_moe.py``): ``SequentialMLP`` experts at a new
 TP / PP / EP / ETP (options ``ep``, ``etp``), shared experts, the router and its expert bias, torch
-Adam / Float16 optimizer state (a ChainedOptimizer of a dense and an expert optimizer at EP > 1)::
+Adam / Float16 / distributed optimizer state (a ChainedOptimizer of a dense and an expert optimizer at
+EP > 1; ``distrib_optim.pt`` holds ``[dense, expert]``, the dense part in the dense-DP rank 0 file)::
 
     write(ckptbridge.open("moe_run"), "moe_ep1", MegatronWriteOptions(tp=1, ep=1))
     # ckptbridge reshard moe_run moe_tp2ep2 --to megatron -o tp=2 -o ep=2 -o etp=1
 
-Refused with a clear error: writing grouped-GEMM MoE, the distributed optimizer's state at EP > 1,
-legacy layouts whose expert-data-parallel rank 0 ranks miss a TP rank (EP x ETP < TP: Megatron-LM's
+Refused with a clear error: writing grouped-GEMM MoE, legacy layouts whose expert-data-parallel rank 0 ranks miss a TP rank (EP x ETP < TP: Megatron-LM's
 legacy save would lose those shards); MoE with the distributed
 optimizer in the legacy format or torch_dist ``dp_reshardable`` (reading), Transformer
 Engine's ``TEGroupedMLP``, dense layers between MoE layers, multi-latent attention,
