@@ -183,11 +183,14 @@ def _same(a: Any, b: Any, where: str) -> None:
         assert a == b, (where, a, b)
 
 
-@pytest.mark.parametrize("fam,src_fmt", [("M/tp1ep2", "torch"), ("D/tp1ep2dp4", "torch_dist")])
+@pytest.mark.parametrize("fam,src_fmt", [("M/tp1ep2", "torch"), ("D/tp1ep2dp4", "torch_dist"),
+                                         ("G/tp2ep2etp1", "torch")])
 def test_written_ep2_files_are_megatron_lms_own(tmp_path: Any, fam: str, src_fmt: str) -> None:
     """EP 2 -> EP 2: every rank file ckptbridge writes holds what Megatron-LM's own legacy save wrote:
     the same model keys in the same order and tensors; ``M`` (torch Adam): the ChainedOptimizer's two
-    Adam state dicts, param groups and slot numbering; ``D`` (distributed optimizer, written from its
+    Adam state dicts, param groups and slot numbering; ``G`` (bf16 GroupedMLP, TP 2 x EP 2 x ETP 1):
+    each layer's ``experts.weight1`` / ``weight2`` buffers built from the global experts, the Float16
+    optimizers' fp32 masters; ``D`` (distributed optimizer, written from its
     ``torch_dist`` copy): both optimizers' param groups and ``distrib_optim.pt`` -- ``[dense, expert]``
     coalesced buffers, the dense one only in the file of dense-DP rank 0 (``None`` in EP rank 1's)."""
     import pickle
@@ -209,7 +212,9 @@ def test_written_ep2_files_are_megatron_lms_own(tmp_path: Any, fam: str, src_fmt
     mine, theirs = str(tmp_path / "ep2"), os.path.join(HERE, "fixtures", "megatron_moe", fam, "torch")
     _reshard(os.path.join(HERE, "fixtures", "megatron_moe", fam, src_fmt), mine)
     files = ["model_optim_rng.pt"] + (["distrib_optim.pt"] if fam.startswith("D") else [])
-    for rank in ("mp_rank_00_000", "mp_rank_00_001"):
+    ranks = sorted(os.listdir(os.path.join(theirs, "iter_0000005")))
+    assert ranks == sorted(os.listdir(os.path.join(mine, "iter_0000005"))) and len(ranks) == 2
+    for rank in ranks:
         for f in files:
             a, b = (torch.load(os.path.join(d, "iter_0000005", rank, f), map_location="cpu", weights_only=False,
                                pickle_module=unpickle) for d in (theirs, mine))  # files Megatron-LM / this test wrote

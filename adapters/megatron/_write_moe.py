@@ -17,10 +17,13 @@ megatron-core 0.16.1 (``megatron/core/transformer/moe/experts.py``, ``parallel_s
   ``is_expert_parallel=True``): the legacy ``optimizer`` entry is the list of their two state dicts;
   at EP 1 experts are ordinary params of the one optimizer;
 * router buffers (``router.expert_bias``) are in the model state dict, in no optimizer.
+* legacy ``GroupedMLP`` keeps a layer's local experts in ``experts.weight1`` / ``weight2``
+  (:func:`grouped`); the distributed optimizer's ``distrib_optim.pt`` is ``[dense, expert]`` at EP > 1
+  (``ChainedOptimizer.save_parameter_state``), the dense part only from dense-DP rank 0.
 
 Usage::
 
-    file_ranks(tp=2, ep=2, etp=1)          # [(0, 0, 0), (1, 1, 0)]: mp_rank_00_000, mp_rank_01_001
+    file_ranks(tp=2, ep=2, etp=1)  # [RankFile(tp=0, ep=0, etp=0, dp=0), RankFile(1, 1, 0, 0)]: mp_rank_00_000, _01_001
     rank_params(cfg, args, names, shapes, RankFile(1, 1, 0), pp=0)  # dense at TP 1, experts 2, 3
 """
 
@@ -61,6 +64,35 @@ class RankParam:
     boxes: tuple[Box, ...]
     expert: bool
     buffer: bool
+    parts: tuple[RankParam, ...] = ()  # a GroupedMLP buffer: its local experts' shards, in order
+
+
+def grouped(params: Sequence[RankParam], hidden: int) -> list[RankParam]:
+    """Legacy ``GroupedMLP`` (``--moe-grouped-gemm``, local spec): each layer's local experts become
+    ``experts.weight1`` ``[hidden, E_l * fc1_local]`` (megatron-core views it as ``[E_l, hidden, fc1_local]``:
+    expert K's fc1 shard transposed) and ``experts.weight2`` ``[E_l * ffn_local, hidden]`` (``[E_l,
+    ffn_local, hidden]``: expert K's fc2 shard transposed), registered in that order where the experts were."""
+    out: list[RankParam] = []
+    seen: set[str] = set()
+    for p in params:
+        m = EXPERT_RE.match(p.local_name)
+        if m is None:
+            out.append(p)
+            continue
+        if m.group(3) not in ("linear_fc1.weight", "linear_fc2.weight"):
+            raise FormatError(f"{p.name}: GroupedMLP experts have no {m.group(3)!r} (biases are not supported)")
+        if m.group(1) in seen:
+            continue
+        seen.add(m.group(1))
+        for leaf, buf in (("linear_fc1.weight", "weight1"), ("linear_fc2.weight", "weight2")):
+            parts = tuple(q for q in params if (n := EXPERT_RE.match(q.local_name)) and n.group(1) == m.group(1)
+                          and n.group(3) == leaf)
+            width = sum(q.shape[0] if buf == "weight1" else q.shape[1] for q in parts)
+            shape = (hidden, width) if buf == "weight1" else (width, hidden)
+            glob = EXPERT_RE.match(parts[0].name)
+            assert glob is not None
+            out.append(RankParam(f"{glob.group(1)}.{buf}", f"{m.group(1)}.{buf}", shape, (), True, False, parts))
+    return out
 
 
 def file_ranks(tp: int, ep: int, etp: int) -> list[RankFile]:
@@ -109,7 +141,7 @@ def rank_params(cfg: MegatronConfig, args: Mapping[str, Any], names: Sequence[st
         lm = LAYER_RE.match(name_here)
         local_name = f"decoder.layers.{int(lm.group(1)) - offset}.{lm.group(2)}" if lm else name_here
         out.append(RankParam(name, local_name, tuple(local), tuple(boxes), m is not None, is_buffer(name)))
-    return out
+    return grouped(out, cfg.hidden) if cfg.grouped_gemm else out
 
 
 def optimizer_split(params: Sequence[RankParam], ep: int) -> list[list[RankParam]]:
@@ -127,4 +159,4 @@ def expert_groups(groups: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     return [{**g, "is_expert_parallel": True} for g in groups]
 
 
-__all__ = ["RankFile", "RankParam", "expert_groups", "file_ranks", "optimizer_split", "rank_params"]
+__all__ = ["RankFile", "RankParam", "expert_groups", "file_ranks", "grouped", "optimizer_split", "rank_params"]

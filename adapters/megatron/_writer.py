@@ -74,7 +74,7 @@ from ._layout import MegatronConfig, true_vocab_size
 from ._moe import is_buffer
 from ._optim import buffer_layout, ddp_bucket_size, group_order
 from ._reader import index
-from ._write_moe import expert_groups, file_ranks, optimizer_split, rank_params
+from ._write_moe import RankParam, expert_groups, file_ranks, optimizer_split, rank_params
 
 _VOCAB = ("embedding.word_embeddings.weight", "output_layer.weight")
 
@@ -271,9 +271,6 @@ def _write(ckpt: Any, tmp: str, o: MegatronWriteOptions) -> None:
     info = _source_info(ckpt, o.args)
     src_args = dict(info["args"])
     src_cfg = MegatronConfig.from_args(src_args, info.get("vocab_size"), where=ckpt.path)
-    if src_cfg.num_experts and src_cfg.grouped_gemm:
-        raise FormatError(f"{ckpt.path}: writing grouped-GEMM mixture-of-experts checkpoints is not supported yet; "
-                          "they can be read, and SequentialMLP layouts (experts.local_experts.K) can be written")
     tp, pp, ep, etp = _layout(src_args, src_cfg, o)
     vocab = src_cfg.vocab
     if vocab is None:
@@ -317,9 +314,9 @@ def _write(ckpt: Any, tmp: str, o: MegatronWriteOptions) -> None:
             values: dict[str, dict[str, Tensor]] = {}  # read when the file is written, one at a time
             params = rank_params(cfg, args, names, shapes, rank, p)
             for rp in params:
-                values[rp.local_name] = {key: Tensor(_reader(src, rp.name, state, rp.boxes, dtype, rp.shape), dtype,
-                                                     rp.shape)
-                                         for key, state, dtype in _states(src, rp.name, mixed, have_opt and not rp.buffer)}
+                first = rp.parts[0].name if rp.parts else rp.name  # a GroupedMLP buffer: its experts' states
+                values[rp.local_name] = {key: Tensor(_reader(src, rp, state, dtype), dtype, rp.shape)
+                                         for key, state, dtype in _states(src, first, mixed, have_opt and not rp.buffer)}
                 model[rp.local_name] = values[rp.local_name]["weights"]
                 if rp.local_name.endswith(".weight") and _has_extra_state(rp.local_name):
                     model[rp.local_name[: -len("weight")] + "_extra_state"] = None
@@ -352,15 +349,18 @@ def _write(ckpt: Any, tmp: str, o: MegatronWriteOptions) -> None:
         fh.write(str(it))
 
 
-def _reader(src: _Source, name: str, state: str, boxes: tuple[Box, ...], dtype: str,
-            local: tuple[int, ...]) -> Callable[[], np.ndarray]:
-    """This rank's slice of one state of ``name`` (its boxes stacked on dim 0), read when called."""
+def _reader(src: _Source, rp: RankParam, state: str, dtype: str) -> Callable[[], np.ndarray]:
+    """This rank's slice of one state of ``rp`` (its boxes stacked on dim 0; a GroupedMLP buffer: its
+    experts' slices transposed, stacked and viewed as the buffer's shape), read when called."""
     def read() -> np.ndarray:
-        parts = [src.read(name, state, b, dtype) for b in boxes]
-        out = np.concatenate(parts, 0) if len(parts) > 1 else parts[0]
-        if tuple(out.shape) != local:
-            raise FormatError(f"{name} ({state}): local shard {tuple(out.shape)} != {local}")
-        return out.view(np.uint16) if dtype == "bfloat16" else out
+        if rp.parts:
+            out = np.stack([_reader(src, q, state, dtype)().T for q in rp.parts]).reshape(rp.shape)
+        else:
+            pieces = [src.read(rp.name, state, b, dtype) for b in rp.boxes]
+            out = np.concatenate(pieces, 0) if len(pieces) > 1 else pieces[0]
+        if tuple(out.shape) != rp.shape:
+            raise FormatError(f"{rp.name} ({state}): local shard {tuple(out.shape)} != {rp.shape}")
+        return out.view(np.uint16) if dtype == "bfloat16" and out.dtype != np.uint16 else out
 
     return read
 
