@@ -226,8 +226,11 @@ def test_written_ep2_files_are_megatron_lms_own(tmp_path: Any, fam: str, src_fmt
             _same(a, b, f"{rank}/{f}")
 
 
-def test_legacy_layout_that_would_lose_dense_shards_is_refused(tmp_path: Any) -> None:
+def test_legacy_layouts_that_would_lose_shards_are_refused(tmp_path: Any) -> None:
     from ckptbridge.adapters.megatron import MegatronWriteOptions, write
 
+    src = ckptbridge.open(os.path.join(SRC, "torch"))
     with pytest.raises(ckptbridge.FormatError, match=r"TP=2 EP=1 ETP=1: .*expert-data-parallel rank 0"):
-        write(ckptbridge.open(os.path.join(SRC, "torch")), str(tmp_path / "bad"), MegatronWriteOptions(tp=2, ep=1, etp=1))
+        write(src, str(tmp_path / "bad"), MegatronWriteOptions(tp=2, ep=1, etp=1))
+    with pytest.raises(ckptbridge.FormatError, match=r"TP=1 EP=2 ETP=2: .*several ranks would write one file"):
+        write(src, str(tmp_path / "bad2"), MegatronWriteOptions(tp=1, ep=2, etp=2))

@@ -99,6 +99,9 @@ def file_ranks(tp: int, ep: int, etp: int) -> list[RankFile]:
     """The (TP, EP, ETP) ranks of one pipeline stage that write a legacy file (expert-DP rank 0)."""
     world = math.lcm(tp, ep * etp)
     out = [RankFile(c.tp, c.ep, c.etp, c.dp) for c in rank_grid(tp, 1, ep, etp, world) if c.edp == 0]
+    if len({(f.tp, f.ep) for f in out}) != len(out):
+        raise FormatError(f"TP={tp} EP={ep} ETP={etp}: Megatron-LM's legacy format names a rank file by its TP and EP "
+                          "ranks only; with ETP > TP several ranks would write one file (use ETP <= TP)")
     if {f.tp for f in out} != set(range(tp)):
         raise FormatError(f"TP={tp} EP={ep} ETP={etp}: Megatron-LM's legacy format saves from the expert-data-"
                           f"parallel rank 0 ranks only, which hold TP ranks {sorted({f.tp for f in out})}: the other "

@@ -251,7 +251,7 @@ def write(ckpt: Any, dst: str, options: MegatronWriteOptions | None = None) -> s
 
 
 def _layout(src_args: Mapping[str, Any], src_cfg: MegatronConfig, o: MegatronWriteOptions) -> tuple[int, int, int, int]:
-    """The target's TP, PP, EP and ETP (ETP: the source's while TP and EP stay, else TP)."""
+    """The target's TP, PP, EP and ETP (ETP: the source's while TP and EP stay and it is <= TP, else TP)."""
     tp = int(o.tp or src_args.get("tensor_model_parallel_size") or 1)
     pp = int(o.pp or src_args.get("pipeline_model_parallel_size") or 1)
     if not src_cfg.num_experts:
@@ -260,7 +260,7 @@ def _layout(src_args: Mapping[str, Any], src_cfg: MegatronConfig, o: MegatronWri
         return tp, pp, 1, tp
     ep = int(o.ep or src_cfg.ep)
     kept = tp == src_cfg.tp and ep == src_cfg.ep
-    etp = int(o.etp or (src_cfg.etp if kept else tp))
+    etp = int(o.etp or (src_cfg.etp if kept and src_cfg.etp <= tp else tp))  # (ETP > TP: args of another run)
     if src_cfg.num_experts % ep or (src_cfg.moe_ffn and src_cfg.moe_ffn % etp):
         raise FormatError(f"EP={ep} must divide the {src_cfg.num_experts} experts and ETP={etp} the expert FFN "
                           f"size ({src_cfg.moe_ffn})")
