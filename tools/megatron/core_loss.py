@@ -83,7 +83,8 @@ EVAL_OVERRIDES = {
 
 @dataclasses.dataclass(frozen=True)
 class Item:
-    """One checkpoint to evaluate: ``path`` (legacy layout), ``dist:path[:tp=N,pp=M[,optim=1]]``
+    """One checkpoint to evaluate: ``path`` (legacy layout; EP / ETP from its args),
+    ``dist:path[:tp=N,pp=M[,ep=E,etp=X][,optim=1]]`` (EP default 1, ETP default TP)
     (``optim=1``: with ``--train-step``, also load the optimizer through megatron-core's
     ``sharded_state_dict``), or ``save:path=OUT`` (a legacy checkpoint at its own layout, model +
     optimizer + scheduler loaded, then saved by megatron-core as the ``torch_dist`` checkpoint OUT)."""
@@ -675,7 +676,7 @@ def worker(rank: int, world: int, port: int, opts: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("ckpt", nargs="+", help="checkpoint dirs (legacy layout), dist:PATH[:tp=N,pp=M[,optim=1]] "
+    ap.add_argument("ckpt", nargs="+", help="checkpoint dirs (legacy layout), dist:PATH[:tp=N,pp=M[,ep=E,etp=X][,optim=1]] "
                                             "or save:PATH=OUT")
     ap.add_argument("--world", type=int, default=2, help="ranks to spawn (gloo); TP x PP must divide it")
     ap.add_argument("--microbatches", type=int, default=2)
