@@ -117,7 +117,7 @@ def test_megatron_layout_of_moe_checkpoints():
     assert tp_layout("decoder.layers.0.mlp.experts.local_experts.3.linear_fc1.weight", cfg, 2).kind == "glu"
     assert tp_layout("decoder.layers.0.mlp.experts.local_experts.3.linear_fc2.weight", cfg, 2).kind == "row"
     assert tp_layout("decoder.layers.0.self_attention.q_layernorm.weight", cfg, 1).kind == "replicated"
-    # expert-parallel and grouped-GEMM layouts are read (tests/test_megatron_moe.py); the writer
-    # refuses them by name (EP 1 SequentialMLP is what it writes)
+    # expert-parallel and grouped-GEMM layouts are read (tests/test_megatron_moe.py) and written
+    # (tests/test_megatron_moe_write.py)
     assert MegatronConfig.from_args({**args, "expert_model_parallel_size": 2}).ep == 2
     assert MegatronConfig.from_args({**args, "moe_grouped_gemm": True, "transformer_impl": "local"}).grouped_gemm

@@ -4,7 +4,9 @@ libraries' model code.
 Tiny random ``Qwen3ForCausalLM`` / ``Qwen3MoeForCausalLM`` (GQA 4/2, head_dim 24 != 64 / 4, MoE: 4
 experts of width 48, top 2, normalised top-k weights) go to Megatron with the CLI
 (``reshard --to megatron --rules R.json -o args=ARGS.json``, args from ``recipes.megatron_args``
-over the Megatron fixture run's: ``qk_layernorm``, ``num_experts``, ``moe_*``) at TP 1 and TP 2.
+over the Megatron fixture run's: ``qk_layernorm``, ``num_experts``, ``moe_*``) at TP 1 and TP 2, and
+the MoE model at expert parallelism 2 (``-o ep=2``: ``mp_rank_00_000`` / ``mp_rank_00_001``, each
+EP rank's two experts as ``local_experts.0/1``).
 ``tools/megatron/core_loss.py`` (2 gloo ranks) builds megatron-core's own ``GPTModel`` (local spec,
 ``q_layernorm`` / ``k_layernorm``, ``MoELayer`` with a ``TopKRouter`` and ``SequentialMLP``
 experts), loads each rank's file with ``load_state_dict(strict=True)`` and dumps its logits: they
@@ -52,7 +54,8 @@ MODELS = {
     "qwen3": hf.HFSpec("qwen3", mlp=96, **SHAPE),
     "qwen3_moe": hf.HFSpec("qwen3_moe", mlp=48, experts=4, experts_per_tok=2, **SHAPE),
 }
-CASES = {"qwen3_tp1": ("qwen3", 1), "qwen3_moe_tp1": ("qwen3_moe", 1), "qwen3_moe_tp2": ("qwen3_moe", 2)}
+CASES = {"qwen3_tp1": ("qwen3", 1, 1), "qwen3_moe_tp1": ("qwen3_moe", 1, 1), "qwen3_moe_tp2": ("qwen3_moe", 2, 1),
+         "qwen3_moe_ep2": ("qwen3_moe", 1, 2)}  # label: (model, TP, EP)
 CORE_MODULE = os.path.join(ROOT, "tools", "megatron", "core_module.py")
 BF16 = {"bf16": True, "params_dtype": "torch.bfloat16"}
 
@@ -78,9 +81,10 @@ def run(tmp_path_factory):
         cfg = dirs[name] / "config.json"
         (work / f"args_{name}.json").write_text(json.dumps(recipes.megatron_args(cfg, template=template)))
         (work / f"rules_{name}.json").write_text(json.dumps(ckptbridge.rules_to_json(_rules(cfg, "hf", "megatron"))))
-    for label, (name, tp) in CASES.items():
+    for label, (name, tp, ep) in CASES.items():
         _cli("reshard", str(dirs[name]), str(work / label), "--to", "megatron", "--tp", str(tp), "--pp", "1",
-             "--rules", str(work / f"rules_{name}.json"), "-o", f"args={work / f'args_{name}.json'}")
+             "--rules", str(work / f"rules_{name}.json"), "-o", f"args={work / f'args_{name}.json'}",
+             *(["-o", f"ep={ep}"] if ep > 1 else []))
     out = subprocess.run([sys.executable, CORE_LOSS, "--world", "2", "--dump", str(work / "dump"),
                           *(str(work / label) for label in CASES)], capture_output=True, text=True, cwd=ROOT,
                          timeout=900, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"))
@@ -93,9 +97,9 @@ def run(tmp_path_factory):
 @pytest.mark.parametrize("label", list(CASES))
 def test_hf_to_megatron_loads_strictly_in_megatron_core_with_hfs_logits(run, label):
     rec, dump = run["recs"][label], run["dumps"][label]
-    name, tp = CASES[label]
+    name, tp, ep = CASES[label]
     assert "error" not in rec, rec
-    assert rec["tp"] == tp and rec["pp"] == 1
+    assert rec["tp"] == tp and rec["pp"] == 1 and rec["ep"] == ep
     args = json.loads((run["work"] / f"args_{name}.json").read_text())
     assert args["qk_layernorm"] is True and args.get("num_experts") == (4 if name == "qwen3_moe" else None)
     got = hf.logits(run["models"][name], dump["tokens"])
@@ -110,7 +114,7 @@ def test_megatron_to_hf_gives_the_same_tensors_back(run, label):
     args: transformers loads every key and gives the original's logits."""
     import transformers
 
-    name, _tp = CASES[label]
+    name, _tp, _ep = CASES[label]
     cfg = run["dirs"][name] / "config.json"
     back = ckptbridge.open(run["work"] / label, rules=_rules(cfg, "megatron", "hf"))
     orig = ckptbridge.open(run["dirs"][name])

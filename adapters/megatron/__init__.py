@@ -46,8 +46,19 @@ both formats; every expert is one logical tensor under its global id
     ckpt = ckptbridge.open("moe_run")                         # written at TP 2 x EP 2
     ckpt["decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight"].state("exp_avg")
 
-Refused with a clear error: writing MoE checkpoints, MoE with the distributed
-optimizer in the legacy format or torch_dist ``dp_reshardable``, Transformer
+Writing MoE (legacy per-rank files, see ``_write_moe.py``): ``SequentialMLP`` / ``GroupedMLP`` experts at a new
+TP / PP / EP / ETP (options ``ep``, ``etp``), shared experts, the router and its expert bias, torch
+Adam / Float16 / distributed optimizer state (a ChainedOptimizer of a dense and an expert optimizer at
+EP > 1; ``distrib_optim.pt`` holds ``[dense, expert]``, the dense part in the dense-DP rank 0 file)::
+
+    write(ckptbridge.open("moe_run"), "moe_ep1", MegatronWriteOptions(tp=1, ep=1))
+    # ckptbridge reshard moe_run moe_tp2ep2 --to megatron -o tp=2 -o ep=2 -o etp=1
+
+Legacy ``GroupedMLP`` (``--moe-grouped-gemm``, local spec) is written as its ``experts.weight1`` /
+``weight2`` buffers (each local expert's shard transposed, stacked: megatron-core's view).
+Refused with a clear error: legacy layouts whose expert-data-parallel rank 0 ranks miss a TP rank (EP x ETP < TP: Megatron-LM's
+legacy save would lose those shards); MoE with the distributed
+optimizer in the legacy format or torch_dist ``dp_reshardable`` (reading), Transformer
 Engine's ``TEGroupedMLP``, dense layers between MoE layers, multi-latent attention,
 ``--pipeline-model-parallel-layout``, several grad buffers per rank in the
 distributed optimizer.

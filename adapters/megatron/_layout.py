@@ -309,7 +309,8 @@ _IN_LAYER_ORDER = ("input_layernorm.", "self_attention.linear_proj.", "self_atte
 
 def _param_sort_key(name: str) -> tuple[int, int, int, int]:
     """Coarse named_parameters() order; ties keep the caller's order (the sort is stable)."""
-    bias = 1 if name.endswith("bias") else 0  # nn modules register weight before bias
+    # nn modules register weight before bias (the router's expert_bias is a buffer: after its weight anyway)
+    bias = 1 if name.endswith("bias") and not name.endswith(".expert_bias") else 0
     m = LAYER_RE.match(name)
     if name.startswith("embedding."):
         return (0, 0, 0 if "word_embeddings" in name else 1, bias)

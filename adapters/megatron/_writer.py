@@ -14,7 +14,9 @@ buffers to ``distrib_optim.pt``), ``opt_param_scheduler`` and
 (they are per-rank and do not carry over to another layout): resume
 with ``--no-load-rng``.
 
-Options: ``tp``, ``pp`` (default: the source's), ``dp`` (recorded in the args),
+Options: ``tp``, ``pp`` (default: the source's), ``ep``, ``etp`` (mixture of experts:
+expert-parallel and expert-tensor-parallel sizes; files ``mp_rank_TT[_PPP]_EEE`` at EP > 1, the
+optimizer a dense + expert ChainedOptimizer, see ``_write_moe.py``), ``dp`` (recorded in the args),
 ``distributed_optimizer`` (default: as the source; ``True`` writes
 ``distrib_optim.pt``), ``iteration``, ``optimizer`` (``false``: the model weights only, as
 Megatron-LM's ``tools/checkpoint/convert.py`` writes them). The target has no virtual pipeline and
@@ -68,9 +70,11 @@ from ckptbridge.plugin import (
 from ckptbridge.plugin import dtypes as _dtypes
 
 from ._common import TRACKER, rank_dir_name
-from ._layout import LAYER_RE, MegatronConfig, local_params, stage_layers, true_vocab_size
+from ._layout import MegatronConfig, true_vocab_size
+from ._moe import is_buffer
 from ._optim import buffer_layout, ddp_bucket_size, group_order
 from ._reader import index
+from ._write_moe import RankParam, expert_groups, file_ranks, optimizer_split, rank_params
 
 _VOCAB = ("embedding.word_embeddings.weight", "output_layer.weight")
 
@@ -101,20 +105,24 @@ def _source_info(ckpt: Any, args_file: str | None = None) -> dict[str, Any]:
 
 
 def _target_args(src: Mapping[str, Any], tp: int, pp: int, dp: int | None, dist_opt: bool,
-                 padded: int) -> dict[str, Any]:
+                 padded: int, ep: int, etp: int) -> dict[str, Any]:
     args = dict(src)
     changed_pp = int(src.get("pipeline_model_parallel_size") or 1) != pp
     args.update(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                 transformer_pipeline_model_parallel_size=pp, padded_vocab_size=padded,
                 use_distributed_optimizer=dist_opt, virtual_pipeline_model_parallel_size=None,
                 num_layers_per_virtual_pipeline_stage=None, num_virtual_stages_per_pipeline_rank=None,
-                expert_tensor_parallel_size=tp)
+                expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
+    if src.get("num_experts"):  # Megatron-LM requires sequence parallelism for MoE with TP > 1
+        args["sequence_parallel"] = tp > 1
     if changed_pp:
         args.update(decoder_first_pipeline_num_layers=None, decoder_last_pipeline_num_layers=None)
-    if dp is not None:
-        args["data_parallel_size"] = dp
-    dpv = int(args.get("data_parallel_size") or 1)
-    args["world_size"] = tp * pp * dpv
+    # the world must hold both grids: TP x DP = ETP x EP x expert-DP ranks per stage
+    fits = [d for d in ((dp,) if dp is not None else (int(args.get("data_parallel_size") or 1),)) if (tp * d) % (ep * etp) == 0]
+    if dp is not None and not fits:
+        raise OptionError(f"format 'megatron' (write): TP={tp} x DP={dp} is not a multiple of EP={ep} x ETP={etp}")
+    args["data_parallel_size"] = fits[0] if fits else math.lcm(tp, ep * etp) // tp
+    args["world_size"] = tp * pp * int(args["data_parallel_size"])
     return args
 
 
@@ -205,7 +213,10 @@ class MegatronWriteOptions(WriteOptions):
 
     ``tp``: tensor-parallel size (default: the source's).
     ``pp``: pipeline-parallel size (default: the source's).
-    ``dp``: data-parallel size recorded in the args (default: the source's).
+    ``dp``: data-parallel size recorded in the args (default: the source's where it fits the new layout,
+    else the smallest that does).
+    ``ep``, ``etp``: expert-parallel and expert-tensor-parallel sizes of a mixture-of-experts model
+    (default: the source's EP; ETP: the source's where EP and TP are kept, else TP).
     ``distributed_optimizer``: write ``distrib_optim.pt`` (default: as the source).
     ``iteration``: the iteration number (default: the source's step).
     ``args``: a JSON file of Megatron args for a source that has none (an HF model), or overrides.
@@ -216,13 +227,15 @@ class MegatronWriteOptions(WriteOptions):
     tp: int | None = None
     pp: int | None = None
     dp: int | None = None
+    ep: int | None = None
+    etp: int | None = None
     distributed_optimizer: bool | None = None
     iteration: int | None = None
     args: str | None = None
     optimizer: bool = True
 
     def validate(self) -> None:
-        for name in ("tp", "pp", "dp"):
+        for name in ("tp", "pp", "dp", "ep", "etp"):
             v = getattr(self, name)
             if v is not None and v < 1:
                 raise OptionError(f"format 'megatron' (write): {name} must be >= 1, got {v}")
@@ -233,34 +246,45 @@ def write(ckpt: Any, dst: str, options: MegatronWriteOptions | None = None) -> s
     o = options or MegatronWriteOptions()
     dst = os.path.abspath(os.fspath(dst))
     with staged_dir(dst, overwrite=o.overwrite) as stage:
-        _write(ckpt, stage, o.tp, o.pp, o.dp, o.distributed_optimizer, o.iteration, o.args, o.optimizer)
+        _write(ckpt, stage, o)
     return dst
 
 
-def _write(ckpt: Any, tmp: str, tp: int | None, pp: int | None, dp: int | None,
-           distributed_optimizer: bool | None, iteration: int | None, args_file: str | None,
-           optimizer: bool = True) -> None:
-    info = _source_info(ckpt, args_file)
+def _layout(src_args: Mapping[str, Any], src_cfg: MegatronConfig, o: MegatronWriteOptions) -> tuple[int, int, int, int]:
+    """The target's TP, PP, EP and ETP (ETP: the source's while TP and EP stay and it is <= TP, else TP)."""
+    tp = int(o.tp or src_args.get("tensor_model_parallel_size") or 1)
+    pp = int(o.pp or src_args.get("pipeline_model_parallel_size") or 1)
+    if not src_cfg.num_experts:
+        if (o.ep or 1) > 1 or (o.etp is not None and o.etp != tp):
+            raise OptionError("format 'megatron' (write): ep/etp options need a mixture-of-experts model")
+        return tp, pp, 1, tp
+    ep = int(o.ep or src_cfg.ep)
+    kept = tp == src_cfg.tp and ep == src_cfg.ep
+    etp = int(o.etp or (src_cfg.etp if kept and src_cfg.etp <= tp else tp))  # (ETP > TP: args of another run)
+    if src_cfg.num_experts % ep or (src_cfg.moe_ffn and src_cfg.moe_ffn % etp):
+        raise FormatError(f"EP={ep} must divide the {src_cfg.num_experts} experts and ETP={etp} the expert FFN "
+                          f"size ({src_cfg.moe_ffn})")
+    return tp, pp, ep, etp
+
+
+def _write(ckpt: Any, tmp: str, o: MegatronWriteOptions) -> None:
+    info = _source_info(ckpt, o.args)
     src_args = dict(info["args"])
-    tp = int(tp or src_args.get("tensor_model_parallel_size") or 1)
-    pp = int(pp or src_args.get("pipeline_model_parallel_size") or 1)
     src_cfg = MegatronConfig.from_args(src_args, info.get("vocab_size"), where=ckpt.path)
-    if src_cfg.num_experts and (src_cfg.ep > 1 or src_cfg.grouped_gemm):
-        raise FormatError(f"{ckpt.path}: writing expert-parallel (EP={src_cfg.ep}) or grouped-GEMM "
-                          "mixture-of-experts checkpoints is not supported yet; they can be read, and "
-                          "EP 1 SequentialMLP layouts can be written")
+    tp, pp, ep, etp = _layout(src_args, src_cfg, o)
     vocab = src_cfg.vocab
     if vocab is None:
         vocab = ckpt["embedding.word_embeddings.weight"].shape[0]
     multiple = src_cfg.divisible_by * tp
     padded = int(math.ceil(vocab / multiple) * multiple)
     kind = info.get("optimizer_kind")
-    dist_opt = distributed_optimizer if distributed_optimizer is not None else kind == "distributed"
-    args = _target_args(src_args, tp, pp, int(dp) if dp else None, dist_opt, padded)
+    dist_opt = o.distributed_optimizer if o.distributed_optimizer is not None else kind == "distributed"
+    args = _target_args(src_args, tp, pp, int(o.dp) if o.dp else None, dist_opt, padded, ep, etp)
     cfg = MegatronConfig.from_args(args, vocab, where=tmp)
     if cfg.heads % tp or cfg.groups % tp or cfg.ffn % tp:
         raise FormatError(f"TP={tp} must divide the heads ({cfg.heads}), query groups ({cfg.groups}) and "
                           f"FFN size ({cfg.ffn})")
+    iteration = o.iteration
     it = int(iteration if iteration is not None else (ckpt.step if ckpt.step is not None else info.get("iteration") or 0))
     src = _Source(ckpt, info, cfg)
 
@@ -272,61 +296,71 @@ def _write(ckpt: Any, tmp: str, tp: int | None, pp: int | None, dp: int | None,
         shapes[n] = (padded, *shape[1:]) if n in _VOCAB else shape
     weight_dtype = "bfloat16" if cfg.bf16 else "float16" if cfg.fp16 else "float32"
     mixed = cfg.bf16 or cfg.fp16
-    have_opt = optimizer and all(src.has_state(n, "exp_avg") and src.has_state(n, "exp_avg_sq") for n in names)
+    have_opt = o.optimizer and all(src.has_state(n, "exp_avg") and src.has_state(n, "exp_avg_sq")
+                                   for n in names if not is_buffer(n))
     groups_src = [dict(g) for g in (info.get("param_groups") or [])] or _default_groups(args)
     for g in groups_src:
         g.pop("step", None)
+        g["is_expert_parallel"] = False
         if isinstance(g.get("betas"), list):
             g["betas"] = tuple(g["betas"])
     step = next((src.tensor(n).scalars.get("step") for n in names if "step" in src.tensor(n).scalars), it)
 
     it_dir = os.path.join(tmp, f"iter_{it:07d}")
-    layers = stage_layers(cfg, args)
     ns = _to_namespace(args)
     for p in range(pp):
-        offset = layers[p].start
-        for t in range(tp):
+        for rank in file_ranks(tp, ep, etp):
             model: OrderedDict[str, Any] = OrderedDict()
             values: dict[str, dict[str, Tensor]] = {}  # read when the file is written, one at a time
-            for name, local, boxes in local_params(cfg, args, names, shapes, t, p):
-                m = LAYER_RE.match(name)
-                local_name = f"decoder.layers.{int(m.group(1)) - offset}.{m.group(2)}" if m else name
-                values[local_name] = {key: Tensor(_reader(src, name, state, tuple(boxes), dtype, local), dtype, local)
-                                      for key, state, dtype in _states(src, name, mixed, have_opt)}
-                model[local_name] = values[local_name]["weights"]
-                if local_name.endswith(".weight") and _has_extra_state(local_name):
-                    model[local_name[: -len("weight")] + "_extra_state"] = None
+            params = rank_params(cfg, args, names, shapes, rank, p)
+            for rp in params:
+                first = rp.parts[0].name if rp.parts else rp.name  # a GroupedMLP buffer: its experts' states
+                values[rp.local_name] = {key: Tensor(_reader(src, rp, state, dtype), dtype, rp.shape)
+                                         for key, state, dtype in _states(src, first, mixed, have_opt and not rp.buffer)}
+                model[rp.local_name] = values[rp.local_name]["weights"]
+                if rp.local_name.endswith(".weight") and _has_extra_state(rp.local_name):
+                    model[rp.local_name[: -len("weight")] + "_extra_state"] = None
             state_dict: dict[str, Any] = {
                 "args": ns, "checkpoint_version": 3.0, "iteration": it, "model": model,
                 "num_floating_point_operations_so_far": info.get("num_floating_point_operations_so_far", 0),
             }
             if info.get("opt_param_scheduler") is not None:
                 state_dict["opt_param_scheduler"] = dict(info["opt_param_scheduler"])
-            local_list = [(ln, v["weights"].dims()) for ln, v in values.items()]
-            rank_dir = os.path.join(it_dir, rank_dir_name(t, p, pp))
+            rank_dir = os.path.join(it_dir, rank_dir_name(rank.tp, p, pp, rank.ep if ep > 1 else None))
             os.makedirs(rank_dir)
             if have_opt:
-                order = group_order(local_list, groups_src, args, rank_dir)
+                entries, states = [], []
+                for i, part in enumerate(optimizer_split(params, ep)):  # [all] or [dense, expert]
+                    local_list = [(rp.local_name, rp.shape) for rp in part]
+                    groups = groups_src if i == 0 else expert_groups(groups_src)
+                    order = group_order(local_list, groups, args, rank_dir) if i or not dist_opt else [[]] * len(groups)
+                    used = [(g, o_) for g, o_ in zip(groups, order) if o_ or i == 0]
+                    if dist_opt:  # the dense state only in the file of dense-DP rank 0 (Megatron's dp-zero gather)
+                        entries.append({"optimizer": {"param_groups": [{**g, "step": float(step)} for g, _ in used]}})
+                        states.append(_distrib_state(rank_dir, cfg, args, p, local_list, values, weight_dtype, i == 0)
+                                      if i or rank.dp == 0 else None)
+                    else:
+                        entries.append(_adam_state([g for g, _ in used], [o_ for _, o_ in used], values, step, mixed))
+                state_dict["optimizer"] = entries[0] if len(entries) == 1 else entries
                 if dist_opt:
-                    state_dict["optimizer"] = {"optimizer": {"param_groups": [
-                        {**g, "step": float(step)} for g in groups_src]}}
-                    _write_distrib_optim(rank_dir, cfg, args, p, local_list, values, weight_dtype)
-                else:
-                    state_dict["optimizer"] = _adam_state(groups_src, order, values, step, mixed)
+                    save_torch(states[0] if len(states) == 1 else states, os.path.join(rank_dir, "distrib_optim.pt"))
             save_torch(state_dict, os.path.join(rank_dir, "model_optim_rng.pt"))
     with open(os.path.join(tmp, TRACKER), "w") as fh:
         fh.write(str(it))
 
 
-def _reader(src: _Source, name: str, state: str, boxes: tuple[Box, ...], dtype: str,
-            local: tuple[int, ...]) -> Callable[[], np.ndarray]:
-    """This rank's slice of one state of ``name`` (its boxes stacked on dim 0), read when called."""
+def _reader(src: _Source, rp: RankParam, state: str, dtype: str) -> Callable[[], np.ndarray]:
+    """This rank's slice of one state of ``rp`` (its boxes stacked on dim 0; a GroupedMLP buffer: its
+    experts' slices transposed, stacked and viewed as the buffer's shape), read when called."""
     def read() -> np.ndarray:
-        parts = [src.read(name, state, b, dtype) for b in boxes]
-        out = np.concatenate(parts, 0) if len(parts) > 1 else parts[0]
-        if tuple(out.shape) != local:
-            raise FormatError(f"{name} ({state}): local shard {tuple(out.shape)} != {local}")
-        return out.view(np.uint16) if dtype == "bfloat16" else out
+        if rp.parts:
+            out = np.stack([_reader(src, q, state, dtype)().T for q in rp.parts]).reshape(rp.shape)
+        else:
+            pieces = [src.read(rp.name, state, b, dtype) for b in rp.boxes]
+            out = np.concatenate(pieces, 0) if len(pieces) > 1 else pieces[0]
+        if tuple(out.shape) != rp.shape:
+            raise FormatError(f"{rp.name} ({state}): local shard {tuple(out.shape)} != {rp.shape}")
+        return out.view(np.uint16) if dtype == "bfloat16" and out.dtype != np.uint16 else out
 
     return read
 
@@ -385,12 +419,13 @@ def _adam_state(groups: list[dict[str, Any]], order: list[list[str]], values: Ma
     return {"optimizer": adam, "fp32_from_fp16_params": masters} if mixed else adam
 
 
-def _write_distrib_optim(rank_dir: str, cfg: MegatronConfig, args: Mapping[str, Any], pp: int,
-                         local_list: list[tuple[str, tuple[int, ...]]], values: Mapping[str, Mapping[str, Tensor]],
-                         weight_dtype: str) -> None:
-    """``distrib_optim.pt``: the rank's coalesced fp32 buffers (master, exp_avg, exp_avg_sq), each
-    written piece by piece as the parameters' slots come (one parameter's state in memory at a time)."""
-    shared = ("embedding.word_embeddings.weight", "output_layer.weight") if cfg.tied and cfg.pp > 1 else ()
+def _distrib_state(rank_dir: str, cfg: MegatronConfig, args: Mapping[str, Any], pp: int,
+                   local_list: list[tuple[str, tuple[int, ...]]], values: Mapping[str, Mapping[str, Tensor]],
+                   weight_dtype: str, dense: bool = True) -> dict[Any, Any]:
+    """One optimizer's part of ``distrib_optim.pt`` (``dense``: the dense grad buffer, else the expert
+    one): its coalesced fp32 buffers (master, exp_avg, exp_avg_sq), each written piece by piece as the
+    parameters' slots come (one parameter's state in memory at a time)."""
+    shared = ("embedding.word_embeddings.weight", "output_layer.weight") if dense and cfg.tied and cfg.pp > 1 else ()
     num = sum(math.prod(s) for _, s in local_list)
     slots, sizes = buffer_layout(local_list, ddp_bucket_size(args, pp, 0, num), shared)
     total = sum(sizes)
@@ -414,5 +449,4 @@ def _write_distrib_optim(rank_dir: str, cfg: MegatronConfig, args: Mapping[str, 
     pdt = Global("torch", weight_dtype)
     gdt = Global("torch", "float32") if (weight_dtype == "float32" or args.get("accumulate_allreduce_grads_in_fp32")) \
         else pdt
-    save_torch({"buckets_coalesced": True, 0: {(pdt, gdt): {**bufs, "numel_unpadded": total}}},
-               os.path.join(rank_dir, "distrib_optim.pt"))
+    return {"buckets_coalesced": True, 0: {(pdt, gdt): {**bufs, "numel_unpadded": total}}}

@@ -83,7 +83,8 @@ EVAL_OVERRIDES = {
 
 @dataclasses.dataclass(frozen=True)
 class Item:
-    """One checkpoint to evaluate: ``path`` (legacy layout), ``dist:path[:tp=N,pp=M[,optim=1]]``
+    """One checkpoint to evaluate: ``path`` (legacy layout; EP / ETP from its args),
+    ``dist:path[:tp=N,pp=M[,ep=E,etp=X][,optim=1]]`` (EP default 1, ETP default TP)
     (``optim=1``: with ``--train-step``, also load the optimizer through megatron-core's
     ``sharded_state_dict``), or ``save:path=OUT`` (a legacy checkpoint at its own layout, model +
     optimizer + scheduler loaded, then saved by megatron-core as the ``torch_dist`` checkpoint OUT)."""
@@ -94,6 +95,8 @@ class Item:
     pp: int | None = None
     optim: bool = False
     save_to: str | None = None
+    ep: int | None = None
+    etp: int | None = None
 
     @staticmethod
     def parse(text: str) -> Item:
@@ -106,7 +109,7 @@ class Item:
         path, _, opts = body.rpartition(":") if "=" in body.rsplit(":", 1)[-1] else (body, "", "")
         kw = dict(o.split("=", 1) for o in opts.split(",") if o)
         return Item(path, True, int(kw.get("tp", 0)) or None, int(kw.get("pp", 0)) or None,
-                    kw.get("optim", "0") == "1")
+                    kw.get("optim", "0") == "1", ep=int(kw.get("ep", 0)) or None, etp=int(kw.get("etp", 0)) or None)
 
 
 def saved_args(path: str) -> tuple[dict[str, Any], int | None]:
@@ -149,9 +152,10 @@ def _revive(v: Any) -> Any:
     return v
 
 
-def transformer_config(args: Any, tp: int, pp: int) -> Any:
+def transformer_config(args: Any, tp: int, pp: int, ep: int = 1, etp: int | None = None, train: bool = False) -> Any:
     """megatron-core ``TransformerConfig`` from the saved args (Megatron-LM's
-    ``core_transformer_config_from_args``, core_v0.16.1, for the dense GPT cases)."""
+    ``core_transformer_config_from_args``, core_v0.16.1, for the dense GPT cases). ``train`` with MoE at
+    TP > 1: sequence parallelism on (megatron-core's MoELayer refuses to train without it)."""
     import torch
     import torch.nn.functional as F
     from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
@@ -171,7 +175,10 @@ def transformer_config(args: Any, tp: int, pp: int) -> Any:
               num_layers_in_first_pipeline_stage=getattr(args, "decoder_first_pipeline_num_layers", None),
               num_layers_in_last_pipeline_stage=getattr(args, "decoder_last_pipeline_num_layers", None),
               num_query_groups=args.num_query_groups if getattr(args, "group_query_attention", False) else None,
-              tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, **EVAL_OVERRIDES)
+              tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
+              expert_tensor_parallel_size=etp or tp, **EVAL_OVERRIDES)
+    if train and tp > 1 and kw["num_moe_experts"]:
+        kw["sequence_parallel"] = True
     if getattr(args, "swiglu", False):
         kw.update(activation_func=F.silu, gated_linear_unit=True)
     elif getattr(args, "squared_relu", False):
@@ -188,7 +195,7 @@ def transformer_config(args: Any, tp: int, pp: int) -> Any:
     return cls(**kw)
 
 
-def build_model(args: Any, tp: int, pp: int) -> Any:
+def build_model(args: Any, tp: int, pp: int, ep: int = 1, etp: int | None = None, train: bool = False) -> Any:
     """megatron-core ``GPTModel`` with the local spec, as Megatron-LM's gpt_builders builds it (its MoE
     layers' experts: ``SequentialMLP``, or with ``moe_grouped_gemm`` the legacy ``GroupedMLP``, whose
     grouped GEMM needs ``MEGATRON_CPU_SHIM_GG=1`` on CPU: see cpu_shim.py), and with ``mtp_num_layers``
@@ -200,7 +207,7 @@ def build_model(args: Any, tp: int, pp: int) -> Any:
         get_gpt_mtp_block_spec,
     )
 
-    config = transformer_config(args, tp, pp)
+    config = transformer_config(args, tp, pp, ep, etp, train)
     if config.multi_latent_attention:  # dense and MoE layers, MLA on CPU
         from mla_cpu import mla_local_spec
 
@@ -225,8 +232,9 @@ def build_model(args: Any, tp: int, pp: int) -> Any:
     return model
 
 
-def load_legacy(model: Any, path: str, args: Any, tp: int, pp: int) -> dict[str, Any]:
-    """Megatron-LM ``load_checkpoint`` for ``--ckpt-format torch``: this rank's file, strict load."""
+def load_legacy(model: Any, path: str, args: Any, tp: int, pp: int, ep: int = 1) -> dict[str, Any]:
+    """Megatron-LM ``load_checkpoint`` for ``--ckpt-format torch``: this rank's file
+    (``mp_rank_TT[_PPP][_EEE]``, EEE its expert-parallel rank when EP > 1), strict load."""
     import torch
     from megatron.core import parallel_state as ps
 
@@ -234,16 +242,18 @@ def load_legacy(model: Any, path: str, args: Any, tp: int, pp: int) -> dict[str,
 
     it_dir, _ = resolve_iter_dir(path)
     f = os.path.join(it_dir, rank_dir_name(ps.get_tensor_model_parallel_rank(),
-                                           ps.get_pipeline_model_parallel_rank(), pp), "model_optim_rng.pt")
+                                           ps.get_pipeline_model_parallel_rank(), pp,
+                                           ps.get_expert_model_parallel_rank() if ep > 1 else None), "model_optim_rng.pt")
     sd = torch.load(f, map_location="cpu", weights_only=False)  # a file ckptbridge (or Megatron) wrote
     ck = sd.get("args")
     if ck is None or float(sd.get("checkpoint_version", 0)) < 3.0:
         raise ValueError(f"{f}: no args / checkpoint_version {sd.get('checkpoint_version')} < 3.0")
     # Megatron-LM's check_checkpoint_args, plus the layout this file must be for
     for name in ("num_layers", "hidden_size", "num_attention_heads", "padded_vocab_size",
-                 "tensor_model_parallel_size", "pipeline_model_parallel_size"):
-        want = {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp}.get(name, getattr(args, name))
-        if getattr(ck, name) != want:
+                 "tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size"):
+        want = {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
+                "expert_model_parallel_size": ep}.get(name, getattr(args, name))
+        if (getattr(ck, name, None) or 1) != want:
             raise ValueError(f"{f}: args.{name} = {getattr(ck, name)}, the model needs {want}")
     if "model" not in sd:
         raise ValueError(f"{f}: no 'model' state dict (virtual pipeline checkpoints are not evaluated here)")
@@ -565,23 +575,28 @@ def evaluate(item: Item, opts: argparse.Namespace, index: int = 0) -> dict[str, 
     if item.dist and item.tp and vocab is not None:  # Megatron-LM pads the tokenizer's vocab for the run's TP
         mult = int(args.make_vocab_size_divisible_by) * tp
         args.padded_vocab_size = -(-vocab // mult) * mult
-    if world % (tp * pp):
-        return {"ckpt": item.path, "error": f"TP{tp} x PP{pp} does not divide --world {world}"}
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    # expert parallelism: a dist: item's ep=/etp= (default EP 1, ETP = TP when it names a layout), else the run's
+    ep = item.ep or (1 if item.tp or item.pp else int(getattr(args, "expert_model_parallel_size", None) or 1))
+    etp = item.etp or (tp if item.tp or item.pp or item.ep else
+                       int(getattr(args, "expert_tensor_parallel_size", None) or tp))
+    if world % (tp * pp) or world % (ep * etp * pp):
+        return {"ckpt": item.path, "error": f"TP{tp} x PP{pp} (EP{ep} x ETP{etp}) does not divide --world {world}"}
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                 expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
     model_parallel_cuda_manual_seed(opts.seed)
     err = ""
     model = sd = None
     try:
-        model = build_model(args, tp, pp)
+        model = build_model(args, tp, pp, ep, etp, bool(opts.train_step))
         if item.dist:
             load_dist(model, item.path)
         else:
-            sd = load_legacy(model, item.path, args, tp, pp)
+            sd = load_legacy(model, item.path, args, tp, pp, ep)
     except Exception as e:  # reported (all ranks agree below), not raised: the next item still runs
         err = f"rank {dist.get_rank()}: {type(e).__name__}: {e}"
         if opts.verbose:
             traceback.print_exc()
-    rec: dict[str, Any] = {"ckpt": item.path, "dist": item.dist, "tp": tp, "pp": pp}
+    rec: dict[str, Any] = {"ckpt": item.path, "dist": item.dist, "tp": tp, "pp": pp, "ep": ep, "etp": etp}
     err = _all_agree_on_error(err)
     if err:
         rec["error"] = err
@@ -661,6 +676,11 @@ def worker(rank: int, world: int, port: int, opts: argparse.Namespace) -> None:
     cpu_shim.patch_distopt_state_dict()
     cpu_shim.patch_distopt_load()
     cpu_shim.patch_moe_no_te()
+    # expert parallelism on CPU/gloo (the fixtures' Megatron-LM runs had these too; cpu_shim.py says why)
+    cpu_shim.patch_moe_cpu_splits()
+    cpu_shim.patch_gloo_uneven_all_gather()
+    cpu_shim.patch_chained_optimizer_ep_reshard()
+    cpu_shim.patch_torch_norm_sequence_parallel()  # the local spec's norms under sequence parallelism (MoE, TP > 1)
     import torch
     import torch.distributed as dist
 
@@ -677,7 +697,7 @@ def worker(rank: int, world: int, port: int, opts: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("ckpt", nargs="+", help="checkpoint dirs (legacy layout), dist:PATH[:tp=N,pp=M[,optim=1]] "
+    ap.add_argument("ckpt", nargs="+", help="checkpoint dirs (legacy layout), dist:PATH[:tp=N,pp=M[,ep=E,etp=X][,optim=1]] "
                                             "or save:PATH=OUT")
     ap.add_argument("--world", type=int, default=2, help="ranks to spawn (gloo); TP x PP must divide it")
     ap.add_argument("--microbatches", type=int, default=2)
