@@ -23,7 +23,8 @@ sys.path.insert(0, HERE)
 
 from _harness import main  # noqa: E402
 
-MODULES = ("bench_core", "bench_deepspeed_convert", "bench_torch_load", "jax_load_vs_orbax", "bench_megatron")
+MODULES = ("bench_core", "bench_deepspeed_convert", "bench_torch_load", "jax_load_vs_orbax", "bench_megatron",
+           "bench_moe_ep")
 
 # name -> script arguments; each writes bench/results/<its stem>.json (and bench_async also .md)
 STANDALONE = {

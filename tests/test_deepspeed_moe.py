@@ -19,6 +19,11 @@ fp32 master, exp_avg, exp_avg_sq, under its local expert name) and its expert-pa
 * DeepSpeed's universal route fails on this checkpoint (DeepSpeed 0.19.8): ``ds_to_universal`` stops
   at ``Required universal_checkpoint_info state is missing`` and, with ``--inject_missing_state``,
   at ``RuntimeError: shape '[16]' is invalid for input of size 32`` (an expert's slice).
+* ZeRO-3: DeepSpeed itself refuses its MoE layer under stage 3 (DeepSpeed 0.19.8, any device, CPU/gloo
+  included): ``deepspeed.initialize`` raises ``AssertionError: Native DeepSpeed MoE is not supported with
+  ZeRO Stage 3. Use AutoEP or choose ZeRO stage 1/2.``, so no ZeRO-3 checkpoint with ``expp_rank_*`` /
+  ``layer_*_expert_*`` files can exist to read or resume (AutoEP, DeepSpeed's replacement of Hugging Face MoE
+  blocks, is a different layout that ckptbridge does not read).
 * Negative control: the experts read with the wrong expert-data-parallel grouping (contiguous ranks
   instead of DeepSpeed's strided groups) or with local ids as global ids fail the check by far.
 """
@@ -151,6 +156,19 @@ def test_ds_to_universal_fails_on_moe_checkpoint(runs: dict, tmp_path: Any) -> N
     p = subprocess.run([*base, "--output_folder", str(tmp_path / "u2"), "--inject_missing_state"],
                        capture_output=True, text=True, env=ENV, timeout=300)
     assert p.returncode != 0 and "is invalid for input of size" in p.stderr, p.stderr[-2000:]
+
+
+def test_deepspeed_refuses_zero3_with_its_moe_layer(tmp_path: Any) -> None:
+    """DeepSpeed's own engine will not build ZeRO-3 with ``deepspeed.moe.layer.MoE``: the ZeRO-3 MoE layout of
+    the issue does not exist (one rank, EP 1: the refusal comes before any communication)."""
+    from tests._dist import free_port
+
+    one = dict(ENV, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    p = subprocess.run([sys.executable, TRAIN, "--out", str(tmp_path), "--stage", "3", "--ep", "1"],
+                       capture_output=True, text=True, env=one, timeout=300)
+    assert p.returncode != 0, p.stdout[-2000:]
+    assert "AssertionError: Native DeepSpeed MoE is not supported with ZeRO Stage 3" in p.stderr, p.stderr[-3000:]
+    assert not os.path.exists(tmp_path / "ckpt")
 
 
 @pytest.mark.parametrize("bug", ["contiguous_edp_groups", "local_as_global"])

@@ -14,6 +14,9 @@ expert-parallel rank (``groups._get_expert_parallel_rank``), the reference for t
     # resume at another EP / DP / stage with ckptbridge's load_engine (no conversion); state_<rank>.pt
     # is then the engine's state right after the load:
     ... --nproc_per_node=4 tools/ds_train_moe.py --stage 1 --ep 4 --steps 2 --resume /tmp/moe/ckpt --out /tmp/r
+
+``--stage 3`` stops in ``deepspeed.initialize`` (DeepSpeed 0.19.8): ``AssertionError: Native DeepSpeed MoE is not
+supported with ZeRO Stage 3. Use AutoEP or choose ZeRO stage 1/2.`` (tests/test_deepspeed_moe.py keeps that proof).
 """
 
 import argparse

@@ -47,7 +47,8 @@ dimension the shapes differ in. Pipeline engines (``PipelineModule``, also in
 Megatron-DeepSpeed's TP x PP x DP layout) load the same way: each stage's engine
 names its parameters as the checkpoint does (``<layer>.<name>``) and fills only
 its own. MoE engines (``deepspeed.moe.layer.MoE``, ZeRO-1/2) load at any EP/DP: each expert
-parameter reads the checkpoint tensor of its global expert id. Not supported: NVMe offload, ZeRO-3 MoE, and the
+parameter reads the checkpoint tensor of its global expert id. Not supported: NVMe offload, ZeRO-3 MoE (DeepSpeed
+itself refuses its MoE layer under stage 3; AutoEP engines are refused here), and the
 ``parameter_with_sub_params`` (``sub_param_shape``) and averaged layouts. Call it
 on every rank (the ZeRO-1/2 weight update is a collective).
 """
