@@ -21,6 +21,8 @@ Everything here is an immutable value; reading happens in ``_read``::
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -318,6 +320,24 @@ def spec_of(tensors: Mapping[str, LogicalTensor], name: str) -> TensorSpec:
         return spec
     state = tensors[name].state()
     return TensorSpec(state.dtype, state.shape, None)
+
+
+@contextlib.contextmanager
+def no_gc() -> Iterator[None]:
+    """Pause Python's cyclic garbage collector while metadata is built: opening DeepSeek-V3 and running
+    its recipe make millions of small immutable objects (boxes, fragments, states) without cycles,
+    and the collector's full passes over them took half the time (20 s -> 11 s CPU)::
+
+        with no_gc():
+            tensors = apply_rules(tensors, rules)
+    """
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 def flat_range_boxes(shape: Sequence[int], start: int, stop: int) -> Iterator[Box]:

@@ -9,7 +9,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from .._errors import FormatError, ShapeMismatchError, TensorNotFoundError
-from .._read.model import WEIGHT_STATES, Box, LogicalTensor, TensorState
+from .._read.model import WEIGHT_STATES, Box, LogicalTensor, TensorState, no_gc
 from . import _transforms as T
 from ._language import (
     Cast,
@@ -43,11 +43,12 @@ def apply_rules(tensors: Mapping[str, LogicalTensor], rules: Sequence[Rule]) -> 
     tensor (a shape that does not divide, parts missing) raises before anything
     is read, naming the rule, the tensor, and the expected and found shapes.
     """
-    out = dict(tensors)
-    for rule in rules:
-        handler = _HANDLERS.get(type(rule))
-        if handler is not None:
-            out = handler(out, rule)
+    with no_gc():  # millions of acyclic objects for a 671B MoE: see no_gc
+        out = dict(tensors)
+        for rule in rules:
+            handler = _HANDLERS.get(type(rule))
+            if handler is not None:
+                out = handler(out, rule)
     return out
 
 
