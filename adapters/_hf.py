@@ -45,7 +45,7 @@ def check_weight_map(index_json: str | None, found: Mapping[str, str]) -> None:
     with open(index_json) as fh:
         weight_map = json.load(fh)["weight_map"]  # shard_files() checked it
     root = os.path.dirname(index_json)
-    listed = {str(f): os.path.normpath(os.path.join(root, str(f))) for f in weight_map.values()}
+    listed = {str(f): os.path.normpath(os.path.join(root, str(f))) for f in set(weight_map.values())}  # per shard
     holders = {f: os.path.normpath(f) for f in set(found.values())}  # once per shard, not per tensor
     for name, f in weight_map.items():
         got = found.get(name)

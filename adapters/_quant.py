@@ -36,10 +36,12 @@ import numpy as np
 from ckptbridge.plugin import (
     Box,
     FormatError,
+    LazyTensors,
     LogicalTensor,
     ShapeMismatchError,
-    TensorState,
+    TensorSpec,
     derived_state,
+    spec_of,
     storage,
 )
 
@@ -157,9 +159,10 @@ def derivation_of(cfg: str, qc: Mapping[str, Any]) -> BlockFp8 | Mxfp4:
 
 
 def dequantize(tensors: Mapping[str, LogicalTensor], derivation: BlockFp8 | Mxfp4, dtype: str,
-               files: Mapping[str, str]) -> dict[str, LogicalTensor]:
+               files: Mapping[str, str]) -> LazyTensors[TensorSpec]:
     """``tensors`` (as stored; ``files`` names each one's shard) with every quantized weight and its
-    scales replaced by one dequantized tensor of ``dtype`` (in the weight's place)."""
+    scales replaced by one dequantized tensor of ``dtype`` (in the weight's place). Every pair is
+    checked here (partners present, dtypes, shapes); the tensors are built when used."""
     # stored name of the quantized values -> (logical name, name of its scales)
     if isinstance(derivation, BlockFp8):
         quantized = {n.removesuffix("_scale_inv"): (n.removesuffix("_scale_inv"), n)
@@ -171,19 +174,29 @@ def dequantize(tensors: Mapping[str, LogicalTensor], derivation: BlockFp8 | Mxfp
         for name, partner in ((stored, scale), (scale, stored)):
             if name not in tensors:
                 raise FormatError(f"{files.get(partner, '?')}: {partner!r} has no partner tensor {name!r} in any shard")
-    build = _fp8_tensor if isinstance(derivation, BlockFp8) else _mxfp4_tensor
+    check = _fp8_shape if isinstance(derivation, BlockFp8) else _mxfp4_shape
     folded = {scale for _, scale in quantized.values()}
-    out: dict[str, LogicalTensor] = {}
-    for name, t in tensors.items():
+    specs: dict[str, TensorSpec] = {}
+    for name in tensors:
         if name in quantized:
             logical, scale = quantized[name]
-            out[logical] = build(logical, tensors, scale, derivation, dtype, files)
+            shape = check(logical, spec_of(tensors, name), scale, spec_of(tensors, scale), derivation, files)
+            specs[logical] = TensorSpec(dtype, shape, (name, scale))
         elif name not in folded:
-            out[name] = t
-    return out
+            specs[name] = TensorSpec(*spec_of(tensors, name)[:2], None)
+
+    def build(name: str, spec: TensorSpec) -> LogicalTensor:
+        if spec.source is None:
+            return tensors[name]
+        stored, scale = spec.source
+        state = derived_state(derivation, (tensors[stored].state(), tensors[scale].state()), spec.shape, dtype,
+                              (f"{files[stored]}: {stored}", f"{files[scale]}: {scale}"))
+        return LogicalTensor(name, {"param": state})
+
+    return LazyTensors(specs, build)
 
 
-def _check(name: str, file: str, state: TensorState, dtypes: Sequence[str], shape: Sequence[int] | None,
+def _check(name: str, file: str, state: TensorSpec, dtypes: Sequence[str], shape: Sequence[int] | None,
            ndim: int) -> None:
     if state.dtype not in dtypes or len(state.shape) != ndim or (shape is not None and state.shape != tuple(shape)):
         want = f"{'/'.join(dtypes)} of shape {tuple(shape) if shape is not None else f'{ndim} dims'}"
@@ -191,29 +204,24 @@ def _check(name: str, file: str, state: TensorState, dtypes: Sequence[str], shap
                                  f"found {state.dtype} of shape {state.shape}")
 
 
-def _fp8_tensor(name: str, tensors: Mapping[str, LogicalTensor], scale_name: str, derivation: Any,
-                dtype: str, files: Mapping[str, str]) -> LogicalTensor:
-    weight, scale = tensors[name].state(), tensors[scale_name].state()
+def _fp8_shape(name: str, weight: TensorSpec, scale_name: str, scale: TensorSpec, derivation: Any,
+               files: Mapping[str, str]) -> tuple[int, ...]:
+    """The dequantized shape of a block-fp8 weight (its own), its scales' grid checked."""
     _check(name, files[name], weight, _FP8, None, 2)
     rows, cols = weight.shape
     grid = (_cdiv(rows, derivation.block[0]), _cdiv(cols, derivation.block[1]))
     _check(scale_name, files[scale_name], scale, ("float32", "bfloat16"), grid, 2)
-    state = derived_state(derivation, (weight, scale), weight.shape, dtype,
-                          (f"{files[name]}: {name}", f"{files[scale_name]}: {scale_name}"))
-    return LogicalTensor(name, {"param": state})
+    return weight.shape
 
 
-def _mxfp4_tensor(name: str, tensors: Mapping[str, LogicalTensor], scale_name: str, derivation: Any,
-                  dtype: str, files: Mapping[str, str]) -> LogicalTensor:
+def _mxfp4_shape(name: str, blocks: TensorSpec, scale_name: str, scales: TensorSpec, derivation: Any,
+                 files: Mapping[str, str]) -> tuple[int, ...]:
+    """The dequantized shape ``[E, G * 32, R]`` of MXFP4 ``[E, R, G, 16]`` blocks, their scales checked."""
     blocks_name = name + "_blocks"
-    blocks, scales = tensors[blocks_name].state(), tensors[scale_name].state()
     _check(blocks_name, files[blocks_name], blocks, ("uint8",), None, 4)
     if blocks.shape[3] != 16:
         raise ShapeMismatchError(f"{files[blocks_name]}: quantized tensor {blocks_name!r}: expected 16 bytes "
                                  f"(32 values) per group in its last dim, found shape {blocks.shape}")
     _check(scale_name, files[scale_name], scales, ("uint8",), blocks.shape[:3], 3)
     experts, rows, groups, _ = blocks.shape
-    shape = (experts, groups * 32, rows)
-    state = derived_state(derivation, (blocks, scales), shape, dtype,
-                          (f"{files[blocks_name]}: {blocks_name}", f"{files[scale_name]}: {scale_name}"))
-    return LogicalTensor(name, {"param": state})
+    return experts, groups * 32, rows

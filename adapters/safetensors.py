@@ -15,6 +15,7 @@ as one consolidated file of one state (``reshard --to safetensors`` is
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import ckptbridge
@@ -22,10 +23,12 @@ from ckptbridge.plugin import (
     CheckpointIndex,
     Format,
     FormatError,
+    LazyTensors,
     LogicalTensor,
     MissingShardError,
     OpenOptions,
     OptionError,
+    TensorSpec,
     TensorState,
     WriteOptions,
     check_name,
@@ -42,17 +45,26 @@ from ._quant import OUTPUT_DTYPES, dequantize, derivation_of, quantization_confi
 __all__ = ["FORMAT", "SafetensorsOpenOptions", "SafetensorsWriteOptions", "detect", "index", "write"]
 
 
-def _single_file_tensors(path: str) -> dict[str, LogicalTensor]:
+def _shard_specs(path: str) -> dict[str, TensorSpec]:
+    """Every tensor of one safetensors file, validated (name, dtype, byte range): source ``(file, byte offset)``."""
     header, base = read_header(path)
     out = {}
     for name, info in header.items():
         if name == "__metadata__":
             continue
         check_name(name, path)
-        dtype = _dtypes.from_safetensors(info["dtype"])
-        frag = contiguous_fragment(info["shape"], path, base + int(info["data_offsets"][0]), dtype)
-        out[name] = LogicalTensor(name, {"param": TensorState(dtype, frag.box.shape, (frag,))})
+        shape = tuple(map(int, info["shape"]))
+        out[name] = TensorSpec(_dtypes.from_safetensors(info["dtype"]), shape, (path, base + int(info["data_offsets"][0])))
     return out
+
+
+def _stored(name: str, spec: TensorSpec) -> LogicalTensor:
+    frag = contiguous_fragment(spec.shape, spec.source[0], spec.source[1], spec.dtype)
+    return LogicalTensor(name, {"param": TensorState(spec.dtype, spec.shape, (frag,))})
+
+
+def _single_file_tensors(path: str) -> dict[str, LogicalTensor]:
+    return {name: _stored(name, spec) for name, spec in _shard_specs(path).items()}
 
 
 def _index_files(path: str) -> list[str]:
@@ -100,17 +112,20 @@ def index(path: str, options: OpenOptions | None = None) -> CheckpointIndex:
     opts = options if isinstance(options, SafetensorsOpenOptions) else SafetensorsOpenOptions()
     quant = quantization_config(path) if opts.dequantize else None
     derivation = derivation_of(*quant) if quant else None  # an unsupported method fails before any read
-    tensors: dict[str, LogicalTensor] = {}
+    specs: dict[str, TensorSpec] = {}
     files = _index_files(path)
     found: dict[str, str] = {}
     for f in files:
         if not storage.exists(f):
             raise MissingShardError(f"{f}: shard listed by {path} is missing")
-        for name, t in _single_file_tensors(f).items():
-            if name in tensors:
-                raise FormatError(f"{f}: tensor {name!r} appears in two shards")
-            tensors[name], found[name] = t, f
+        shard = _shard_specs(f)
+        if not specs.keys().isdisjoint(shard):
+            name = next(n for n in shard if n in specs)
+            raise FormatError(f"{f}: tensor {name!r} appears in two shards")
+        specs.update(shard)
+        found.update(dict.fromkeys(shard, f))
     check_weight_map(index_json_of(path, ".safetensors.index.json"), found)
+    tensors: Mapping[str, LogicalTensor] = LazyTensors(specs, _stored)  # built when used: see LazyTensors
     if derivation is not None:
         tensors = dequantize(tensors, derivation, opts.dequantize_dtype, found)
     extra: dict[str, object] = {}

@@ -31,6 +31,7 @@ STANDALONE = {
     "bench_async": ["bench_async.py"],
     "orbax_inplace": ["bench_orbax_inplace.py"],
     "ds_resume": ["bench_ds_resume.py"],
+    "bench_lora": ["bench_lora.py"],
 }
 
 

@@ -89,13 +89,16 @@ from ._read.model import WEIGHT_STATES as WEIGHT_STATES
 from ._read.model import Box as Box
 from ._read.model import FileRegion as FileRegion
 from ._read.model import Fragment as Fragment
+from ._read.model import LazyTensors as LazyTensors
 from ._read.model import LogicalTensor as LogicalTensor
+from ._read.model import TensorSpec as TensorSpec
 from ._read.model import TensorState as TensorState
 from ._read.model import c_strides as c_strides
 from ._read.model import check_name as check_name
 from ._read.model import contiguous_fragment as contiguous_fragment
 from ._read.model import flat_range_boxes as flat_range_boxes
 from ._read.model import flat_range_fragments as flat_range_fragments
+from ._read.model import spec_of as spec_of
 from ._read.model import weight_state_for as weight_state_for
 from ._read.open import as_checkpoint as as_checkpoint
 from ._read.open import open_checkpoint as open_checkpoint

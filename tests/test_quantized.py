@@ -177,6 +177,26 @@ def test_fp8_slices_read_only_their_blocks(deepseek: dict) -> None:
         assert dict(ckpt.stats.per_file) == {wfile: nr * nc, sfile: 4 * blocks}
 
 
+def test_fp8_deepseek_v3_expert_128_row_slice_reads_its_blocks_only(tmp_path: Path) -> None:
+    """One DeepSeek-V3 expert at its real shape (``up_proj`` 2048 x 7168 fp8, 128 x 128 blocks; the
+    weight and its ``weight_scale_inv`` in different shards): rows 128..255 read 128 x 7168 fp8 bytes
+    and one row of 56 float32 scales, nothing else, and equal DeepSeek's ``weight_dequant`` of them."""
+    rng = np.random.default_rng(1)
+    codes = np.zeros((2048, 7168), dtype=np.uint8)  # random in the slice's block-row and its neighbours
+    codes[:384] = rng.integers(0, 0x7E, size=(384, 7168), dtype=np.uint8) | (rng.integers(0, 2, (384, 7168), np.uint8) << 7)
+    q = torch.from_numpy(codes).view(torch.float8_e4m3fn)
+    s = torch.from_numpy(rng.uniform(1e-4, 1e-2, size=(16, 56))).float()
+    name = "model.layers.10.mlp.experts.7.up_proj.weight"
+    save_shards(tmp_path, [{name: q}, {name + "_scale_inv": s}], {"model_type": "deepseek_v3", "quantization_config": {
+        "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}})
+    ckpt = ckptbridge.open(tmp_path)
+    ckpt.stats.reset()
+    got = ckpt[name][128:256]
+    np.testing.assert_array_equal(bits(got), bits(weight_dequant(q[128:256], s[1:2], (128, 128), torch.bfloat16)))
+    assert dict(ckpt.stats.per_file) == {str(tmp_path / "model-00001-of-00002.safetensors"): 128 * 7168,
+                                         str(tmp_path / "model-00002-of-00002.safetensors"): 56 * 4}
+
+
 def test_fp8_through_rules_convert_and_diff(deepseek: dict, tmp_path: Path) -> None:
     """Rules see an ordinary tensor: a transpose and an expert stack are views of the dequantized
     values; convert writes them; diff against the reference finds nothing."""

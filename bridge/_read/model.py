@@ -21,10 +21,12 @@ Everything here is an immutable value; reading happens in ``_read``::
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Generic, NamedTuple, Protocol, TypeVar
 
 from .. import _dtypes
 from .._errors import FormatError, ShapeMismatchError, TensorNotFoundError
@@ -260,6 +262,82 @@ class LogicalTensor:
             raise TensorNotFoundError(
                 f"tensor {self.name!r} has no state {key!r}; it has {sorted(self.states)}"
             ) from None
+
+
+class TensorSpec(NamedTuple):
+    """What a :class:`LazyTensors` knows of a tensor before building it: the dtype and shape of its
+    weights (checked when the checkpoint is opened) and what its builder needs (``source``)."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    source: Any
+
+
+S = TypeVar("S", bound=TensorSpec)
+
+
+class LazyTensors(Mapping[str, LogicalTensor], Generic[S]):
+    """Logical tensors built on first access, from one validated :class:`TensorSpec` per name.
+
+    Opening DeepSeek-V3 (92k stored tensors, 46k after dequantization) checks every header entry,
+    name, dtype and shape, but builds the fragments and states of a tensor only when it is used;
+    names, ``len`` and ``meta`` need no building. Built tensors are kept (they are immutable)::
+
+        specs = {"w": TensorSpec("float32", (4, 6), ("/tmp/w.safetensors", 80))}
+        tensors = LazyTensors(specs, lambda name, spec: LogicalTensor(name, {"fp32": ...}))
+        tensors.meta("w").shape, len(tensors), tensors["w"].state()
+    """
+
+    def __init__(self, specs: Mapping[str, S], build: Callable[[str, S], LogicalTensor]) -> None:
+        self._specs = specs
+        self._build = build
+        self._built: dict[str, LogicalTensor] = {}
+
+    def meta(self, name: str) -> S:
+        """The spec of ``name`` (dtype, shape, source), without building it."""
+        return self._specs[name]
+
+    def __getitem__(self, name: str) -> LogicalTensor:
+        t = self._built.get(name)
+        if t is None:
+            t = self._built[name] = self._build(name, self._specs[name])
+        return t
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._specs
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._specs)
+
+    def __len__(self) -> int:
+        return len(self._specs)
+
+
+def spec_of(tensors: Mapping[str, LogicalTensor], name: str) -> TensorSpec:
+    """The dtype and shape of ``name``'s weights (its spec when ``tensors`` is lazy: nothing is built)."""
+    if isinstance(tensors, LazyTensors):
+        spec: TensorSpec = tensors.meta(name)
+        return spec
+    state = tensors[name].state()
+    return TensorSpec(state.dtype, state.shape, None)
+
+
+@contextlib.contextmanager
+def no_gc() -> Iterator[None]:
+    """Pause Python's cyclic garbage collector while metadata is built: opening DeepSeek-V3 and running
+    its recipe make millions of small immutable objects (boxes, fragments, states) without cycles,
+    and the collector's full passes over them took half the time (20 s -> 11 s CPU)::
+
+        with no_gc():
+            tensors = apply_rules(tensors, rules)
+    """
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 def flat_range_boxes(shape: Sequence[int], start: int, stop: int) -> Iterator[Box]:

@@ -28,6 +28,7 @@ from .._errors import CheckpointError, MissingShardError, UnknownFormatError
 from .._formats.registry import Format, broken_hint, formats, get_format, make_options
 from .checkpoint import Checkpoint, CheckpointIndex, RuleLike
 from .executor import FileCache
+from .model import no_gc
 
 Source = str | os.PathLike[str] | Checkpoint
 """What ``reshard``, ``convert`` and ``diff`` read: a path or URL, or a :class:`Checkpoint` already open."""
@@ -60,7 +61,8 @@ def open_index(path: str | os.PathLike[str], format: str | None = None, **option
         raise UnknownFormatError(f"{path}: format {fmt.name!r} can be written but not read")
     opts = make_options(fmt.open_options, options, what=f"format {fmt.name!r} (open)")
     try:
-        return fmt.index(path, opts)
+        with no_gc():  # a 92k-tensor index is millions of acyclic objects: see no_gc
+            return fmt.index(path, opts)
     except CheckpointError as err:  # every error names the checkpoint it is about
         if path not in str(err):
             raise type(err)(f"{path}: {err}") from err
