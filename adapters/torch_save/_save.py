@@ -257,7 +257,7 @@ def _record(zf: zipfile.ZipFile, raw: Any, name: str, pieces: Any, size: int | N
 
 
 _ZIP64 = 0xFFFFFFFF  # sizes and offsets from here on take zip64 fields
-_FLAGS = 0x0808  # a data descriptor follows the data; UTF-8 names (what torch.save writes)
+_UTF8, _DESCRIBED = 0x0800, 0x0008  # general-purpose flags: UTF-8 names; a data descriptor follows the data
 
 
 @dataclass(frozen=True)
@@ -274,8 +274,19 @@ class _Member:
     def crc_of(self, crcs: Sequence[int]) -> int:
         return crcs[self.entry] if self.crc is None else self.crc
 
+    @property
+    def flags(self) -> int:
+        """As torch.save sets them: a data descriptor after every record that has data."""
+        return _UTF8 | (_DESCRIBED if self.size else 0)
+
+    @property
+    def descriptor_size(self) -> int:
+        return 0 if not self.size else 24 if self.size >= _ZIP64 else 16
+
     def descriptor(self, crcs: Sequence[int] = ()) -> bytes:
         """The data descriptor that follows the record's data (zip64 sizes for a big record)."""
+        if not self.size:
+            return b""
         fmt = "<4sIQQ" if self.size >= _ZIP64 else "<4sIII"
         return struct.pack(fmt, b"PK\x07\x08", self.crc_of(crcs), self.size, self.size)
 
@@ -293,7 +304,7 @@ def torch_stream(obj: Any, path: str) -> StreamFile:
     records: list[tuple[str, bytes | Entry]] = [
         ("data.pkl", b"".join(p.out)), (".format_version", b"1"), (".storage_alignment", b"64"),
         ("byteorder", b"little"),
-        *((f"data/{i}", Entry(f"data/{i}", t.dtype, t.dims(), t.array)) for i, t in enumerate(p.storages)),
+        *((f"data/{i}", Entry(f"data/{i}", t.dtype, t.dims(), _entry_data(t))) for i, t in enumerate(p.storages)),
         ("version", b"3\n"), (".data/serialization_id", b"0" * 40),
     ]
     parts: list[bytes | Entry | Late] = []
@@ -301,28 +312,46 @@ def torch_stream(obj: Any, path: str) -> StreamFile:
     at = n_entries = 0
     for name, data in records:
         full = f"{prefix}/{name}".encode()
-        head = _local_header(full, at, data.nbytes if isinstance(data, Entry) else len(data))
         if isinstance(data, Entry):
             m = _Member(full, at, data.nbytes, None, n_entries)
             n_entries += 1
         else:
             m = _Member(full, at, len(data), zlib.crc32(data))
         members.append(m)
-        n_desc = 24 if m.size >= _ZIP64 else 16
-        parts += [head, data, m.descriptor() if m.crc is not None else Late(n_desc, m.descriptor)]
-        at += len(head) + m.size + n_desc
+        head = _local_header(m)
+        late = m.crc is None and m.size
+        parts += [head, data, Late(m.descriptor_size, m.descriptor) if late else m.descriptor()]
+        at += len(head) + m.size + m.descriptor_size
     n_central = len(_central(members, at, [0] * len(p.storages)))
     parts.append(Late(n_central, lambda crcs: _central(members, at, crcs)))
     return StreamFile(path, _merge(parts))
 
 
-def _local_header(name: bytes, at: int, size: int) -> bytes:
+def _entry_data(t: Tensor) -> Any:
+    """A tensor's data for the core's writer: fillers as they are; arrays (or what a callable
+    returns) taken as the tensor's bytes, as :func:`save_torch` takes them (bfloat16 as int16)."""
+    dt = dtypes.to_numpy(t.dtype)
+    if getattr(t.array, "fills", False):
+        return t.array
+    if callable(t.array):
+        read = t.array
+        return lambda: _as_bytes_of(np.asarray(read()), dt)
+    return _as_bytes_of(np.asarray(t.array), dt)
+
+
+def _as_bytes_of(a: np.ndarray, dt: np.dtype) -> np.ndarray:
+    same = a.dtype == dt or a.dtype.itemsize != dt.itemsize
+    return a if same else np.ascontiguousarray(a).view(dt)
+
+
+def _local_header(m: _Member) -> bytes:
     """A local header without CRC or sizes (they follow the data), padded so the data starts
     64-byte aligned (torch's ``FB`` extra field), with an empty zip64 field for a big record."""
-    zip64 = struct.pack("<HH", 1, 16) + bytes(16) if size >= _ZIP64 else b""
-    pad = (-(at + 30 + len(name) + len(zip64) + 4)) % _ALIGN
+    zip64 = struct.pack("<HH", 1, 16) + bytes(16) if m.size >= _ZIP64 else b""
+    pad = (-(m.at + 30 + len(m.name) + len(zip64) + 4)) % _ALIGN
     extra = zip64 + b"FB" + struct.pack("<H", pad) + b"Z" * pad
-    return struct.pack("<4sHHHHHIIIHH", b"PK\x03\x04", 0, _FLAGS, 0, 0, 0, 0, 0, 0, len(name), len(extra)) + name + extra
+    return struct.pack("<4sHHHHHIIIHH", b"PK\x03\x04", 0, m.flags, 0, 0, 0, 0, 0, 0,
+                       len(m.name), len(extra)) + m.name + extra
 
 
 def _central(members: Sequence[_Member], at: int, crcs: Sequence[int]) -> bytes:
@@ -332,7 +361,7 @@ def _central(members: Sequence[_Member], at: int, crcs: Sequence[int]) -> bytes:
         big = [v for v in (m.size, m.size, m.at) if v >= _ZIP64]
         extra = struct.pack("<HH", 1, 8 * len(big)) + struct.pack(f"<{len(big)}Q", *big) if big else b""
         size32, at32 = _u32(m.size), _u32(m.at)
-        out.append(struct.pack("<4sHHHHHHIIIHHHHHII", b"PK\x01\x02", 0, 0, _FLAGS, 0, 0, 0, m.crc_of(crcs),
+        out.append(struct.pack("<4sHHHHHHIIIHHHHHII", b"PK\x01\x02", 0, 0, m.flags, 0, 0, 0, m.crc_of(crcs),
                                size32, size32, len(m.name), len(extra), 0, 0, 0, 0, at32) + m.name + extra)
     cd = b"".join(out)
     end64 = at + len(cd)
