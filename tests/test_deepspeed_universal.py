@@ -159,7 +159,8 @@ def test_direct_io_files_bitwise_and_a_failed_write_keeps_the_old_output(runs_di
     params = sorted(d for d in os.listdir(ours_zero) if os.path.isdir(os.path.join(ours_zero, d)))
     files = [os.path.join(p, f"{k}.pt") for p in params for k in STATES]
     direct = getattr(os, "O_DIRECT", 0)
-    assert direct and all(opened[f] & direct for f in [*files, f"{tag}/mp_rank_00_model_states.pt"])
+    others = [f"{tag}/mp_rank_00_model_states.pt", "zero/optimizer_state.pt"]
+    assert direct and all(opened[f] & direct for f in [*files, *others])
     for f in files:
         want = _load(os.path.join(theirs_zero, f))["param"]
         for got in (_load(os.path.join(ours_zero, f)),

@@ -29,11 +29,10 @@ names (one hard link) is what lets a ZeRO-1/2 checkpoint resume under ZeRO-3 and
 back, which DeepSpeed's own ``ds_to_universal`` output cannot.
 
 The ``.pt`` files are written without torch (``ckptbridge.adapters.torch_save`` lays out the
-``torch.save`` zip format itself), so this writer needs neither torch nor DeepSpeed. The
-tensor files (``fp32``/``exp_avg``/``exp_avg_sq`` and the model states) go through the
-core's direct-I/O pipeline (``ckptbridge.plugin.write_files``, as ``convert`` writes its own
-layout): each tensor is read from the source's fragments in row blocks straight into
-page-aligned buffers and written with ``O_DIRECT`` while the next blocks are read, one
+``torch.save`` zip archive itself, as torch does), so this writer needs neither torch nor
+DeepSpeed. All of them go through the core's direct-I/O pipeline
+(``ckptbridge.plugin.write_files``, as ``convert`` writes its own layout): each tensor is
+read from the source's fragments in row blocks straight into page-aligned buffers and written with ``O_DIRECT`` while the next blocks are read, one
 file after another with no drain between them, each fsynced; memory stays at the
 pipeline's few buffers whatever the tensor sizes. The destination is built in a staging
 directory and published atomically (``ckptbridge.plugin.staged_dir``); an existing ``dst``
@@ -50,7 +49,7 @@ from typing import Any
 
 import numpy as np
 
-from ckptbridge.adapters.torch_save import Size, Tensor, save_torch, torch_stream
+from ckptbridge.adapters.torch_save import Size, Tensor, torch_stream
 from ckptbridge.plugin import (
     Checkpoint,
     Filler,
@@ -145,12 +144,12 @@ def _write(ckpt: Checkpoint, tmp: str, tag: str, workers: int | None) -> None:
                 files.append(torch_stream({"param": _fp32(view), **meta}, os.path.join(pdir, f"{s}.pt")))
         if "step" in t.scalars and len(views) > 1:
             step_t = Tensor(np.array(float(t.scalars["step"]), dtype=np.float32), "float32")
-            save_torch(step_t, os.path.join(pdir, "step.pt"))
+            files.append(torch_stream(step_t, os.path.join(pdir, "step.pt")))
     tag_dir = os.path.join(tmp, tag)
+    files.append(_optimizer_state(ckpt, zero, adam_step))
     files.append(_model_states(ckpt, os.path.join(tag_dir, _MODEL_STATES), names))
     write_files(files, producers=workers)
     _link_model_states(tag_dir)
-    _write_optimizer_state(ckpt, zero, adam_step)
     with open(os.path.join(tmp, "latest_universal"), "w", encoding="utf-8") as fh:
         fh.write(tag)
 
@@ -205,7 +204,7 @@ def _ds_version(ckpt: Checkpoint) -> str:
         return "0.19.8"
 
 
-def _write_optimizer_state(ckpt: Checkpoint, zero: str, step: float | None) -> None:
+def _optimizer_state(ckpt: Checkpoint, zero: str, step: float | None) -> StreamFile:
     groups = _param_groups(ckpt)
     opt = (ckpt.extra.get("optimizer") if isinstance(ckpt.extra, Mapping) else None) or {}
     sd: dict[str, Any] = {"ds_version": _ds_version(ckpt), "param_groups": groups}
@@ -220,7 +219,7 @@ def _write_optimizer_state(ckpt: Checkpoint, zero: str, step: float | None) -> N
               if all(k in g and g[k] == v for g in groups[1:])}
     inner_state = {} if step is None else {0: {"step": Tensor(np.array(step, dtype=np.float32), "float32")}}
     sd["optimizer_state_dict"] = {"state": inner_state, "param_groups": [common]}
-    save_torch(sd, os.path.join(zero, "optimizer_state.pt"))
+    return torch_stream(sd, os.path.join(zero, "optimizer_state.pt"))
 
 
 _MODEL_STATES = "mp_rank_00_model_states.pt"  # what ZeRO-0/1/2 engines load; ZeRO-3 engines: the link

@@ -255,7 +255,6 @@ def _record(zf: zipfile.ZipFile, raw: Any, name: str, pieces: Any, size: int | N
         raise FormatError(f"{zf.filename}: record {name} got {wrote} bytes, expected {size}")
 
 
-
 _ZIP64 = 0xFFFFFFFF  # sizes and offsets from here on take zip64 fields
 _UTF8, _DESCRIBED = 0x0800, 0x0008  # general-purpose flags: UTF-8 names; a data descriptor follows the data
 
