@@ -136,6 +136,7 @@ def test_direct_io_files_bitwise_and_a_failed_write_keeps_the_old_output(runs_di
     zipfile finds every CRC right. A write that fails midway (the disk full, or the source
     unreadable) names the file, leaves the previous output byte for byte, and no stage behind."""
     import errno
+    import re
     import zipfile
 
     import ckptbridge._formats.safetensors_write as sw
@@ -143,17 +144,28 @@ def test_direct_io_files_bitwise_and_a_failed_write_keeps_the_old_output(runs_di
     name = "s2_bf16_w2"
     src, dst = os.path.join(runs_dir, name, "ckpt"), os.path.join(str(tmp_path), "out")
     opened: dict[str, int] = {}
-    real_open = os.open
+    synced: set[str] = set()
+    real_open, real_fsync = os.open, os.fsync
 
     def spy(path: str, flags: int, *args: object) -> int:
         key = os.path.basename(os.path.dirname(path)) + "/" + os.path.basename(path)
-        opened[key] = opened.get(key, 0) | flags  # every open of the file (fsync opens it again)
+        opened[key] = opened.get(key, 0) | flags  # every open of the file
         return real_open(path, flags, *args)
+
+    def fsync(fd: int) -> None:
+        synced.add(os.readlink(f"/proc/self/fd/{fd}"))  # the file or folder behind the descriptor
+        real_fsync(fd)
 
     monkeypatch.setattr(sw, "_CHUNK_BYTES", 5000)  # row blocks, each ending mid disk block
     monkeypatch.setattr(os, "open", spy)
+    monkeypatch.setattr(os, "fsync", fsync)
     reshard(src, dst, to="deepspeed-universal")
     monkeypatch.setattr(os, "open", real_open)
+    monkeypatch.setattr(os, "fsync", real_fsync)
+    staged = {re.sub(r"/out\.partial[^/]*", "/out", p) for p in synced}  # the stage was published as dst
+    everything = {os.path.realpath(os.path.join(d, f)) for d, dirs, fs in os.walk(dst) for f in [*fs, *dirs]}
+    second = os.path.realpath(os.path.join(dst, "global_step3", "zero_pp_rank_0_mp_rank_00_model_states.pt"))
+    assert everything - {second} <= staged  # durable as before: every file and folder fsynced (the link: its folder)
     tag = f"global_step{cb_open(src).step}"
     theirs_zero, ours_zero = os.path.join(_theirs(runs_dir, name), "zero"), os.path.join(dst, tag, "zero")
     params = sorted(d for d in os.listdir(ours_zero) if os.path.isdir(os.path.join(ours_zero, d)))

@@ -114,7 +114,7 @@ def write(ckpt: Checkpoint, dst: str, options: DeepSpeedUniversalWriteOptions | 
     o = options or DeepSpeedUniversalWriteOptions()
     step = ckpt.step
     tag = o.tag or f"global_step{step if step is not None else 0}"
-    with staged_dir(os.fspath(dst), overwrite=o.overwrite) as stage:
+    with staged_dir(os.fspath(dst), overwrite=o.overwrite, fsync=False) as stage:  # each file fsynced as written
         _write(ckpt, stage, tag, o.workers)
     return os.fspath(dst)
 
@@ -152,6 +152,8 @@ def _write(ckpt: Checkpoint, tmp: str, tag: str, workers: int | None) -> None:
     _link_model_states(tag_dir)
     with open(os.path.join(tmp, "latest_universal"), "w", encoding="utf-8") as fh:
         fh.write(tag)
+        fh.flush()
+        os.fsync(fh.fileno())
 
 
 def _tp_layout(ckpt: Checkpoint) -> Any:
@@ -269,3 +271,8 @@ def _link_model_states(tag_dir: str) -> None:
         os.link(first, second)
     except OSError:
         shutil.copyfile(first, second)
+        fd = os.open(second, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
