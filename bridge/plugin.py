@@ -26,7 +26,10 @@ derived from it):
   to install);
 * writing: :func:`staged_dir` / :func:`staging_path` / :func:`check_destination` (the commit
   rule), the universal layout's writer (:class:`Piece`, :func:`write_universal`,
-  :func:`write_rank`, :func:`commit_universal`), :func:`read_header` (safetensors);
+  :func:`write_rank`, :func:`commit_universal`), :func:`read_header` (safetensors); the
+  direct-I/O file writer for other layouts (:func:`write_files` of :class:`StreamFile` parts:
+  bytes, :class:`Entry` tensors produced in chunks, :class:`Late` bytes made from their CRCs)
+  and :class:`Filler` (an entry's data read from a :class:`TensorView` in row blocks);
 * runtimes: :class:`RankProvider` and :func:`find_ranks` (which rank am I, how many ranks),
   :class:`Leaf` / :class:`LeafProvider` / :func:`register_leaf_provider` (what the
   Checkpointer captures), :class:`JobStore` / :func:`register_job_store` with
@@ -64,12 +67,17 @@ from ._errors import StorageError as StorageError
 from ._errors import TensorNotFoundError as TensorNotFoundError
 from ._errors import TruncatedError as TruncatedError
 from ._errors import UnsafePickleError as UnsafePickleError
+from ._formats.convert import Filler as Filler
 from ._formats.registry import Format as Format
 from ._formats.registry import OpenOptions as OpenOptions
 from ._formats.registry import WriteOptions as WriteOptions
 from ._formats.registry import register_format as register_format
 from ._formats.registry import require as require
+from ._formats.safetensors import Entry as Entry
 from ._formats.safetensors import read_header as read_header
+from ._formats.safetensors_write import Late as Late
+from ._formats.safetensors_write import StreamFile as StreamFile
+from ._formats.safetensors_write import write_files as write_files
 from ._formats.universal import Piece as Piece
 from ._formats.universal import commit_universal as commit_universal
 from ._formats.universal import write_rank as write_rank

@@ -126,3 +126,92 @@ def test_frozen_and_tied_parameters(runs_dir: str, tmp_path: object) -> None:  #
     assert np.array_equal(frozen.numpy(), want)
     ms = _load(os.path.join(dst, "global_step3", "mp_rank_00_model_states.pt"))
     assert ms["shared_params"] == {"lm_head.weight": "wte.weight"}
+
+
+def test_direct_io_files_bitwise_and_a_failed_write_keeps_the_old_output(runs_dir: str, tmp_path: object,  # noqa: F811
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tensor files go through the core's direct-I/O pipeline (``O_DIRECT`` asked for on each,
+    tensors in many unaligned row blocks here): ``torch.load(weights_only=True)``, plain and
+    mmap'd, reads each bitwise equal to DeepSpeed's own ``ds_to_universal`` file, and Python's
+    zipfile finds every CRC right. A write that fails midway (the disk full, or the source
+    unreadable) names the file, leaves the previous output byte for byte, and no stage behind."""
+    import errno
+    import re
+    import zipfile
+
+    import ckptbridge._formats.safetensors_write as sw
+
+    name = "s2_bf16_w2"
+    src, dst = os.path.join(runs_dir, name, "ckpt"), os.path.join(str(tmp_path), "out")
+    opened: dict[str, int] = {}
+    synced: set[str] = set()
+    real_open, real_fsync = os.open, os.fsync
+
+    def spy(path: str, flags: int, *args: object) -> int:
+        key = os.path.basename(os.path.dirname(path)) + "/" + os.path.basename(path)
+        opened[key] = opened.get(key, 0) | flags  # every open of the file
+        return real_open(path, flags, *args)
+
+    def fsync(fd: int) -> None:
+        synced.add(os.readlink(f"/proc/self/fd/{fd}"))  # the file or folder behind the descriptor
+        real_fsync(fd)
+
+    monkeypatch.setattr(sw, "_CHUNK_BYTES", 5000)  # row blocks, each ending mid disk block
+    monkeypatch.setattr(os, "open", spy)
+    monkeypatch.setattr(os, "fsync", fsync)
+    reshard(src, dst, to="deepspeed-universal")
+    monkeypatch.setattr(os, "open", real_open)
+    monkeypatch.setattr(os, "fsync", real_fsync)
+    staged = {re.sub(r"/out\.partial[^/]*", "/out", p) for p in synced}  # the stage was published as dst
+    everything = {os.path.realpath(os.path.join(d, f)) for d, dirs, fs in os.walk(dst) for f in [*fs, *dirs]}
+    second = os.path.realpath(os.path.join(dst, "global_step3", "zero_pp_rank_0_mp_rank_00_model_states.pt"))
+    assert everything - {second} <= staged  # durable as before: every file and folder fsynced (the link: its folder)
+    tag = f"global_step{cb_open(src).step}"
+    theirs_zero, ours_zero = os.path.join(_theirs(runs_dir, name), "zero"), os.path.join(dst, tag, "zero")
+    params = sorted(d for d in os.listdir(ours_zero) if os.path.isdir(os.path.join(ours_zero, d)))
+    files = [os.path.join(p, f"{k}.pt") for p in params for k in STATES]
+    direct = getattr(os, "O_DIRECT", 0)
+    others = [f"{tag}/mp_rank_00_model_states.pt", "zero/optimizer_state.pt"]
+    assert direct and all(opened[f] & direct for f in [*files, *others])
+    for f in files:
+        want = _load(os.path.join(theirs_zero, f))["param"]
+        for got in (_load(os.path.join(ours_zero, f)),
+                    torch.load(os.path.join(ours_zero, f), weights_only=True, mmap=True)):
+            assert same_bits(_np(got["param"]), _np(want)), f
+        with zipfile.ZipFile(os.path.join(ours_zero, f)) as zf:
+            assert zf.testzip() is None, f
+    ms = _load(os.path.join(dst, tag, "mp_rank_00_model_states.pt"))
+    ref = cb_open(src)
+    assert all(same_bits(_np(t), ref[n].state("param").read()) for n, t in ms["module"].items())
+
+    def tree(root: str) -> dict[str, bytes]:
+        return {os.path.relpath(os.path.join(d, f), root): open(os.path.join(d, f), "rb").read()
+                for d, _, fs in os.walk(root) for f in fs}
+
+    before = tree(dst)
+    real_pwrite, calls = os.pwrite, [0]
+
+    def full(fd: int, data: object, at: int) -> int:
+        calls[0] += 1
+        if calls[0] > 5:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_pwrite(fd, data, at)
+
+    monkeypatch.setattr(os, "pwrite", full)
+    with pytest.raises(OSError, match=r"\.pt: writing bytes .*No space left"):
+        reshard(src, dst, to="deepspeed-universal", overwrite=True)
+    monkeypatch.setattr(os, "pwrite", real_pwrite)
+    view_read, reads = ckptbridge.TensorView.read, [0]
+
+    def unreadable(self: object, *args: object, **kw: object) -> object:
+        reads[0] += 1
+        if reads[0] > 7:
+            raise OSError(errno.EIO, f"Input/output error reading {self.name}")  # type: ignore[attr-defined]
+        return view_read(self, *args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ckptbridge.TensorView, "read", unreadable)
+    with pytest.raises(OSError, match="Input/output error reading"):
+        reshard(src, dst, to="deepspeed-universal", overwrite=True)
+    monkeypatch.setattr(ckptbridge.TensorView, "read", view_read)
+    assert tree(dst) == before
+    assert [p for p in os.listdir(str(tmp_path)) if p != "out"] == []  # no stage left behind

@@ -192,6 +192,62 @@ def test_save_torch_writes_what_torch_save_would(tmp_path, monkeypatch):
     assert torch.equal(torch.load(tmp_path / "ours.pt", weights_only=True, mmap=True)["lazy"], t * 2)
 
 
+def _records(path):
+    """Per zip record, in file order: (name without the archive prefix, general-purpose flags in
+    the local and the central header, 64-byte aligned data, data bytes, the 16 bytes after the data)."""
+    raw = path.read_bytes()
+    with zipfile.ZipFile(path) as zf:
+        out = []
+        for i in sorted(zf.infolist(), key=lambda i: i.header_offset):
+            flags, name_len, extra_len = (struct.unpack("<H", raw[i.header_offset + 6:i.header_offset + 8])[0],
+                                          *struct.unpack("<HH", raw[i.header_offset + 26:i.header_offset + 30]))
+            start = i.header_offset + 30 + name_len + extra_len
+            out.append((i.filename.split("/", 1)[1], flags, i.flag_bits, start % 64 == 0,
+                        raw[start:start + i.file_size], raw[start + i.file_size:start + i.file_size + 4]))
+        assert zf.testzip() is None  # every record's CRC32 checks out
+    return out
+
+
+def test_torch_stream_writes_the_archive_torch_save_writes(tmp_path, monkeypatch):
+    """``torch_stream`` through the core's direct-I/O writer (``write_files``, chunks small enough
+    that tensors go in many unaligned row blocks) against ``torch.save`` of the same state dict:
+    the same records in the same order, each with torch's flags (a data descriptor after the
+    data: PK\\x07\\x08), 64-byte aligned data, the same tensor bytes; torch.load reads it
+    (weights_only, and mmap), bitwise; also with zip64 fields on every record and offset."""
+    import ckptbridge._formats.safetensors_write as sw
+    from ckptbridge.adapters.torch_save import Size, Tensor, _save
+    from ckptbridge.plugin import write_files
+
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((37, 29)).astype(np.float32)
+    b = rng.standard_normal(1001).astype(np.float32).view(np.uint16)[:1001]  # bfloat16 bit patterns
+    want = {"param": torch.from_numpy(a), "b": torch.from_numpy(b.view(np.int16)).view(torch.bfloat16),
+            "empty": torch.zeros((0, 3)), "cat_dim": 1, "shape": torch.Size((37, 29))}
+    torch.save(want, tmp_path / "theirs.pt")
+    monkeypatch.setattr(sw, "_CHUNK_BYTES", 300)  # row blocks of 2 rows: writes at unaligned offsets
+    for zip64 in (False, True):
+        if zip64:
+            monkeypatch.setattr(_save, "_ZIP64", 40)  # every record over 39 bytes and every offset past 39
+        ours = tmp_path / f"ours{int(zip64)}.pt"
+        obj = {"param": Tensor(a, "float32"), "b": Tensor(lambda: b, "bfloat16", (1001,)),
+               "empty": Tensor(np.zeros((0, 3), np.float32), "float32"), "cat_dim": 1, "shape": Size((37, 29))}
+        write_files([_save.torch_stream(obj, str(ours))])
+        for weights in (torch.load(ours, weights_only=True), torch.load(ours, weights_only=True, mmap=True)):
+            assert weights.keys() == want.keys() and weights["cat_dim"] == 1 and weights["shape"] == want["shape"]
+            for k in ("param", "b", "empty"):  # bitwise (random bfloat16 bit patterns include NaNs)
+                assert weights[k].dtype == want[k].dtype and weights[k].shape == want[k].shape, k
+                assert torch.equal(weights[k].reshape(-1).view(torch.uint8), want[k].reshape(-1).view(torch.uint8)), k
+        got, theirs = _records(ours), _records(tmp_path / "theirs.pt")
+        assert [r[0] for r in got] == [r[0] for r in theirs]
+        for g, t in zip(got, theirs):
+            flags, after = (0x0808, b"PK\x07\x08") if t[4] else (0x0800, b"PK\x03\x04")  # empty: no descriptor
+            assert g[1:4] == t[1:4] == (flags, flags, True) and g[5] == t[5] == after, g[0]
+            if g[0].startswith("data/"):
+                assert g[4] == t[4], g[0]
+        c = ckptbridge.open(ours)  # ckptbridge's own reader too
+        assert c["param"].read().tobytes() == a.tobytes()
+
+
 def test_save_torch_names_a_tensor_of_the_wrong_size(tmp_path):
     from ckptbridge.adapters.torch_save import Tensor, save_torch
 

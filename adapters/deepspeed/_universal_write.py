@@ -28,33 +28,38 @@ and one model-states file whose name depends on the *target* stage; writing both
 names (one hard link) is what lets a ZeRO-1/2 checkpoint resume under ZeRO-3 and
 back, which DeepSpeed's own ``ds_to_universal`` output cannot.
 
-The ``.pt`` files are written without torch (``ckptbridge.adapters.torch_save.save_torch`` emits the
-``torch.save`` zip format directly, streaming each tensor from the source's fragments), so
-this writer needs neither torch nor DeepSpeed. The destination is built in a staging
+The ``.pt`` files are written without torch (``ckptbridge.adapters.torch_save`` lays out the
+``torch.save`` zip archive itself, as torch does), so this writer needs neither torch nor
+DeepSpeed. All of them go through the core's direct-I/O pipeline
+(``ckptbridge.plugin.write_files``, as ``convert`` writes its own layout): each tensor is
+read from the source's fragments in row blocks straight into page-aligned buffers and written with ``O_DIRECT`` while the next blocks are read, one
+file after another with no drain between them, each fsynced; memory stays at the
+pipeline's few buffers whatever the tensor sizes. The destination is built in a staging
 directory and published atomically (``ckptbridge.plugin.staged_dir``); an existing ``dst``
-is never touched.
+is replaced (``overwrite``) only once the new one is complete, and kept when writing fails.
 """
 
 from __future__ import annotations
 
-import math
 import os
 import shutil
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from ckptbridge.adapters.torch_save import Size, Tensor, save_torch
+from ckptbridge.adapters.torch_save import Size, Tensor, torch_stream
 from ckptbridge.plugin import (
     Checkpoint,
+    Filler,
     FormatError,
     OptionError,
+    StreamFile,
     TensorView,
     WriteOptions,
     staged_dir,
+    write_files,
 )
 
 FORMAT = "deepspeed-universal"
@@ -70,17 +75,13 @@ def _weights(ckpt: Checkpoint, name: str) -> TensorView | None:
 
 
 def _fp32(view: TensorView) -> Tensor:
-    return Tensor(view.read(dtype="float32"), "float32")
+    """The state as float32, read (in row blocks) only when its bytes are written."""
+    return Tensor(Filler(view, "float32"), "float32", tuple(view.shape))
 
 
 def _native(view: TensorView) -> Tensor:
-    """The state in its own dtype (bfloat16 bytes travel as int16), read when written."""
-
-    def read() -> np.ndarray:
-        arr = view.read()
-        return arr.view(np.int16) if view.dtype == "bfloat16" else arr
-
-    return Tensor(read, view.dtype, tuple(view.shape))
+    """The state in its own dtype, read (in row blocks) only when its bytes are written."""
+    return Tensor(Filler(view), view.dtype, tuple(view.shape))
 
 
 def _step_value(ckpt: Checkpoint) -> float | None:
@@ -94,7 +95,8 @@ class DeepSpeedUniversalWriteOptions(WriteOptions):
     DeepSpeed partitions it when it loads, so it takes no layout options).
 
     ``tag``: the tag folder (default ``global_step<step>``).
-    ``workers``: threads writing parameter folders (default min(4, cores)).
+    ``workers``: threads reading the source and checksumming (default 2; the writes run in
+    threads of their own).
     """
 
     tag: str | None = None
@@ -112,7 +114,7 @@ def write(ckpt: Checkpoint, dst: str, options: DeepSpeedUniversalWriteOptions | 
     o = options or DeepSpeedUniversalWriteOptions()
     step = ckpt.step
     tag = o.tag or f"global_step{step if step is not None else 0}"
-    with staged_dir(os.fspath(dst), overwrite=o.overwrite) as stage:
+    with staged_dir(os.fspath(dst), overwrite=o.overwrite, fsync=False) as stage:  # each file fsynced as written
         _write(ckpt, stage, tag, o.workers)
     return os.fspath(dst)
 
@@ -127,35 +129,31 @@ def _write(ckpt: Checkpoint, tmp: str, tag: str, workers: int | None) -> None:
     adam_step = _step_value(ckpt)
 
     layout = _tp_layout(ckpt)
-
-    def one(name: str) -> int:
+    files: list[StreamFile] = []
+    for name in names:
         t = ckpt.tensors[name]
         if "/" in name or name.startswith("."):
             raise FormatError(f"{ckpt.path}: tensor name {name!r} cannot be a DeepSpeed universal folder")
         pdir = os.path.join(zero, name)
         os.makedirs(pdir, exist_ok=True)
-        w = _weights(ckpt, name)
-        if w is None:  # names holds only tensors with weights
-            return 0
-        nbytes = 0
         meta = layout(name)
-        save_torch({"param": _fp32(w), **meta}, os.path.join(pdir, "fp32.pt"))
-        nbytes += math.prod(w.shape) * 4
-        for s in OPTIM_STATES:
-            if s in t.states:
-                save_torch({"param": _fp32(TensorView(ckpt, t, s)), **meta}, os.path.join(pdir, f"{s}.pt"))
-                nbytes += math.prod(w.shape) * 4
-        if "step" in t.scalars and any(s in t.states for s in OPTIM_STATES):
+        w = _weights(ckpt, name)
+        views = {"fp32": w, **{s: TensorView(ckpt, t, s) for s in OPTIM_STATES if s in t.states}}
+        for s, view in views.items():
+            if view is not None:  # names holds only tensors with weights
+                files.append(torch_stream({"param": _fp32(view), **meta}, os.path.join(pdir, f"{s}.pt")))
+        if "step" in t.scalars and len(views) > 1:
             step_t = Tensor(np.array(float(t.scalars["step"]), dtype=np.float32), "float32")
-            save_torch(step_t, os.path.join(pdir, "step.pt"))
-        return nbytes
-
-    with ThreadPoolExecutor(workers or min(4, os.cpu_count() or 1)) as pool:
-        list(pool.map(one, names))
-    _write_optimizer_state(ckpt, zero, adam_step)
-    _write_model_states(ckpt, os.path.join(tmp, tag), names)
+            files.append(torch_stream(step_t, os.path.join(pdir, "step.pt")))
+    tag_dir = os.path.join(tmp, tag)
+    files.append(_optimizer_state(ckpt, zero, adam_step))
+    files.append(_model_states(ckpt, os.path.join(tag_dir, _MODEL_STATES), names))
+    write_files(files, producers=workers)
+    _link_model_states(tag_dir)
     with open(os.path.join(tmp, "latest_universal"), "w", encoding="utf-8") as fh:
         fh.write(tag)
+        fh.flush()
+        os.fsync(fh.fileno())
 
 
 def _tp_layout(ckpt: Checkpoint) -> Any:
@@ -208,7 +206,7 @@ def _ds_version(ckpt: Checkpoint) -> str:
         return "0.19.8"
 
 
-def _write_optimizer_state(ckpt: Checkpoint, zero: str, step: float | None) -> None:
+def _optimizer_state(ckpt: Checkpoint, zero: str, step: float | None) -> StreamFile:
     groups = _param_groups(ckpt)
     opt = (ckpt.extra.get("optimizer") if isinstance(ckpt.extra, Mapping) else None) or {}
     sd: dict[str, Any] = {"ds_version": _ds_version(ckpt), "param_groups": groups}
@@ -223,10 +221,13 @@ def _write_optimizer_state(ckpt: Checkpoint, zero: str, step: float | None) -> N
               if all(k in g and g[k] == v for g in groups[1:])}
     inner_state = {} if step is None else {0: {"step": Tensor(np.array(step, dtype=np.float32), "float32")}}
     sd["optimizer_state_dict"] = {"state": inner_state, "param_groups": [common]}
-    save_torch(sd, os.path.join(zero, "optimizer_state.pt"))
+    return torch_stream(sd, os.path.join(zero, "optimizer_state.pt"))
 
 
-def _write_model_states(ckpt: Checkpoint, tag_dir: str, names: list[str]) -> None:
+_MODEL_STATES = "mp_rank_00_model_states.pt"  # what ZeRO-0/1/2 engines load; ZeRO-3 engines: the link
+
+
+def _model_states(ckpt: Checkpoint, path: str, names: list[str]) -> StreamFile:
     extra = ckpt.extra if isinstance(ckpt.extra, Mapping) else {}
     module = {}
     for n in names:
@@ -259,10 +260,19 @@ def _write_model_states(ckpt: Checkpoint, tag_dir: str, names: list[str]) -> Non
     }
     for k, v in (extra.get("client_state") or {}).items():
         sd.setdefault(k, v)
-    first = os.path.join(tag_dir, "mp_rank_00_model_states.pt")
-    save_torch(sd, first)
+    return torch_stream(sd, path)
+
+
+def _link_model_states(tag_dir: str) -> None:
+    """The same model-states file under the name ZeRO-3 engines load (a hard link where possible)."""
+    first = os.path.join(tag_dir, _MODEL_STATES)
     second = os.path.join(tag_dir, "zero_pp_rank_0_mp_rank_00_model_states.pt")
     try:
         os.link(first, second)
     except OSError:
         shutil.copyfile(first, second)
+        fd = os.open(second, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)

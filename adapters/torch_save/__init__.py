@@ -13,7 +13,8 @@ folders are read too::
 The package also holds what every torch-based format needs, without torch: the
 safe unpickler (``safe_loads``: no code runs, unknown classes become inert
 ``Opaque`` records), the zip archive reader that finds each storage's bytes in
-place (``TorchArchive``), and a ``torch.save``-compatible writer (``save_torch``).
+place (``TorchArchive``), and a ``torch.save``-compatible writer (``save_torch``; ``torch_stream``
+lays out the same archive for the core's direct-I/O writer).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from ._archive import (
     unpickled_to_json,
 )
 from ._legacy import is_legacy_torch, open_legacy
-from ._save import Global, Object, Reduce, Size, Tensor, save_torch
+from ._save import Global, Object, Reduce, Size, Tensor, save_torch, torch_stream
 from ._unpickle import (
     TORCH_DTYPE_NAMES,
     Opaque,
@@ -209,5 +210,6 @@ __all__ = [
     "safe_loads",
     "save_torch",
     "strip_tensors",
+    "torch_stream",
     "unpickled_to_json",
 ]

@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from .scaleout import World
 
 
-class _Filler:
+class Filler:
     """Reads a tensor, or rows ``[lo, hi)`` of it, into a buffer the writer lends (``fills``),
     cast to ``dtype`` when given (so big tensors stream in row blocks, never whole)."""
 
@@ -61,7 +61,7 @@ def _pieces(ckpt: Checkpoint, states: Sequence[str] | None) -> list[Piece]:
             if states is not None and sname not in states:
                 continue
             view = TensorView(ckpt, t, sname)
-            out.append(Piece(name, sname, st.dtype, st.shape, Box.full(st.shape), _Filler(view),
+            out.append(Piece(name, sname, st.dtype, st.shape, Box.full(st.shape), Filler(view),
                              tuple(lineage(f) for f in st.fragments)))
     return out
 
@@ -204,7 +204,7 @@ def export(
         if state is not None and state not in t.states:
             continue
         view = TensorView(ckpt, t, state)
-        entries.append(Entry(name, dtype or view.dtype, view.shape, _Filler(view, dtype)))
+        entries.append(Entry(name, dtype or view.dtype, view.shape, Filler(view, dtype)))
     if not entries:
         raise TensorNotFoundError(f"{ckpt.path}: no tensor has state {state!r}; states: {ckpt.states()}")
     meta = {"format": "pt", "source_format": ckpt.format}

@@ -2,6 +2,13 @@
 written with ``O_DIRECT`` from reused page-aligned buffers while the next chunks are produced::
 
     write_files([FileSpec("out.safetensors", [Entry("w", "float32", (4, 6), arr)])])
+
+The same pipeline writes files of other layouts, given as a :class:`StreamFile`: a run of
+known bytes, tensor entries, and :class:`Late` bytes that depend on the CRC32s of the
+entries before them (a zip record's data descriptor, a central directory)::
+
+    tail = Late(4, lambda crcs: struct.pack("<I", crcs[0]))
+    write_files([StreamFile("out.bin", [b"head", Entry("w", "float32", (4, 6), arr), tail])])
 """
 
 from __future__ import annotations
@@ -26,14 +33,34 @@ from .._storage.hostmem import aligned_buffer
 from .safetensors import Entry, FileSpec, Written, file_layout
 
 
+@dataclass(frozen=True)
+class Late:
+    """``nbytes`` bytes of a :class:`StreamFile` known only once the entries before them are
+    produced: ``make(crcs)`` gets the CRC32 of each entry of the file so far, in file order."""
+
+    nbytes: int
+    make: Callable[[Sequence[int]], bytes]
+
+
+@dataclass(frozen=True)
+class StreamFile:
+    """A new file of any layout for :func:`write_files`: ``parts`` in file order (bytes,
+    entries whose data is produced in chunks and checksummed, :class:`Late` bytes)."""
+
+    path: str
+    parts: Sequence[bytes | Entry | Late]
+    image: None = None  # written from parts only (the field FileSpec's images use)
+    reuse: None = None
+
+
 def write_file(path: str, entries: list[Entry], metadata: Mapping[str, str] | None = None,
                on_entry: Callable[[Entry], None] | None = None) -> list[Written]:
     """Stream ``entries`` into a new safetensors file at ``path`` and fsync it (see :func:`write_files`)."""
     return write_files([FileSpec(path, entries, metadata)], on_entry)[0]
 
 
-def write_files(files: Sequence[FileSpec], on_entry: Callable[[Entry], None] | None = None,
-                background: bool = False) -> list[list[Written]]:
+def write_files(files: Sequence[FileSpec | StreamFile], on_entry: Callable[[Entry], None] | None = None,
+                background: bool = False, producers: int | None = None) -> list[list[Written]]:
     """Stream several new safetensors files, one after the other, and fsync each.
 
     Headers are computed from shapes first, so data is produced in chunks of at
@@ -44,7 +71,9 @@ def write_files(files: Sequence[FileSpec], on_entry: Callable[[Entry], None] | N
     staging copy and no pipeline drain between files. Peak memory is
     ``_SLOTS`` chunks, not the files. ``background`` (checkpoints flushed while
     training computes): one checksum thread, and all threads at a lower CPU
-    priority, so the training's threads keep the cores.
+    priority, so the training's threads keep the cores. ``files`` may mix safetensors files
+    (:class:`FileSpec`) and files of other layouts (:class:`StreamFile`). ``producers``:
+    threads reading and checksumming chunks (default ``_PRODUCERS``; 1 when ``background``).
     """
     tasks = plan_chunks(files)
     copied = [k for k, t in enumerate(tasks) if files[t.file].image is None]
@@ -75,19 +104,25 @@ def write_files(files: Sequence[FileSpec], on_entry: Callable[[Entry], None] | N
     results: list[list[Written]] = [[] for _ in files]
     init = lower_priority if background else None
     writer = _Writer(_WRITERS, init)
-    producer = ThreadPoolExecutor(1 if background else _PRODUCERS, initializer=init)
+    producer = ThreadPoolExecutor(1 if background else producers or _PRODUCERS, initializer=init)
     crc = 0
+    crcs: list[int] = []  # of the current file's entries so far (what Late parts are made from)
     try:
         futures = [producer.submit(produce, k) for k in range(len(tasks))]
         for k, t in enumerate(tasks):
             buf, start, part = futures[k].result()
             writer.check()
+            if first[t.file] == k:
+                crcs = []
+            if isinstance(t.item, Late):
+                _fill_late(files[t.file].path, t.item, crcs, buf, start)
             if t.file not in outs:
                 outs[t.file] = _new_file(files[t.file].path, files[t.file].reuse)
             writer.put(outs[t.file].chunk(buf, start, t.nbytes), written[k])
             if isinstance(t.item, Entry):
                 crc = part if t.first else crc32_combine(crc, part, t.nbytes)
                 if t.last:
+                    crcs.append(crc)
                     results[t.file].append(Written(t.item.key, t.entry_at, t.item.nbytes, f"crc32:{crc:08x}"))
                     if on_entry:
                         on_entry(t.item)
@@ -111,10 +146,10 @@ def write_files(files: Sequence[FileSpec], on_entry: Callable[[Entry], None] | N
 
 @dataclass(frozen=True)
 class _Task:
-    """A run of a file's bytes to produce: its header, or rows ``[lo, hi)`` of an entry."""
+    """A run of a file's bytes to produce: known bytes, late bytes, or rows ``[lo, hi)`` of an entry."""
 
     file: int
-    item: bytes | Entry
+    item: bytes | Entry | Late
     at: int  # file offset of the run's first byte
     nbytes: int
     entry_at: int = 0  # file offset of the entry's first byte
@@ -123,34 +158,54 @@ class _Task:
     last: bool = True
 
 
-def plan_chunks(files: Sequence[FileSpec], chunk_bytes: int | None = None) -> list[_Task]:
+def _parts(spec: FileSpec | StreamFile) -> list[bytes | Entry | Late]:
+    if isinstance(spec, StreamFile):
+        return list(spec.parts)
+    head, _, size = file_layout(spec.entries, spec.metadata)
+    if spec.image is not None and len(spec.image) < size:
+        raise ValueError(f"{spec.path}: image of {len(spec.image)} bytes for a {size}-byte file")
+    return [head, *spec.entries]
+
+
+def plan_chunks(files: Sequence[FileSpec | StreamFile], chunk_bytes: int | None = None) -> list[_Task]:
     """The runs of bytes :func:`write_files` produces, in file order (pure)."""
     chunk_bytes = chunk_bytes or _CHUNK_BYTES
     tasks: list[_Task] = []
     for i, spec in enumerate(files):
-        keys = [e.key for e in spec.entries]
+        parts = _parts(spec)
+        keys = [e.key for e in parts if isinstance(e, Entry)]
         if len(set(keys)) != len(keys):
-            raise FormatError(f"{spec.path}: duplicate keys in one safetensors file")
-        head, offsets, size = file_layout(spec.entries, spec.metadata)
-        if spec.image is not None and len(spec.image) < size:
-            raise ValueError(f"{spec.path}: image of {len(spec.image)} bytes for a {size}-byte file")
-        tasks.append(_Task(i, head, 0, len(head)))
-        for e, at in zip(spec.entries, offsets):
-            if spec.image is not None:  # bytes already in place: checksum and write by byte ranges
+            raise FormatError(f"{spec.path}: duplicate keys in one file")
+        at = 0
+        for e in parts:
+            nbytes = len(e) if isinstance(e, bytes) else e.nbytes
+            if not isinstance(e, Entry):
+                tasks.append(_Task(i, e, at, nbytes))
+            elif spec.image is not None:  # bytes already in place: checksum and write by byte ranges
                 for lo in range(0, max(e.nbytes, 1), chunk_bytes):
                     hi = min(lo + chunk_bytes, e.nbytes)
                     tasks.append(_Task(i, e, at + lo, hi - lo, at, None, lo == 0, hi == e.nbytes))
-                continue
-            by_rows = isinstance(e.data, np.ndarray) or getattr(e.data, "fills", False)
-            if not (by_rows and e.shape and e.shape[0] > 1 and e.nbytes > chunk_bytes):
+            elif not (_by_rows(e) and e.shape and e.shape[0] > 1 and e.nbytes > chunk_bytes):
                 tasks.append(_Task(i, e, at, e.nbytes, at))
-                continue
-            row = e.nbytes // e.shape[0]
-            step = max(1, chunk_bytes // max(row, 1))
-            for lo in range(0, e.shape[0], step):
-                hi = min(lo + step, e.shape[0])
-                tasks.append(_Task(i, e, at + lo * row, (hi - lo) * row, at, (lo, hi), lo == 0, hi == e.shape[0]))
+            else:
+                row = e.nbytes // e.shape[0]
+                step = max(1, chunk_bytes // max(row, 1))
+                for lo in range(0, e.shape[0], step):
+                    hi = min(lo + step, e.shape[0])
+                    tasks.append(_Task(i, e, at + lo * row, (hi - lo) * row, at, (lo, hi), lo == 0, hi == e.shape[0]))
+            at += nbytes
     return tasks
+
+
+def _by_rows(e: Entry) -> bool:
+    return isinstance(e.data, np.ndarray) or bool(getattr(e.data, "fills", False))
+
+
+def _fill_late(path: str, late: Late, crcs: Sequence[int], buf: mmap.mmap, start: int) -> None:
+    data = late.make(crcs)
+    if len(data) != late.nbytes:
+        raise FormatError(f"{path}: {len(data)} late bytes where {late.nbytes} were planned")
+    buf[start : start + late.nbytes] = data
 
 
 def _from_image(image: mmap.mmap, t: _Task) -> int:
@@ -167,6 +222,8 @@ def _produce(path: str, t: _Task, buf: mmap.mmap) -> int:
     head = t.at % _ALIGN
     if isinstance(t.item, bytes):
         buf[head : head + t.nbytes] = t.item
+        return 0
+    if isinstance(t.item, Late):  # filled in file order, once the CRCs before it are known
         return 0
     e = t.item
     shape = e.shape if t.rows is None else (t.rows[1] - t.rows[0], *e.shape[1:])
