@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -160,8 +161,9 @@ def test_headlines_compare_like_with_like_and_the_readme_matches_the_results(tmp
     readme_copy = tmp_path / "README.md"
     with open(os.path.join(ROOT, "README.md")) as fh:
         text = fh.read()
-    readme_copy.write_text(text.replace("3.83x faster", "9.13x faster", 1))
-    assert "3.83x faster" in text
+    quoted = re.search(r"\d+\.\d\dx faster", text)  # a generated ratio, typed over by hand below
+    assert quoted, "the README quotes no generated ratio"
+    readme_copy.write_text(text.replace(quoted.group(0), "99.99x faster", 1))
     assert readme.main(["--check", "--readme", str(readme_copy)]) == 1
 
 
