@@ -128,7 +128,9 @@ def test_every_rule_round_trips_through_json():
     rules = _all_rules()
     again = [rule_from_json(json.loads(json.dumps(r))) for r in rules_to_json(rules)]
     assert tuple(again) == rules
-    every = {c.__name__ for c in ckptbridge.plugin.Rule.__subclasses__()}
+    # the language's rules; an adapter's own Rule subclass (adapters.lora.Copy, imported by an
+    # earlier test in the same process) is applied by that adapter and never stored
+    every = {c.__name__ for c in ckptbridge.plugin.Rule.__subclasses__() if c.__module__.startswith("ckptbridge.rules")}
     assert {type(r).__name__ for r in rules} == every  # every rule of the language is covered
 
 
