@@ -428,6 +428,7 @@ def megatron(tmp_path_factory):
         assert main(["reshard", str(d), str(work / label), "--to", "megatron", "--tp", "1", "--pp", "1", "--rules",
                      str(work / f"{label}.rules.json"), "-o", f"args={work / f'{a}.json'}", "-o", f"ep={ep}"]) == 0
         items.append(str(work / label))
+    items.insert(3, f"savemodel:{work / 'mg_ep2'}={work / 'dist_ep2'}")  # megatron-core's own torch_dist save of it
     out = subprocess.run([sys.executable, CORE_LOSS, "--world", "2", "--dump", str(work / "dump"), *items],
                          capture_output=True, text=True, timeout=900,
                          env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", MEGATRON_CPU_SHIM_GG="1"))
@@ -451,14 +452,22 @@ def test_hf_to_megatron_loads_strictly_in_megatron_core_with_hfs_logits(megatron
 
 
 @pytest.mark.heavy
-@pytest.mark.parametrize("label", ["mg", "mg_ep2"], ids=["ep1", "ep2"])
+@pytest.mark.parametrize("label", ["mg", "mg_ep2", "dist_ep2"], ids=["ep1", "ep2", "ep2_torch_dist"])
 def test_megatron_to_hf_gives_the_same_tensors_back(megatron, label):
     """The MTP layer too (megatron-core's ``mtp.layers.0``, which GPTModel with ``mtp_num_layers=1`` loaded
     strictly above), but for its copies of the embedding and output layer, dropped with one line; from the
-    EP 2 files too (each expert under its global id)."""
+    EP 2 files too (each expert under its global id), and from megatron-core's own ``torch_dist`` save of them
+    (``dist_checkpointing.save`` of its ``sharded_state_dict``: with the dense first layer, one key per layer)."""
     cfg = recipes.config_from_hf(megatron["dir"] / "config.json")
     mg = ckptbridge.open(megatron["work"] / label)
-    assert mg.extra["megatron"]["args"]["expert_model_parallel_size"] == (2 if label == "mg_ep2" else 1)
+    assert mg.extra["megatron"]["args"]["expert_model_parallel_size"] == (1 if label == "mg" else 2)
+    assert mg.extra["megatron"]["format"] == ("torch_dist" if label.startswith("dist") else "torch")
+    if label.startswith("dist"):  # megatron-core keyed the mixed dense / MoE block per layer, no layer axis
+        from ckptbridge.adapters.dcp import read_metadata
+
+        keys = read_metadata(str(next((megatron["work"] / label).glob("iter_*")))).tensors
+        assert "decoder.layers.1.mlp.experts.experts.linear_fc1.weight" in keys
+        assert "decoder.layers.0.mlp.linear_fc1.weight" in keys and not any(k.startswith("decoder.layers.mlp") for k in keys)
     assert mg.extra["megatron"]["args"]["mtp_num_layers"] == 1
     mtp = sorted(n for n in mg if n.startswith("mtp.layers.0."))
     assert {"mtp.layers.0.enorm.weight", "mtp.layers.0.hnorm.weight", "mtp.layers.0.eh_proj.weight",
