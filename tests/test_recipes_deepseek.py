@@ -35,7 +35,15 @@ dense first layer; the release's MTP layer as its multi-token-prediction block, 
 loads strictly on 2 gloo ranks (``tools/megatron/core_loss.py``) and whose logits are HF's; Megatron
 -> HF gives every tensor back bitwise (the MTP layer's copies of the embedding and output layer are
 dropped with one line: megatron-core's MTP shares the main model's); the router's expert bias zeroed
-moves the logits far (negative control). On CPU, megatron-core 0.16.1's MLA needs a core
+moves the logits far (negative control). The same at EP 2 (``-o ep=2``, in the same ``core_loss.py`` call):
+each rank loads its own ``mp_rank_00_00E`` strictly with HF's logits (the dense first layer's MLP in both
+files, every MoE layer's experts and the MTP layer's split 8 + 8 under local ids), the files and
+megatron-core's own ``torch_dist`` save of them (``savemodel:``; one key per layer, as megatron-core keys a
+block of mixed dense and MoE layers) read back to HF bitwise; the grouped recipe through
+``reshard --to megatron -o ep=2`` (bf16, GroupedMLP files) gives bitwise the logits of the SequentialMLP
+files. ``recipes.megatron_args`` given a checkpoint directory counts the MTP layers its tensors have
+(``save_pretrained`` writes none though the config says 1), and the writer refuses args that do not fit the
+tensors. On CPU, megatron-core 0.16.1's MLA needs a core
 attention that takes its key/value widths (its local ``DotProductAttention`` does not; Transformer
 Engine's is CUDA-only) and two import-time gaps filled: ``tools/megatron/mla_cpu.py`` says which.
 With ``megatron_experts="grouped"`` (the legacy ``GroupedMLP`` module's ``mlp.experts.weight1`` / ``weight2``,
