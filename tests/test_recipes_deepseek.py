@@ -401,6 +401,33 @@ def test_megatron_args_follow_the_mtp_tensors_and_the_writer_checks_the_layers(n
         assert not (tmp_path / label).exists()
 
 
+QWEN_SPEC = hf.HFSpec("qwen3_moe", layers=4, mlp=48, experts=4, experts_per_tok=2, heads=4, kv_heads=2, head_dim=24)
+QWEN_CASES = {"qwen_tp2ep2": ("-o", "tp=2", "-o", "ep=2", "-o", "etp=1"), "qwen_pp2": ("-o", "tp=1", "-o", "pp=2")}
+
+
+def _qwen_dense_layers(work, template: dict) -> dict:
+    """A tiny ``Qwen3MoeForCausalLM`` with ``decoder_sparse_step=2`` (layers 0, 2 dense with a SwiGLU MLP of
+    width 96; layers 1, 3 MoE: 4 experts of width 48, top 2), written by ``reshard --to megatron`` at TP 2 x EP 2
+    (ETP 1) and at PP 2 (``QWEN_CASES``), for the same ``core_loss.py`` call as the DeepSeek checkpoints (MLA
+    is laid out at TP 1 only: this is the TP > 1 case of dense layers between MoE layers)."""
+    import transformers
+
+    from ckptbridge._cli import main
+
+    cfg = hf.config(QWEN_SPEC)
+    cfg.decoder_sparse_step = 2  # HF: layer i is MoE when (i + 1) % 2 == 0
+    model = hf.build_config(transformers.Qwen3MoeForCausalLM, cfg, QWEN_SPEC.seed)
+    d = hf.save(model, work / "hf_qwen")
+    args = recipes.megatron_args(d, template=template)
+    (work / "qwen.args.json").write_text(json.dumps(args))
+    rules = recipes.rules("qwen3_moe", src="hf", dst="megatron", **recipes.config_from_hf(d / "config.json"))
+    (work / "qwen.rules.json").write_text(json.dumps(ckptbridge.rules_to_json(rules)))
+    for label, opts in QWEN_CASES.items():
+        assert main(["reshard", str(d), str(work / label), "--to", "megatron", "--rules", str(work / "qwen.rules.json"),
+                     "-o", f"args={work / 'qwen.args.json'}", *opts]) == 0, label
+    return {"model": model, "dir": d, "args": args}
+
+
 @pytest.fixture(scope="module")
 def megatron(tmp_path_factory):
     """HF -> Megatron with the CLI (``reshard --to megatron --rules R.json -o args=ARGS.json``, args from
@@ -437,12 +464,14 @@ def megatron(tmp_path_factory):
                      str(work / f"{label}.rules.json"), "-o", f"args={work / f'{a}.json'}", "-o", f"ep={ep}"]) == 0
         items.append(str(work / label))
     items.insert(3, f"savemodel:{work / 'mg_ep2'}={work / 'dist_ep2'}")  # megatron-core's own torch_dist save of it
+    qwen = _qwen_dense_layers(work, template)  # dense layers between MoE layers at TP 2 x EP 2 and PP 2 (no MLA)
+    items += [str(work / label) for label in QWEN_CASES]
     out = subprocess.run([sys.executable, CORE_LOSS, "--world", "2", "--dump", str(work / "dump"), *items],
                          capture_output=True, text=True, timeout=900,
                          env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", MEGATRON_CPU_SHIM_GG="1"))
     recs = [json.loads(line[len("CORE_LOSS "):]) for line in out.stdout.splitlines() if line.startswith("CORE_LOSS ")]
     assert out.returncode == 0 and len(recs) == len(items), out.stdout[-3000:] + out.stderr[-5000:]
-    return {"work": work, "dir": d, "model": model, "recs": dict(zip([os.path.basename(i) for i in items], recs)),
+    return {"work": work, "dir": d, "model": model, "qwen": qwen, "recs": dict(zip([os.path.basename(i) for i in items], recs)),
             "dumps": {os.path.basename(i): np.load(r["dump"]) for i, r in zip(items, recs)},
             "rules": rules, "mtp": mtp}
 
@@ -536,6 +565,48 @@ def test_grouped_recipe_through_reshard_at_ep2_is_the_sequential_model(megatron)
     assert grouped.extra["megatron"]["moe"]["grouped_gemm"] and sorted(grouped) == sorted(sequential)
     for name in sequential:
         assert grouped[name].read().tobytes() == sequential[name].read().tobytes(), name
+
+
+@pytest.mark.heavy
+def test_dense_layers_between_moe_layers_at_tp2_ep2_and_pp2(megatron):
+    """Qwen3-MoE with dense layers between MoE layers (``moe_layer_freq=[0, 1, 0, 1]``, which megatron-core's
+    ``get_gpt_decoder_block_spec`` reads into dense and MoE layer specs) at TP 2 x EP 2 (ETP 1: files
+    ``mp_rank_00_000`` / ``mp_rank_01_001``, the dense MLPs split over TP, each MoE layer's experts two per EP
+    rank, whole) and at PP 2 (stage 1: global layers 2, 3 as local 0, 1, dense then MoE): megatron-core loads
+    each rank's file strictly, its logits (PP 1) are HF's and its loss HF's cross-entropy; back to HF bitwise."""
+    import torch
+
+    qwen, work = megatron["qwen"], megatron["work"]
+    assert qwen["args"]["moe_layer_freq"] == [0, 1, 0, 1] and qwen["args"]["ffn_hidden_size"] == 96
+    orig = ckptbridge.open(qwen["dir"])
+    for label, (tp, pp, ep) in {"qwen_tp2ep2": (2, 1, 2), "qwen_pp2": (1, 2, 1)}.items():
+        rec, dump = megatron["recs"][label], megatron["dumps"][label]
+        assert "error" not in rec and (rec["tp"], rec["pp"], rec["ep"]) == (tp, pp, ep), rec  # strict, every rank
+        got = hf.logits(qwen["model"], dump["tokens"])
+        if pp == 1:
+            assert _err(got, dump["logits"]) < TOL, label  # measured ~1e-7
+        loss = hf.cross_entropy(got, dump["labels"])
+        assert abs(loss - rec["loss"]) <= 1e-5 * loss, (label, loss, rec["loss"])
+        back = ckptbridge.open(work / label, rules=recipes.rules("qwen3_moe", src="megatron", dst="hf",
+                                                                 **recipes.config_from_hf(qwen["dir"] / "config.json")))
+        assert sorted(back) == sorted(orig)
+        for key in orig:
+            assert back[key].read().tobytes() == orig[key].read().tobytes(), (label, key)
+    it = next((work / "qwen_tp2ep2").glob("iter_*"))
+    assert sorted(p.name for p in it.iterdir()) == ["mp_rank_00_000", "mp_rank_01_001"]
+    for t in range(2):
+        sd = torch.load(it / f"mp_rank_0{t}_00{t}" / "model_optim_rng.pt", weights_only=False)["model"]
+        for layer in (0, 2):  # dense: [gate_t; up_t] rows of TP rank t, no router
+            assert sd[f"decoder.layers.{layer}.mlp.linear_fc1.weight"].shape == (96, QWEN_SPEC.emb)
+            assert f"decoder.layers.{layer}.mlp.router.weight" not in sd
+        for layer in (1, 3):  # MoE: experts 2t, 2t + 1 whole (ETP 1) as local 0, 1
+            assert {n.split(".")[6] for n in sd if n.startswith(f"decoder.layers.{layer}.mlp.experts.local_experts.")} \
+                == {"0", "1"}
+            assert sd[f"decoder.layers.{layer}.mlp.experts.local_experts.1.linear_fc1.weight"].shape == \
+                (96, QWEN_SPEC.emb)
+    stage1 = torch.load(next((work / "qwen_pp2").glob("iter_*")) / "mp_rank_00_001" / "model_optim_rng.pt",
+                        weights_only=False)["model"]
+    assert "decoder.layers.0.mlp.linear_fc1.weight" in stage1 and "decoder.layers.1.mlp.router.weight" in stage1
 
 
 @pytest.mark.heavy

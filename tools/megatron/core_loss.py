@@ -169,12 +169,11 @@ def transformer_config(args: Any, tp: int, pp: int, ep: int = 1, etp: int | None
     mla = bool(getattr(args, "multi_latent_attention", False))
     freq = getattr(args, "moe_layer_freq", 1)
     every_layer = freq in (1, None) or (isinstance(freq, list) and all(freq))
-    if not mla and getattr(args, "num_experts", None) and not every_layer:
-        raise NotImplementedError("core_loss.py builds MoE models without MLA with experts in every layer")
     cls = MLATransformerConfig if mla else TransformerConfig  # MLA (+ MoE): DeepSeek-V3, see mla_cpu.py
     kw = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
     kw.update(pipeline_dtype=args.params_dtype, batch_p2p_comm=not getattr(args, "overlap_p2p_comm", False),
-              num_moe_experts=getattr(args, "num_experts", None) or None, **({} if mla else {"moe_layer_freq": 1}),
+              num_moe_experts=getattr(args, "num_experts", None) or None,
+              **({} if mla or not every_layer else {"moe_layer_freq": 1}),
               rotary_interleaved=getattr(args, "rotary_interleaved", False),
               num_layers_in_first_pipeline_stage=getattr(args, "decoder_first_pipeline_num_layers", None),
               num_layers_in_last_pipeline_stage=getattr(args, "decoder_last_pipeline_num_layers", None),
@@ -216,6 +215,10 @@ def build_model(args: Any, tp: int, pp: int, ep: int = 1, etp: int | None = None
         from mla_cpu import mla_local_spec
 
         spec = mla_local_spec(config)
+    elif config.num_moe_experts and config.moe_layer_freq != 1:  # dense layers between MoE layers
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=args.normalization)
     else:
         spec = get_gpt_layer_local_spec(normalization=args.normalization, num_experts=config.num_moe_experts,
                                         qk_layernorm=bool(getattr(args, "qk_layernorm", False)),
