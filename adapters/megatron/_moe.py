@@ -27,7 +27,11 @@ whatever the layout that wrote it. How megatron-core 0.16.1 lays experts out
   ``weight1.view(E_l, hidden, -1)[K].T`` (a strided view, no copy), its
   ``linear_fc2.weight`` shard ``weight2.view(E_l, -1, hidden)[K].T``;
 * ``torch_dist`` stores ``decoder.layers.mlp.experts.experts.linear_fc{1,2}.weight``
-  ``[layers, experts, ...]`` (both MLP kinds), already global.
+  ``[layers, experts, ...]`` (both MLP kinds), already global; a block of mixed dense and MoE layers
+  per layer, ``decoder.layers.<L>.mlp.experts.experts...`` ``[experts, ...]``;
+* which layers are MoE: ``moe_layer_freq`` (:func:`moe_layer_pattern`, global layer numbers); a dense
+  layer's MLP is a dense parameter (TP, repeated in every EP rank's file); a multi-token-prediction
+  layer's MoE (``mtp.layers.K.transformer_layer.mlp.experts``) is laid out as a decoder layer's.
 
 Usage::
 
