@@ -201,7 +201,8 @@ def transformer_config(args: Any, tp: int, pp: int, ep: int = 1, etp: int | None
 def build_model(args: Any, tp: int, pp: int, ep: int = 1, etp: int | None = None, train: bool = False) -> Any:
     """megatron-core ``GPTModel`` with the local spec, as Megatron-LM's gpt_builders builds it (its MoE
     layers' experts: ``SequentialMLP``, or with ``moe_grouped_gemm`` the legacy ``GroupedMLP``, whose
-    grouped GEMM needs ``MEGATRON_CPU_SHIM_GG=1`` on CPU: see cpu_shim.py), and with ``mtp_num_layers``
+    grouped GEMM needs ``MEGATRON_CPU_SHIM_GG=1`` on CPU: see cpu_shim.py; dense layers between MoE layers
+    as ``moe_layer_freq`` says: ``get_gpt_decoder_block_spec``), and with ``mtp_num_layers``
     its multi-token-prediction block (``get_gpt_mtp_block_spec``: the last decoder layer's spec)."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
