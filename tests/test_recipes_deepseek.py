@@ -35,7 +35,18 @@ dense first layer; the release's MTP layer as its multi-token-prediction block, 
 loads strictly on 2 gloo ranks (``tools/megatron/core_loss.py``) and whose logits are HF's; Megatron
 -> HF gives every tensor back bitwise (the MTP layer's copies of the embedding and output layer are
 dropped with one line: megatron-core's MTP shares the main model's); the router's expert bias zeroed
-moves the logits far (negative control). On CPU, megatron-core 0.16.1's MLA needs a core
+moves the logits far (negative control). The same at EP 2 (``-o ep=2``, in the same ``core_loss.py`` call):
+each rank loads its own ``mp_rank_00_00E`` strictly with HF's logits (the dense first layer's MLP in both
+files, every MoE layer's experts and the MTP layer's split 8 + 8 under local ids), the files and
+megatron-core's own ``torch_dist`` save of them (``savemodel:``; one key per layer, as megatron-core keys a
+block of mixed dense and MoE layers) read back to HF bitwise; the grouped recipe through
+``reshard --to megatron -o ep=2`` (bf16, GroupedMLP files) gives bitwise the logits of the SequentialMLP
+files. In the same call, dense layers between MoE layers at TP > 1 (MLA is laid out at TP 1 only): a tiny
+``Qwen3MoeForCausalLM`` with ``decoder_sparse_step=2`` written at TP 2 x EP 2 and at PP 2 loads strictly in
+megatron-core with HF's logits and reads back bitwise. ``recipes.megatron_args`` given a checkpoint directory
+counts the MTP layers its tensors have
+(``save_pretrained`` writes none though the config says 1), and the writer refuses args that do not fit the
+tensors. On CPU, megatron-core 0.16.1's MLA needs a core
 attention that takes its key/value widths (its local ``DotProductAttention`` does not; Transformer
 Engine's is CUDA-only) and two import-time gaps filled: ``tools/megatron/mla_cpu.py`` says which.
 With ``megatron_experts="grouped"`` (the legacy ``GroupedMLP`` module's ``mlp.experts.weight1`` / ``weight2``,
@@ -66,6 +77,7 @@ import ckptbridge
 from ckptbridge import (
     Drop,
     DroppedTensorsWarning,
+    FormatError,
     OptionError,
     Rename,
     Scale,
@@ -368,11 +380,66 @@ CORE_MODULE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__fil
 CORE_LOSS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "megatron", "core_loss.py")
 
 
+def test_megatron_args_follow_the_mtp_tensors_and_the_writer_checks_the_layers(no_q_lora, tmp_path):
+    """transformers' ``save_pretrained`` writes no MTP tensors though the config says ``num_nextn_predict_layers=1``:
+    given the checkpoint (its directory, or its config.json beside the weights) ``megatron_args`` follows the
+    tensors. The writer refuses, before writing anything, Megatron args whose MTP layers the tensors lack, or
+    whose ``moe_layer_freq`` makes a layer dense that has a router (naming the tensor)."""
+    cfg = json.loads((no_q_lora / "config.json").read_text())
+    template = {**ckptbridge.open(MEGATRON_A).extra["megatron"]["args"], "tensor_model_parallel_size": 1,
+                "pipeline_model_parallel_size": 1}
+    assert cfg["num_nextn_predict_layers"] == 1 and not [n for n in ckptbridge.open(no_q_lora) if ".layers.2." in n]
+    assert recipes.megatron_args(cfg, template=template)["mtp_num_layers"] == 1  # the config alone says 1
+    for given in (no_q_lora, str(no_q_lora), no_q_lora / "config.json"):
+        args = recipes.megatron_args(given, template=template)
+        assert args["mtp_num_layers"] is None and args["moe_layer_freq"] == [1, 1], given
+    rules = recipes.rules("deepseek_v3", src="hf", dst="megatron", **recipes.config_from_hf(cfg))
+    for label, wrong, named in (
+            ("mtp", {"mtp_num_layers": 1}, r"mtp_num_layers=1 but there is no tensor 'mtp\.layers\.0\.\*'"),
+            ("freq", {"moe_layer_freq": [0, 1]}, r"tensor 'decoder\.layers\.0\.mlp\.\S+' does not belong in layer 0, "
+                                                 r"which moe_layer_freq=\[0, 1\] makes a dense layer")):
+        (tmp_path / f"{label}.json").write_text(json.dumps({**args, **wrong}))
+        with pytest.raises(FormatError, match=named):
+            ckptbridge.reshard(str(no_q_lora), tmp_path / label, "megatron", rules=rules, args=str(tmp_path / f"{label}.json"))
+        assert not (tmp_path / label).exists()
+
+
+QWEN_SPEC = hf.HFSpec("qwen3_moe", layers=4, mlp=48, experts=4, experts_per_tok=2, heads=4, kv_heads=2, head_dim=24)
+QWEN_CASES = {"qwen_tp2ep2": ("-o", "tp=2", "-o", "ep=2", "-o", "etp=1"), "qwen_pp2": ("-o", "tp=1", "-o", "pp=2")}
+
+
+def _qwen_dense_layers(work, template: dict) -> dict:
+    """A tiny ``Qwen3MoeForCausalLM`` with ``decoder_sparse_step=2`` (layers 0, 2 dense with a SwiGLU MLP of
+    width 96; layers 1, 3 MoE: 4 experts of width 48, top 2), written by ``reshard --to megatron`` at TP 2 x EP 2
+    (ETP 1) and at PP 2 (``QWEN_CASES``), for the same ``core_loss.py`` call as the DeepSeek checkpoints (MLA
+    is laid out at TP 1 only: this is the TP > 1 case of dense layers between MoE layers)."""
+    import transformers
+
+    from ckptbridge._cli import main
+
+    cfg = hf.config(QWEN_SPEC)
+    cfg.decoder_sparse_step = 2  # HF: layer i is MoE when (i + 1) % 2 == 0
+    model = hf.build_config(transformers.Qwen3MoeForCausalLM, cfg, QWEN_SPEC.seed)
+    d = hf.save(model, work / "hf_qwen")
+    args = recipes.megatron_args(d, template=template)
+    (work / "qwen.args.json").write_text(json.dumps(args))
+    rules = recipes.rules("qwen3_moe", src="hf", dst="megatron", **recipes.config_from_hf(d / "config.json"))
+    (work / "qwen.rules.json").write_text(json.dumps(ckptbridge.rules_to_json(rules)))
+    for label, opts in QWEN_CASES.items():
+        assert main(["reshard", str(d), str(work / label), "--to", "megatron", "--rules", str(work / "qwen.rules.json"),
+                     "-o", f"args={work / 'qwen.args.json'}", *opts]) == 0, label
+    return {"model": model, "dir": d, "args": args}
+
+
 @pytest.fixture(scope="module")
 def megatron(tmp_path_factory):
     """HF -> Megatron with the CLI (``reshard --to megatron --rules R.json -o args=ARGS.json``, args from
     ``recipes.megatron_args``), loaded strictly by megatron-core's ``GPTModel`` (MLA + MoE layer
-    specs, the core attention of ``tools/megatron/mla_cpu.py``) on 2 gloo ranks (``core_loss.py``)."""
+    specs, the core attention of ``tools/megatron/mla_cpu.py``) on 2 gloo ranks (``core_loss.py``), in one
+    call: TP 1 / EP 1 (``mg``; the negative control ``mg_bias_zero``), EP 2 (``mg_ep2``: each rank one EP rank),
+    and in bf16 at EP 2 the grouped recipe (``megatron_experts="grouped"``: whole-layer ``experts.weight1/2``)
+    into legacy GroupedMLP files (``grouped_ep2``, ``moe_grouped_gemm``) beside the sequential recipe's
+    SequentialMLP files (``sequential_ep2``)."""
     import subprocess
 
     from ckptbridge._cli import main
@@ -383,41 +450,64 @@ def megatron(tmp_path_factory):
     mtp = _add_mtp(d, SPEC.layers)
     template = {**ckptbridge.open(MEGATRON_A).extra["megatron"]["args"], "tensor_model_parallel_size": 1,
                 "pipeline_model_parallel_size": 1}
-    (work / "args.json").write_text(json.dumps(recipes.megatron_args(d / "config.json", template=template)))
-    rules = recipes.rules("deepseek_v3", src="hf", dst="megatron", **recipes.config_from_hf(d / "config.json"))
+    args = recipes.megatron_args(d, template=template)  # the checkpoint dir: mtp_num_layers from its tensors
+    bf16 = {**args, "bf16": True, "params_dtype": "torch.bfloat16"}
+    for label, a in (("args", args), ("bf16", bf16), ("bf16_grouped", {**bf16, "moe_grouped_gemm": True})):
+        (work / f"{label}.json").write_text(json.dumps(a))
+    cfg = recipes.config_from_hf(d / "config.json")
+    rules = recipes.rules("deepseek_v3", src="hf", dst="megatron", **cfg)
+    grouped = recipes.rules("deepseek_v3", src="hf", dst="megatron", **cfg, megatron_experts="grouped")
     items = []
-    for label, rr in (("mg", rules), ("mg_bias_zero", (*rules, Scale(r"\.mlp\.router\.expert_bias$", 0.0)))):
+    for label, rr, a, ep in (("mg", rules, "args", 1), ("mg_bias_zero", (*rules, Scale(r"\.mlp\.router\.expert_bias$", 0.0)),
+                                                        "args", 1),
+                             ("mg_ep2", rules, "args", 2), ("grouped_ep2", grouped, "bf16_grouped", 2),
+                             ("sequential_ep2", rules, "bf16", 2)):
         (work / f"{label}.rules.json").write_text(json.dumps(ckptbridge.rules_to_json(rr)))
         assert main(["reshard", str(d), str(work / label), "--to", "megatron", "--tp", "1", "--pp", "1", "--rules",
-                     str(work / f"{label}.rules.json"), "-o", f"args={work / 'args.json'}"]) == 0
+                     str(work / f"{label}.rules.json"), "-o", f"args={work / f'{a}.json'}", "-o", f"ep={ep}"]) == 0
         items.append(str(work / label))
+    items.insert(3, f"savemodel:{work / 'mg_ep2'}={work / 'dist_ep2'}")  # megatron-core's own torch_dist save of it
+    qwen = _qwen_dense_layers(work, template)  # dense layers between MoE layers at TP 2 x EP 2 and PP 2 (no MLA)
+    items += [str(work / label) for label in QWEN_CASES]
     out = subprocess.run([sys.executable, CORE_LOSS, "--world", "2", "--dump", str(work / "dump"), *items],
                          capture_output=True, text=True, timeout=900,
-                         env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"))
+                         env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", MEGATRON_CPU_SHIM_GG="1"))
     recs = [json.loads(line[len("CORE_LOSS "):]) for line in out.stdout.splitlines() if line.startswith("CORE_LOSS ")]
     assert out.returncode == 0 and len(recs) == len(items), out.stdout[-3000:] + out.stderr[-5000:]
-    return {"work": work, "dir": d, "model": model, "recs": recs, "dumps": [np.load(r["dump"]) for r in recs],
+    return {"work": work, "dir": d, "model": model, "qwen": qwen, "recs": dict(zip([os.path.basename(i) for i in items], recs)),
+            "dumps": {os.path.basename(i): np.load(r["dump"]) for i, r in zip(items, recs)},
             "rules": rules, "mtp": mtp}
 
 
 @pytest.mark.heavy
 def test_hf_to_megatron_loads_strictly_in_megatron_core_with_hfs_logits(megatron):
-    rec, dump = megatron["recs"][0], megatron["dumps"][0]
+    rec, dump = megatron["recs"]["mg"], megatron["dumps"]["mg"]
     assert "error" not in rec and rec["tp"] == 1 and rec["pp"] == 1  # load_state_dict(strict=True) passed
     got = hf.logits(megatron["model"], dump["tokens"])
     assert _err(got, dump["logits"]) < TOL  # measured 1.2e-7 (the zeroed expert bias: 6.5e-2)
     loss = hf.cross_entropy(got, dump["labels"])
     assert abs(loss - rec["loss"]) <= 1e-5 * loss, (loss, rec["loss"])
-    bias_zero = megatron["dumps"][1]
+    bias_zero = megatron["dumps"]["mg_bias_zero"]
     assert _err(hf.logits(megatron["model"], bias_zero["tokens"]), bias_zero["logits"]) > 50 * TOL  # negative control
 
 
 @pytest.mark.heavy
-def test_megatron_to_hf_gives_the_same_tensors_back(megatron):
+@pytest.mark.parametrize("label", ["mg", "mg_ep2", "dist_ep2"], ids=["ep1", "ep2", "ep2_torch_dist"])
+def test_megatron_to_hf_gives_the_same_tensors_back(megatron, label):
     """The MTP layer too (megatron-core's ``mtp.layers.0``, which GPTModel with ``mtp_num_layers=1`` loaded
-    strictly above), but for its copies of the embedding and output layer, dropped with one line."""
+    strictly above), but for its copies of the embedding and output layer, dropped with one line; from the
+    EP 2 files too (each expert under its global id), and from megatron-core's own ``torch_dist`` save of them
+    (``dist_checkpointing.save`` of its ``sharded_state_dict``: with the dense first layer, one key per layer)."""
     cfg = recipes.config_from_hf(megatron["dir"] / "config.json")
-    mg = ckptbridge.open(megatron["work"] / "mg")
+    mg = ckptbridge.open(megatron["work"] / label)
+    assert mg.extra["megatron"]["args"]["expert_model_parallel_size"] == (1 if label == "mg" else 2)
+    assert mg.extra["megatron"]["format"] == ("torch_dist" if label.startswith("dist") else "torch")
+    if label.startswith("dist"):  # megatron-core keyed the mixed dense / MoE block per layer, no layer axis
+        from ckptbridge.adapters.dcp import read_metadata
+
+        keys = read_metadata(str(next((megatron["work"] / label).glob("iter_*")))).tensors
+        assert "decoder.layers.1.mlp.experts.experts.linear_fc1.weight" in keys
+        assert "decoder.layers.0.mlp.linear_fc1.weight" in keys and not any(k.startswith("decoder.layers.mlp") for k in keys)
     assert mg.extra["megatron"]["args"]["mtp_num_layers"] == 1
     mtp = sorted(n for n in mg if n.startswith("mtp.layers.0."))
     assert {"mtp.layers.0.enorm.weight", "mtp.layers.0.hnorm.weight", "mtp.layers.0.eh_proj.weight",
@@ -435,6 +525,91 @@ def test_megatron_to_hf_gives_the_same_tensors_back(megatron):
         ckptbridge.open(megatron["dir"], rules=megatron["rules"])
     lines = [str(w.message) for w in caught if issubclass(w.category, DroppedTensorsWarning)]
     assert len(lines) == 1 and all(n in lines[0] for n in copies) and "\n" not in lines[0]
+
+
+@pytest.mark.heavy
+def test_hf_to_megatron_at_ep2_with_a_dense_first_layer(megatron):
+    """EP 2 (``-o ep=2``; 2 gloo ranks, one EP rank each): MLA, the dense first layer, MoE layers with a shared
+    expert and the router bias, the MTP layer's MoE too. Each rank loads its own file strictly with HF's logits;
+    the dense layer's MLP is in both files, each MoE layer's experts split 8 + 8 under local ids (local expert K
+    of EP rank 1 is global expert 8 + K)."""
+    import torch
+
+    rec, dump = megatron["recs"]["mg_ep2"], megatron["dumps"]["mg_ep2"]
+    assert "error" not in rec and (rec["tp"], rec["ep"]) == (1, 2), rec  # load_state_dict(strict=True) on each rank
+    assert _err(hf.logits(megatron["model"], dump["tokens"]), dump["logits"]) < TOL
+    it = next((megatron["work"] / "mg_ep2").glob("iter_*"))
+    assert sorted(p.name for p in it.iterdir()) == ["mp_rank_00_000", "mp_rank_00_001"]
+    view = ckptbridge.open(megatron["dir"], rules=megatron["rules"])  # the HF model under megatron-core's names
+    local = SPEC.experts // 2
+    for e in range(2):
+        sd = torch.load(it / f"mp_rank_00_00{e}" / "model_optim_rng.pt", weights_only=False)["model"]
+        assert sd["decoder.layers.0.mlp.linear_fc1.weight"].shape == (2 * SPEC.mlp, SPEC.emb)  # dense, whole
+        for at in ("decoder.layers.1", "decoder.layers.2", "mtp.layers.0.transformer_layer"):
+            experts = {int(n.split(".")[-3]) for n in sd if n.startswith(f"{at}.mlp.experts.local_experts.")}
+            assert experts == set(range(local)), (at, experts)
+            for k in (0, local - 1):
+                mine = sd[f"{at}.mlp.experts.local_experts.{k}.linear_fc1.weight"].numpy()
+                want = view[f"{at}.mlp.experts.local_experts.{e * local + k}.linear_fc1.weight"].read()
+                assert mine.tobytes() == want.tobytes(), (e, at, k)
+
+
+@pytest.mark.heavy
+def test_grouped_recipe_through_reshard_at_ep2_is_the_sequential_model(megatron):
+    """The grouped recipe's whole-layer ``experts.weight1/2`` through ``reshard --to megatron -o ep=2`` as legacy
+    GroupedMLP files (bf16): megatron-core's ``GPTModel(moe_grouped_gemm=True)`` loads them strictly on each EP
+    rank and its logits are the SequentialMLP model's, bitwise; both read back as the same tensors."""
+    recs, dumps = megatron["recs"], megatron["dumps"]
+    for label in ("grouped_ep2", "sequential_ep2"):
+        assert "error" not in recs[label] and recs[label]["ep"] == 2, recs[label]
+    assert dumps["grouped_ep2"]["logits"].tobytes() == dumps["sequential_ep2"]["logits"].tobytes()
+    assert _err(dumps["grouped_ep2"]["logits"], dumps["mg_ep2"]["logits"]) > 0  # bf16, not the fp32 model
+    grouped, sequential = (ckptbridge.open(megatron["work"] / label) for label in ("grouped_ep2", "sequential_ep2"))
+    assert grouped.extra["megatron"]["moe"]["grouped_gemm"] and sorted(grouped) == sorted(sequential)
+    for name in sequential:
+        assert grouped[name].read().tobytes() == sequential[name].read().tobytes(), name
+
+
+@pytest.mark.heavy
+def test_dense_layers_between_moe_layers_at_tp2_ep2_and_pp2(megatron):
+    """Qwen3-MoE with dense layers between MoE layers (``moe_layer_freq=[0, 1, 0, 1]``, which megatron-core's
+    ``get_gpt_decoder_block_spec`` reads into dense and MoE layer specs) at TP 2 x EP 2 (ETP 1: files
+    ``mp_rank_00_000`` / ``mp_rank_01_001``, the dense MLPs split over TP, each MoE layer's experts two per EP
+    rank, whole) and at PP 2 (stage 1: global layers 2, 3 as local 0, 1, dense then MoE): megatron-core loads
+    each rank's file strictly, its logits (PP 1) are HF's and its loss HF's cross-entropy; back to HF bitwise."""
+    import torch
+
+    qwen, work = megatron["qwen"], megatron["work"]
+    assert qwen["args"]["moe_layer_freq"] == [0, 1, 0, 1] and qwen["args"]["ffn_hidden_size"] == 96
+    orig = ckptbridge.open(qwen["dir"])
+    for label, (tp, pp, ep) in {"qwen_tp2ep2": (2, 1, 2), "qwen_pp2": (1, 2, 1)}.items():
+        rec, dump = megatron["recs"][label], megatron["dumps"][label]
+        assert "error" not in rec and (rec["tp"], rec["pp"], rec["ep"]) == (tp, pp, ep), rec  # strict, every rank
+        got = hf.logits(qwen["model"], dump["tokens"])
+        if pp == 1:
+            assert _err(got, dump["logits"]) < TOL, label
+        loss = hf.cross_entropy(got, dump["labels"])
+        assert abs(loss - rec["loss"]) <= 1e-5 * loss, (label, loss, rec["loss"])
+        back = ckptbridge.open(work / label, rules=recipes.rules("qwen3_moe", src="megatron", dst="hf",
+                                                                 **recipes.config_from_hf(qwen["dir"] / "config.json")))
+        assert sorted(back) == sorted(orig)
+        for key in orig:
+            assert back[key].read().tobytes() == orig[key].read().tobytes(), (label, key)
+    it = next((work / "qwen_tp2ep2").glob("iter_*"))
+    assert sorted(p.name for p in it.iterdir()) == ["mp_rank_00_000", "mp_rank_01_001"]
+    for t in range(2):
+        sd = torch.load(it / f"mp_rank_0{t}_00{t}" / "model_optim_rng.pt", weights_only=False)["model"]
+        for layer in (0, 2):  # dense: [gate_t; up_t] rows of TP rank t, no router
+            assert sd[f"decoder.layers.{layer}.mlp.linear_fc1.weight"].shape == (96, QWEN_SPEC.emb)
+            assert f"decoder.layers.{layer}.mlp.router.weight" not in sd
+        for layer in (1, 3):  # MoE: experts 2t, 2t + 1 whole (ETP 1) as local 0, 1
+            assert {n.split(".")[6] for n in sd if n.startswith(f"decoder.layers.{layer}.mlp.experts.local_experts.")} \
+                == {"0", "1"}
+            assert sd[f"decoder.layers.{layer}.mlp.experts.local_experts.1.linear_fc1.weight"].shape == \
+                (96, QWEN_SPEC.emb)
+    stage1 = torch.load(next((work / "qwen_pp2").glob("iter_*")) / "mp_rank_00_001" / "model_optim_rng.pt",
+                        weights_only=False)["model"]
+    assert "decoder.layers.0.mlp.linear_fc1.weight" in stage1 and "decoder.layers.1.mlp.router.weight" in stage1
 
 
 @pytest.mark.heavy

@@ -55,11 +55,13 @@ EP > 1; ``distrib_optim.pt`` holds ``[dense, expert]``, the dense part in the de
     # ckptbridge reshard moe_run moe_tp2ep2 --to megatron -o tp=2 -o ep=2 -o etp=1
 
 Legacy ``GroupedMLP`` (``--moe-grouped-gemm``, local spec) is written as its ``experts.weight1`` /
-``weight2`` buffers (each local expert's shard transposed, stacked: megatron-core's view).
+``weight2`` buffers (each local expert's shard transposed, stacked: megatron-core's view); a source
+that names a layer's experts as one whole GroupedMLP buffer (a recipe's ``megatron_experts="grouped"``)
+is cut per expert first. Dense layers between MoE layers (``moe_layer_freq``) follow the dense layout.
 Refused with a clear error: legacy layouts whose expert-data-parallel rank 0 ranks miss a TP rank (EP x ETP < TP: Megatron-LM's
 legacy save would lose those shards); MoE with the distributed
 optimizer in the legacy format or torch_dist ``dp_reshardable`` (reading), Transformer
-Engine's ``TEGroupedMLP``, dense layers between MoE layers, multi-latent attention,
+Engine's ``TEGroupedMLP``, multi-latent attention at TP > 1,
 ``--pipeline-model-parallel-layout``, several grad buffers per rank in the
 distributed optimizer.
 """

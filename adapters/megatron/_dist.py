@@ -48,6 +48,7 @@ from ._legacy import RawCheckpoint
 from ._moe import DIST_EXPERTS, dist_experts
 from ._optim import buffer_layout, ddp_bucket_size
 
+_LAYER_KEY = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")  # a non-homogeneous block's per-layer key
 _OPT_RE = re.compile(r"^optimizer\.state\.(exp_avg|exp_avg_sq|fp32_param|param)\.(.*)$")
 _BUCKET_RE = re.compile(
     r"^optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_(.*)\.bucket_idx_(\d+)\.(param|exp_avg|exp_avg_sq)$"
@@ -113,15 +114,22 @@ def read_dist(it_dir: str, iteration: int | None) -> RawCheckpoint:
 
 
 def _add(raw: RawCheckpoint, key: str, state: str, full: TensorState, local_spec: bool) -> None:
+    """One stored tensor -> its pieces under the legacy names. Homogeneous blocks stack a key's layers on
+    axis 0 (``decoder.layers.X``); with dense and MoE layers mixed (``moe_layer_freq`` a list or > 1)
+    megatron-core's ``TransformerBlock.sharded_state_dict`` keys each layer on its own
+    (``decoder.layers.<global layer>.X``, ``non_homogeneous_layers``): no layer axis."""
     if "._extra_state" in key:
         return
-    if key.startswith("decoder.layers."):
-        for i, part in enumerate(unstack(full, 0)):
-            name = from_dist_key(key, i, local_spec)
-            for n, p in dist_experts(name, part) if DIST_EXPERTS in name else [(name, part)]:
-                raw.pieces.setdefault(n, {}).setdefault(state, {})[0] = p
+    m = _LAYER_KEY.match(key)
+    if m:
+        layers = [(from_dist_key(f"decoder.layers.{m.group(2)}", int(m.group(1)), local_spec), full)]
+    elif key.startswith("decoder.layers."):
+        layers = [(from_dist_key(key, i, local_spec), part) for i, part in enumerate(unstack(full, 0))]
     else:
-        raw.pieces.setdefault(key, {}).setdefault(state, {})[0] = full
+        layers = [(key, full)]
+    for name, part in layers:
+        for n, p in dist_experts(name, part) if DIST_EXPERTS in name else [(name, part)]:
+            raw.pieces.setdefault(n, {}).setdefault(state, {})[0] = p
 
 
 def _dp_reshardable(raw: RawCheckpoint, cfg: MegatronConfig, meta: DcpMetadata) -> tuple[list[Any], Any]:

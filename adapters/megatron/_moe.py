@@ -27,7 +27,11 @@ whatever the layout that wrote it. How megatron-core 0.16.1 lays experts out
   ``weight1.view(E_l, hidden, -1)[K].T`` (a strided view, no copy), its
   ``linear_fc2.weight`` shard ``weight2.view(E_l, -1, hidden)[K].T``;
 * ``torch_dist`` stores ``decoder.layers.mlp.experts.experts.linear_fc{1,2}.weight``
-  ``[layers, experts, ...]`` (both MLP kinds), already global.
+  ``[layers, experts, ...]`` (both MLP kinds), already global; a block of mixed dense and MoE layers
+  per layer, ``decoder.layers.<L>.mlp.experts.experts...`` ``[experts, ...]``;
+* which layers are MoE: ``moe_layer_freq`` (:func:`moe_layer_pattern`, global layer numbers); a dense
+  layer's MLP is a dense parameter (TP, repeated in every EP rank's file); a multi-token-prediction
+  layer's MoE (``mtp.layers.K.transformer_layer.mlp.experts``) is laid out as a decoder layer's.
 
 Usage::
 
@@ -40,7 +44,7 @@ Usage::
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,8 +62,12 @@ from ckptbridge.plugin import (
     unstack,
 )
 
-EXPERT_RE = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts)\.local_experts\.(\d+)\.(.*)$")
-GROUPED_RE = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts)\.(weight1|weight2)$")
+# a MoE layer's experts: a decoder layer's, or the transformer layer of a multi-token-prediction layer
+MLP_AT = r"(?:decoder\.layers\.\d+|mtp\.layers\.\d+\.transformer_layer)\.mlp"
+EXPERTS_AT = MLP_AT + r"\.experts"
+EXPERT_RE = re.compile(rf"^({EXPERTS_AT})\.local_experts\.(\d+)\.(.*)$")
+GROUPED_RE = re.compile(rf"^({EXPERTS_AT})\.(weight1|weight2)$")
+_LAYER_MLP = re.compile(r"^decoder\.layers\.(\d+)\.mlp\.(router|experts|shared_experts|linear_fc1|linear_fc2)\.")
 DIST_EXPERTS = ".mlp.experts.experts."
 # Router buffers in the model state dict that no optimizer holds.
 BUFFERS = (".mlp.router.expert_bias", ".mlp.router.local_tokens_per_expert")
@@ -74,11 +82,7 @@ def moe_fields(args: Mapping[str, Any], where: str) -> dict[str, Any]:
             raise FormatError(f"{where}: expert_model_parallel_size={ep} without num_experts")
         return {}
     tp = int(args.get("tensor_model_parallel_size") or 1)
-    freq = args.get("moe_layer_freq", 1)
-    every_layer = freq in (1, None) or (isinstance(freq, (list, tuple)) and all(f == 1 for f in freq))
-    if (not every_layer or args.get("moe_layer_pattern")) and (tp > 1 or ep > 1):
-        raise FormatError(f"{where}: MoE with dense layers between (moe_layer_freq={freq!r}) is supported at TP 1 and "
-                          "EP 1 only")
+    moe_layer_pattern(args, where)  # (dense layers between MoE layers lay out as dense layers: TP only)
     if args.get("moe_grouped_gemm") and str(args.get("transformer_impl")) != "local":
         raise FormatError(f"{where}: Transformer Engine's TEGroupedMLP (experts.linear_fc1.weightK) is not "
                           "supported yet (only the local spec's SequentialMLP and legacy GroupedMLP)")
@@ -88,6 +92,37 @@ def moe_fields(args: Mapping[str, Any], where: str) -> dict[str, Any]:
             "moe_ffn": int(args.get("moe_ffn_hidden_size") or args.get("ffn_hidden_size") or 0),
             "grouped_gemm": bool(args.get("moe_grouped_gemm")),
             "shared_ffn": int(args.get("moe_shared_expert_intermediate_size") or 0)}
+
+
+def moe_layer_pattern(args: Mapping[str, Any], where: str) -> list[bool]:
+    """Which decoder layers are MoE layers: megatron-core 0.16.1's ``get_gpt_decoder_layer_specs``
+    reading of ``moe_layer_freq`` (an int N: every N-th layer from layer 0; a list: one 0/1 per layer;
+    Megatron-LM's ``--moe-layer-freq "([0]*1+[1]*3)"`` is saved as that list). Layer numbers are
+    global: which stage holds a layer (``get_transformer_layer_offset``) does not change its kind."""
+    layers = int(args.get("num_layers") or 0)
+    freq = args.get("moe_layer_freq", 1)
+    freq = 1 if freq is None else freq
+    if isinstance(freq, int) and not isinstance(freq, bool) and freq >= 1:
+        return [i % freq == 0 for i in range(layers)]
+    if isinstance(freq, (list, tuple)) and len(freq) == layers and all(f in (0, 1) for f in freq):
+        return [bool(f) for f in freq]
+    raise FormatError(f"{where}: moe_layer_freq={freq!r} is neither a positive int nor a 0/1 list of the "
+                      f"{layers} layers")
+
+
+def check_moe_layers(names: Iterable[str], args: Mapping[str, Any], where: str) -> None:
+    """Fail, naming the tensor, where a layer's MLP tensors are not the kind the args make it (a MoE
+    layer's router / experts, a dense layer's ``linear_fc1`` / ``linear_fc2``)."""
+    pattern = moe_layer_pattern(args, where)
+    for name in names:
+        m = _LAYER_MLP.match(name)
+        if m is None or int(m.group(1)) >= len(pattern):
+            continue
+        moe = m.group(2) not in ("linear_fc1", "linear_fc2")
+        if moe != pattern[int(m.group(1))]:
+            kind = "a MoE" if pattern[int(m.group(1))] else "a dense"
+            raise FormatError(f"{where}: tensor {name!r} does not belong in layer {m.group(1)}, which "
+                              f"moe_layer_freq={args.get('moe_layer_freq', 1)!r} makes {kind} layer")
 
 
 def is_expert(name: str) -> bool:
@@ -101,7 +136,7 @@ def is_buffer(name: str) -> bool:
 
 def expert_renumber(ep_rank: int, num_local: int) -> Renumber:
     """The rule that gives EP rank ``ep_rank``'s local experts their global ids."""
-    return Renumber(r"^decoder\.layers\.\d+\.mlp\.experts\.local_experts\.(\d+)\.", axis=f"ep={ep_rank}",
+    return Renumber(rf"^{EXPERTS_AT}\.local_experts\.(\d+)\.", axis=f"ep={ep_rank}",
                     offset=ep_rank * num_local)
 
 
@@ -191,5 +226,5 @@ def moe_split_rules(moe_ffn: int, shared_ffn: int) -> list[Split]:
     return rules
 
 
-__all__ = ["RankCoord", "dist_experts", "expert_crop", "global_expert_name", "grouped_experts", "is_buffer",
-           "is_expert", "moe_fields", "moe_rules", "moe_split_rules", "rank_grid"]
+__all__ = ["RankCoord", "check_moe_layers", "dist_experts", "expert_crop", "global_expert_name", "grouped_experts", "is_buffer",
+           "is_expert", "moe_fields", "moe_layer_pattern", "moe_rules", "moe_split_rules", "rank_grid"]

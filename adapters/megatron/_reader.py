@@ -26,7 +26,7 @@ from ._common import ITER_RE, TRACKER, is_dist_dir, plain, rank_dirs, resolve_it
 from ._dist import read_dist
 from ._layout import MegatronConfig, consolidate, layout_rules, tp_layout
 from ._legacy import read_legacy
-from ._moe import is_expert, moe_split_rules
+from ._moe import check_moe_layers, is_expert, moe_split_rules
 
 
 def detect(path: str) -> bool:
@@ -76,6 +76,8 @@ def index(path: str, *, split_fused: bool = False, strip_padding: bool = True, v
             "checkpoint (metadata.json + .metadata)"
         )
     cfg = MegatronConfig.from_args(raw.args, vocab_size, where=it_dir)
+    if cfg.num_experts:
+        check_moe_layers(raw.pieces, raw.args, it_dir)
     global_pieces = fmt == "torch_dist"
     mixed = cfg.bf16 or cfg.fp16
     tensors: dict[str, LogicalTensor] = {}

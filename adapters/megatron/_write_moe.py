@@ -38,9 +38,9 @@ from typing import Any
 from ckptbridge.plugin import Box, FormatError
 
 from ._layout import LAYER_RE, MegatronConfig, local_params, shard_box, stage_layers, tp_layout
-from ._moe import EXPERT_RE, is_buffer, rank_grid
+from ._moe import EXPERT_RE, MLP_AT, is_buffer, rank_grid
 
-_MOE_PART = re.compile(r"^decoder\.layers\.(\d+)\.mlp\.(router|experts\.local_experts\.(\d+)|shared_experts)\.(.*)$")
+_MOE_PART = re.compile(rf"^{MLP_AT}\.(router|experts\.local_experts\.(\d+)|shared_experts)\.(.*)$")
 
 
 @dataclass(frozen=True)
@@ -114,9 +114,9 @@ def _moe_key(name: str) -> tuple[int, int, int]:
     m = _MOE_PART.match(name)
     if m is None:
         return (0, 0, 0)
-    if m.group(3) is not None:
-        return (2, int(m.group(3)), 0)
-    return (1, 0, 0) if m.group(2) == "router" else (3, 0, 0)
+    if m.group(2) is not None:
+        return (2, int(m.group(2)), 0)
+    return (1, 0, 0) if m.group(1) == "router" else (3, 0, 0)
 
 
 def rank_params(cfg: MegatronConfig, args: Mapping[str, Any], names: Sequence[str],

@@ -71,12 +71,13 @@ from ckptbridge.plugin import dtypes as _dtypes
 
 from ._common import TRACKER, rank_dir_name
 from ._layout import MegatronConfig, true_vocab_size
-from ._moe import is_buffer
+from ._moe import EXPERT_RE, GROUPED_RE, check_moe_layers, grouped_experts, is_buffer
 from ._optim import buffer_layout, ddp_bucket_size, group_order
 from ._reader import index
 from ._write_moe import RankParam, expert_groups, file_ranks, optimizer_split, rank_params
 
 _VOCAB = ("embedding.word_embeddings.weight", "output_layer.weight")
+_GROUPED_BUFFER = {"linear_fc1.weight": "weight1", "linear_fc2.weight": "weight2"}  # legacy GroupedMLP's buffers
 
 
 def _source_info(ckpt: Any, args_file: str | None = None) -> dict[str, Any]:
@@ -170,6 +171,14 @@ class _Source:
         if name in self.ckpt.tensors:
             return self.ckpt.tensors[name]
         if name in self._fused:
+            return self._fused[name]
+        e = EXPERT_RE.match(name)
+        buf = f"{e.group(1)}.{_GROUPED_BUFFER.get(e.group(3))}" if e else ""
+        if buf in self.ckpt.tensors:  # a grouped recipe's whole-layer GroupedMLP buffer: cut per expert
+            t = self.ckpt.tensors[buf]
+            per = {s: grouped_experts(buf, st, self.cfg.hidden, self.cfg.num_experts, 0) for s, st in t.states.items()}
+            for k, (glob, _) in enumerate(next(iter(per.values()))):
+                self._fused[glob] = LogicalTensor(glob, {s: v[k][1] for s, v in per.items()}, dict(t.scalars))
             return self._fused[name]
         m = name.rsplit(".", 1)
         parts = {"linear_qkv": ("q", "k", "v"), "linear_fc1": ("gate", "up")}.get(m[0].rsplit(".", 1)[-1])
@@ -289,7 +298,15 @@ def _write(ckpt: Any, tmp: str, o: MegatronWriteOptions) -> None:
     src = _Source(ckpt, info, cfg)
 
     # Full shapes of every parameter at the target layout (vocab re-padded), in a stable order.
-    names = [n for n in _fused_names(ckpt.tensors) if n != "output_layer.weight" or not cfg.tied]
+    names = [n for n in _fused_names(ckpt.tensors, cfg.num_experts) if n != "output_layer.weight" or not cfg.tied]
+    if cfg.num_experts:
+        check_moe_layers(names, args, ckpt.path)
+    mtp = int(args.get("mtp_num_layers") or 0)  # megatron-core's strict load needs every MTP layer's tensors
+    lacking = [f"'mtp.layers.{k}.*'" for k in range(mtp) if not any(n.startswith(f"mtp.layers.{k}.") for n in names)]
+    if lacking:
+        raise FormatError(f"{ckpt.path}: the Megatron args say mtp_num_layers={mtp} but there is no tensor "
+                          f"{', '.join(lacking)} (recipes.megatron_args(<checkpoint directory>) counts the MTP "
+                          "layers the tensors have)")
     shapes = {}
     for n in names:
         shape = tuple(src.tensor(n).shape)
@@ -365,11 +382,17 @@ def _reader(src: _Source, rp: RankParam, state: str, dtype: str) -> Callable[[],
     return read
 
 
-def _fused_names(tensors: Mapping[str, Any]) -> list[str]:
+def _fused_names(tensors: Mapping[str, Any], num_experts: int) -> list[str]:
+    """The source's parameters as the writer lays them out: split q/k/v and gate/up fused back, a
+    whole-layer GroupedMLP buffer (a grouped recipe's ``experts.weight1`` / ``weight2``) as its experts."""
     out: dict[str, None] = {}
     for n in tensors:
         m = n.rsplit(".", 2)
-        if len(m) == 3 and m[1] in ("q", "k", "v", "gate", "up") and m[0].endswith(("linear_qkv", "linear_fc1")):
+        g = GROUPED_RE.match(n)
+        if g:
+            leaf = next(k for k, v in _GROUPED_BUFFER.items() if v == g.group(2))
+            out.update({f"{g.group(1)}.local_experts.{k}.{leaf}": None for k in range(num_experts)})
+        elif len(m) == 3 and m[1] in ("q", "k", "v", "gate", "up") and m[0].endswith(("linear_qkv", "linear_fc1")):
             out[f"{m[0]}.{m[2]}"] = None
         else:
             out[n] = None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -14,8 +15,19 @@ def megatron_args(config: Any, template: Mapping[str, Any] | None = None) -> dic
     """Megatron args for an HF Llama-family ``config.json``: the model-shape keys (layers, sizes,
     heads and query groups, SwiGLU, RMSNorm, RoPE base, biases, tied embeddings, vocabulary) over
     ``template`` (the args of the Megatron run that will load it; Megatron-LM needs its full
-    args). Write them to JSON and pass ``-o args=FILE`` to ``reshard --to megatron``."""
-    hf = load_config(config)
+    args). Write them to JSON and pass ``-o args=FILE`` to ``reshard --to megatron``.
+
+    ``config`` may be the HF checkpoint directory, or its ``config.json`` beside the weights: then the
+    tensors decide what the config cannot, ``mtp_num_layers`` counts the multi-token-prediction layers
+    whose tensors are there (``model.layers.<num_hidden_layers + k>.*``; transformers' ``save_pretrained``
+    writes none even where ``num_nextn_predict_layers`` says 1, and megatron-core's strict load would
+    miss them)::
+
+        megatron_args("DeepSeek-V3/")["mtp_num_layers"]              # 1: the release has model.layers.61.*
+        megatron_args("saved_by_transformers/")["mtp_num_layers"]    # None: no MTP tensors"""
+    ckpt_dir = _checkpoint_dir(config)
+    given_dir = ckpt_dir is not None and os.path.isdir(os.fspath(config))
+    hf = load_config(os.path.join(ckpt_dir, "config.json") if given_dir and ckpt_dir else config)
     heads = int(hf["num_attention_heads"])
     kv = int(hf.get("num_key_value_heads") or heads)
     dtype = str(hf.get("torch_dtype") or hf.get("dtype") or "float32")
@@ -41,7 +53,34 @@ def megatron_args(config: Any, template: Mapping[str, Any] | None = None) -> dic
     extra = next((f.megatron_args for f in registry().values() if hf.get("model_type") in f.model_types), None)
     if extra is not None:  # a family's own keys (q/k norms, MoE)
         args.update(extra(hf))
+    if ckpt_dir is not None and args.get("mtp_num_layers"):
+        args["mtp_num_layers"] = _mtp_layers_present(ckpt_dir, int(hf["num_hidden_layers"]),
+                                                     int(args["mtp_num_layers"])) or None
     return args
+
+
+def _checkpoint_dir(config: Any) -> str | None:
+    """The checkpoint directory ``config`` names (itself, or the directory its config file sits in
+    beside ``*.safetensors`` weights); None for a dict, a ``PretrainedConfig`` or a lone config file."""
+    if not isinstance(config, str) and not hasattr(config, "__fspath__"):
+        return None
+    path = str(os.fspath(config))
+    if os.path.isdir(path):
+        return path
+    folder = os.path.dirname(os.path.abspath(path))
+    return folder if any(f.endswith(".safetensors") for f in os.listdir(folder)) else None
+
+
+def _mtp_layers_present(path: str, layers: int, configured: int) -> int:
+    """How many of the ``configured`` MTP layers (HF ``model.layers.<layers + k>``) have tensors in ``path``
+    (only the index is read: names, no bytes)."""
+    from .._read.open import open_index
+
+    names = open_index(path).tensors
+    k = 0
+    while k < configured and any(n.startswith(f"model.layers.{layers + k}.") for n in names):
+        k += 1
+    return k
 
 
 def hf_config(args: Mapping[str, Any], vocab_size: int | None = None, family: str = "llama") -> dict[str, Any]:

@@ -31,8 +31,10 @@ model's (``megatron_args`` gives ``mtp_num_layers``). Megatron MTP layers beyond
 dropped with a warning. ``megatron_experts="grouped"`` names the routed experts as megatron-core's
 legacy ``GroupedMLP`` module holds them (``mlp.experts.weight1`` / ``weight2``, as in the ``qwen3_moe``
 recipe; it needs ``n_experts`` and ``moe_mlp``, which ``config_from_hf`` gives). The Megatron
-checkpoint adapter lays out experts and MLA at TP 1 / EP 1 only (``reshard --to megatron --tp 1``;
-other layouts fail naming the reason); :func:`megatron_args` gives the args (``-o args=...``).
+checkpoint adapter lays out MLA at TP 1 only (``reshard --to megatron --tp 1``; TP > 1 fails naming the
+reason) and the experts at any EP / ETP (``-o ep=2``: the dense first layers' MLP in every EP rank's file);
+:func:`megatron_args` gives the args (``-o args=...``; given the checkpoint directory, ``mtp_num_layers``
+counts the MTP layers its tensors have).
 """
 
 from __future__ import annotations
@@ -263,7 +265,8 @@ def megatron_args(hf: Mapping[str, Any]) -> dict[str, Any]:
     :func:`ckptbridge.recipes.megatron_args` writes: MLA (``multi_latent_attention``, the LoRA ranks,
     the head widths, YaRN) and MoE (experts, shared experts, sigmoid grouped routing with the expert
     bias, ``moe_layer_freq``: the first ``first_k_dense_replace`` layers dense; ``mtp_num_layers`` from
-    ``num_nextn_predict_layers``). megatron-core ranks
+    ``num_nextn_predict_layers``, which ``recipes.megatron_args`` given the checkpoint directory corrects to
+    the MTP layers its tensors have). megatron-core ranks
     expert groups by their top ``topk / group_topk`` scores, DeepSeek by their top 2: the same routing
     only when ``num_experts_per_tok = 2 x topk_group`` (DeepSeek-V3: 8 = 2 x 4); other values fail here."""
     topk, groups = int(hf["num_experts_per_tok"]), int(hf.get("topk_group") or 0)

@@ -36,7 +36,9 @@ For every checkpoint given, each of ``--world`` spawned ranks (gloo, CPU, tools/
 7. ``save:PATH=OUT`` items: a legacy checkpoint loaded at its own layout (model, optimizer,
    scheduler), then saved by megatron-core as the ``torch_dist`` checkpoint OUT
    (``sharded_state_dict`` + ``dist_checkpointing.save``), which ``dist:OUT:...,optim=1`` items
-   load back at another layout: Megatron's own reshard, optimizer state included.
+   load back at another layout: Megatron's own reshard, optimizer state included;
+   ``savemodel:PATH=OUT`` items the same for the model alone (a checkpoint without optimizer state,
+   e.g. one converted from Hugging Face).
 
 Prints one line per checkpoint, ``CORE_LOSS {"ckpt", "dist", "tp", "pp", "loss", "tokens",
 "token_losses", "digests"[, "step": {"updated", "grad_norm", "lr", "after_loss",
@@ -95,14 +97,16 @@ class Item:
     pp: int | None = None
     optim: bool = False
     save_to: str | None = None
+    model_only: bool = False  # savemodel:PATH=OUT: save the model alone
     ep: int | None = None
     etp: int | None = None
 
     @staticmethod
     def parse(text: str) -> Item:
-        if text.startswith("save:"):
-            path, _, out = text[len("save:"):].rpartition("=")
-            return Item(path, save_to=out)
+        if text.startswith(("save:", "savemodel:")):
+            kind, _, body = text.partition(":")
+            path, _, out = body.rpartition("=")
+            return Item(path, save_to=out, model_only=kind == "savemodel")
         if not text.startswith("dist:"):
             return Item(text)
         body = text[len("dist:"):]
@@ -165,12 +169,11 @@ def transformer_config(args: Any, tp: int, pp: int, ep: int = 1, etp: int | None
     mla = bool(getattr(args, "multi_latent_attention", False))
     freq = getattr(args, "moe_layer_freq", 1)
     every_layer = freq in (1, None) or (isinstance(freq, list) and all(freq))
-    if not mla and getattr(args, "num_experts", None) and not every_layer:
-        raise NotImplementedError("core_loss.py builds MoE models without MLA with experts in every layer")
     cls = MLATransformerConfig if mla else TransformerConfig  # MLA (+ MoE): DeepSeek-V3, see mla_cpu.py
     kw = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
     kw.update(pipeline_dtype=args.params_dtype, batch_p2p_comm=not getattr(args, "overlap_p2p_comm", False),
-              num_moe_experts=getattr(args, "num_experts", None) or None, **({} if mla else {"moe_layer_freq": 1}),
+              num_moe_experts=getattr(args, "num_experts", None) or None,
+              **({} if mla or not every_layer else {"moe_layer_freq": 1}),
               rotary_interleaved=getattr(args, "rotary_interleaved", False),
               num_layers_in_first_pipeline_stage=getattr(args, "decoder_first_pipeline_num_layers", None),
               num_layers_in_last_pipeline_stage=getattr(args, "decoder_last_pipeline_num_layers", None),
@@ -198,7 +201,8 @@ def transformer_config(args: Any, tp: int, pp: int, ep: int = 1, etp: int | None
 def build_model(args: Any, tp: int, pp: int, ep: int = 1, etp: int | None = None, train: bool = False) -> Any:
     """megatron-core ``GPTModel`` with the local spec, as Megatron-LM's gpt_builders builds it (its MoE
     layers' experts: ``SequentialMLP``, or with ``moe_grouped_gemm`` the legacy ``GroupedMLP``, whose
-    grouped GEMM needs ``MEGATRON_CPU_SHIM_GG=1`` on CPU: see cpu_shim.py), and with ``mtp_num_layers``
+    grouped GEMM needs ``MEGATRON_CPU_SHIM_GG=1`` on CPU: see cpu_shim.py; dense layers between MoE layers
+    as ``moe_layer_freq`` says: ``get_gpt_decoder_block_spec``), and with ``mtp_num_layers``
     its multi-token-prediction block (``get_gpt_mtp_block_spec``: the last decoder layer's spec)."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
@@ -212,6 +216,10 @@ def build_model(args: Any, tp: int, pp: int, ep: int = 1, etp: int | None = None
         from mla_cpu import mla_local_spec
 
         spec = mla_local_spec(config)
+    elif config.num_moe_experts and config.moe_layer_freq != 1:  # dense layers between MoE layers
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=args.normalization)
     else:
         spec = get_gpt_layer_local_spec(normalization=args.normalization, num_experts=config.num_moe_experts,
                                         qk_layernorm=bool(getattr(args, "qk_layernorm", False)),
@@ -475,8 +483,8 @@ def optimizer_state(model: Any, optimizer: Any) -> dict[str, Any]:
 
 
 def save_dist(model: Any, optimizer: Any, sched: Any, sd: dict[str, Any], out: str) -> None:
-    """Save the loaded model and optimizer as a ``torch_dist`` checkpoint with megatron-core's own
-    ``sharded_state_dict`` and ``dist_checkpointing.save`` (what Megatron-LM's
+    """Save the loaded model and optimizer (None: the model alone) as a ``torch_dist`` checkpoint with
+    megatron-core's own ``sharded_state_dict`` and ``dist_checkpointing.save`` (what Megatron-LM's
     ``--ckpt-convert-format torch_dist`` does), so that megatron-core itself can reshard it."""
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
@@ -487,9 +495,10 @@ def save_dist(model: Any, optimizer: Any, sched: Any, sd: dict[str, Any], out: s
         os.makedirs(it_dir)
     dist.barrier()
     model_sd = model.sharded_state_dict()
-    state = {"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd),
-             "opt_param_scheduler": sched.state_dict(), "args": sd["args"], "checkpoint_version": 3.0,
+    state = {"model": model_sd, "args": sd["args"], "checkpoint_version": 3.0,
              "iteration": it, "num_floating_point_operations_so_far": sd.get("num_floating_point_operations_so_far", 0)}
+    if optimizer is not None:
+        state.update(optimizer=optimizer.sharded_state_dict(model_sd), opt_param_scheduler=sched.state_dict())
     dist_checkpointing.save(state, it_dir)
     if dist.get_rank() == 0:
         with open(os.path.join(out, "latest_checkpointed_iteration.txt"), "w") as fh:
@@ -616,7 +625,10 @@ def evaluate(item: Item, opts: argparse.Namespace, index: int = 0) -> dict[str, 
             rec["dump"] = os.path.join(opts.dump, f"{index}.npz")
             dump(rec["dump"], batches, rec, lg)
         rec["digests"] = {f"tp{t}pp{p}:{k}": h for t, p, _, d in allr if d for k, h in d.items()}
-        want_optimizer = item.save_to or (opts.train_step and (item.optim or not item.dist))
+        if item.model_only and "error" not in rec:
+            save_dist(model, None, None, sd or {}, str(item.save_to))
+            rec["saved"] = item.save_to
+        want_optimizer = (item.save_to and not item.model_only) or (opts.train_step and (item.optim or not item.dist))
         if want_optimizer and "error" not in rec:
             try:
                 ddp, optimizer, sched = make_optimizer(model, args)
@@ -698,7 +710,7 @@ def worker(rank: int, world: int, port: int, opts: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("ckpt", nargs="+", help="checkpoint dirs (legacy layout), dist:PATH[:tp=N,pp=M[,ep=E,etp=X][,optim=1]] "
-                                            "or save:PATH=OUT")
+                                            "or save:PATH=OUT or savemodel:PATH=OUT")
     ap.add_argument("--world", type=int, default=2, help="ranks to spawn (gloo); TP x PP must divide it")
     ap.add_argument("--microbatches", type=int, default=2)
     ap.add_argument("--micro-batch-size", type=int, default=0, help="default: the run's micro_batch_size")
