@@ -292,7 +292,7 @@ def _join(rule: Join, layouts: Mapping[str, _Layout]) -> tuple[dict[str, list[Ru
         parts = [layouts[members[k]] for k in range(len(rule.parts))]
         first, total = parts[0], sum(lay.rank for lay in parts)
         side = first.side(rule.dim)
-        if side == "b" or len({lay.axes for lay in parts}) != 1:
+        if side == "b" or len({tuple(s for _, s in lay.axes) for lay in parts}) != 1:
             raise FormatError(f"Join({rule.pattern!r}) joins {side!r} axes of {target!r}: not a LoRA factor's")
         split = "B" if side == "o" else "A"
         at = 0
