@@ -59,7 +59,7 @@ from ckptbridge.plugin import (
     apply_rules,
 )
 
-from . import _lora
+from . import _read
 
 __all__ = ["Copy", "Plan", "carry", "factor_name", "factor_of", "plan", "save_peft"]
 
@@ -307,7 +307,7 @@ def _apply(tensors: dict[str, LogicalTensor], rules: Sequence[Rule]) -> dict[str
 
 def _config_of(adapter: Checkpoint, style: str) -> dict[str, Any]:
     if style == "hf":
-        return _lora._config(_lora.weights_file(adapter.path))
+        return _read._config(_read.weights_file(adapter.path))
     cfg = adapter.extra.get("lora")
     return dict(cfg) if isinstance(cfg, Mapping) else {}
 
@@ -316,7 +316,7 @@ def _folded(adapter: Checkpoint, style: str, r: int, lora_alpha: float) -> dict[
     """Per base weight of a PEFT adapter: its scaling over ``lora_alpha / r`` where not 1."""
     if style != "hf":
         return {}
-    pairs = _lora.read(adapter.path, adapter.tensors).pairs
+    pairs = _read.read(adapter.path, adapter.tensors).pairs
     return {p.base: p.scaling / (lora_alpha / r) for p in pairs if p.scaling != lora_alpha / r}
 
 
@@ -337,8 +337,8 @@ def save_peft(lora: Checkpoint, out: str | os.PathLike[str], *, task_type: str =
         raise FormatError(f"{lora.path}: no r / lora_alpha in extra['lora'] (carry() records them)")
     modules = sorted({PurePosixPath(f[0].replace(".", "/")).parent.name for f in names if f})
     Path(out).mkdir(parents=True, exist_ok=True)
-    ckptbridge.reshard(lora, str(Path(out) / _lora.WEIGHTS), to="safetensors")
+    ckptbridge.reshard(lora, str(Path(out) / _read.WEIGHTS), to="safetensors")
     config = {"peft_type": "LORA", "task_type": task_type, "r": int(cfg["r"]), "lora_alpha": cfg["lora_alpha"],
               "target_modules": modules, "bias": "none", "lora_dropout": 0.0, "use_rslora": False}
-    (Path(out) / _lora.CONFIG).write_text(json.dumps(config, indent=1) + "\n")
+    (Path(out) / _read.CONFIG).write_text(json.dumps(config, indent=1) + "\n")
     return str(out)
