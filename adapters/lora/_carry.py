@@ -57,6 +57,7 @@ from ckptbridge.plugin import (
     Stack,
     Transpose,
     apply_rules,
+    regex,
 )
 
 from . import _read
@@ -134,7 +135,7 @@ class Copy(Rule):
     parts: tuple[str, ...] = ()
 
     def names(self, name: str) -> list[str]:
-        return [re.sub(self.pattern, self.to, name).replace("{part}", p) for p in self.parts]
+        return Split(self.pattern, self.to, parts=self.parts).part_names(name)
 
 
 @dataclass(frozen=True)
@@ -160,7 +161,7 @@ def plan(rules: Sequence[Rule], layouts: Mapping[str, _Layout]) -> Plan:
     layouts, next_id = dict(layouts), 1000
     out: dict[str, list[Rule]] = {"A": [], "B": []}
     for rule in rules:
-        if isinstance(rule, Join) and any(re.search(rule.pattern.replace("{part}", re.escape(p)), n)
+        if isinstance(rule, Join) and any(regex(rule.pattern.replace("{part}", re.escape(p))).search(n)
                                           for p in rule.parts for n in layouts):
             raise FormatError(f"Join({rule.pattern!r}): the parts' LoRA factors cannot fuse into one pair "
                               "(each part has its own A); carry the parts unfused")
@@ -173,7 +174,7 @@ def plan(rules: Sequence[Rule], layouts: Mapping[str, _Layout]) -> Plan:
             for part in "AB":
                 out[part].append(rule)
             if isinstance(rule, Rename):
-                layouts = {(re.sub(rule.pattern, rule.to, n) if n in hit else n): lay for n, lay in layouts.items()}
+                layouts = {(regex(rule.pattern).sub(rule.to, n) if n in hit else n): lay for n, lay in layouts.items()}
             continue
         if isinstance(rule, Scale):  # W = s * B @ A: the scale goes to B (its moments by Scale's meaning)
             out["B"].append(rule)
@@ -200,7 +201,7 @@ def plan(rules: Sequence[Rule], layouts: Mapping[str, _Layout]) -> Plan:
             if factor_rule is not None:
                 out[part].append(factor_rule)
         for name, lay in hit.items():
-            target = re.sub(rule.pattern, rule.to, name) if isinstance(rule, Stack) else name
+            target = regex(rule.pattern).sub(rule.to, name) if isinstance(rule, Stack) else name
             new[target] = _moved(rule, lay, next_id)
         layouts = {n: lay for n, lay in layouts.items() if n not in hit} | new
         next_id += 100
