@@ -186,7 +186,7 @@ def test_peft_adapter_into_fused_megatron_weights_gives_peft_logits_in_megatron_
     want = _logits(fused["base"], tokens, fused["peft"])
     assert "error" not in got["good"] and sorted(got["good"]["unplaced"]) == sorted(n for n in source if n[:4] == "bad.")
     np.testing.assert_allclose(got["good"]["logits"][..., :cfg["vocab_size"]], want, atol=1e-4, rtol=0)
-    assert np.abs(got["bad"]["logits"][..., :cfg["vocab_size"]] - want).max() > 1e-2
+    assert np.abs(got["bad"]["logits"][..., :cfg["vocab_size"]] - want).max() > 0.1  # measured 1.1 (good: 7e-7)
     assert np.abs(want - _logits(fused["base"], tokens)).max() > 1e-2  # the adapter moves the logits
     # back to PEFT (the fused pair splits: each part the whole A, its rows of B): PEFT's merge is the original's
     lora.save_peft(lora.carry(carried, _rules(cfg, "megatron", "hf")), tmp_path / "back")
