@@ -28,7 +28,7 @@ import pytest
 import ckptbridge
 from ckptbridge import recipes
 from ckptbridge.adapters import lora
-from ckptbridge.plugin import Checkpoint, CheckpointIndex, FormatError, Join
+from ckptbridge.plugin import Checkpoint, CheckpointIndex, FormatError, Join, LogicalTensor
 
 torch = pytest.importorskip("torch")
 peft = pytest.importorskip("peft")
@@ -197,12 +197,13 @@ def test_peft_adapter_into_fused_megatron_weights_gives_peft_logits_in_megatron_
 
 
 def test_fused_pair_trains_the_parts_blocks_like_peft_and_its_zero_blocks_too(fused: dict) -> None:
-    """What resuming a carried fused pair means. The gradient of Megatron's fused LoRA linear
-    (``y = x W^T + s (x A^T) B^T``, as Megatron-Bridge's ``LoRALinear`` adds its adapter) with
-    respect to ``A`` is the parts' ``A`` gradients (PEFT's own backward) stacked, and with respect to
-    ``B``'s diagonal blocks the parts' ``B`` gradients over their fold (as ``Scale`` carries the
-    first moment): their carried Adam moments are exact. The zero blocks beside them get a gradient
-    too: the fused pair trains as one adapter of the summed rank, from zero moments there."""
+    """What resuming a carried fused pair means. The gradient of the adapter term of Megatron's
+    fused LoRA linear (``s (x A^T) B^T``, which Megatron-Bridge's ``LoRALinear`` adds to the base
+    output) with respect to ``A`` is the parts' ``A`` gradients (PEFT's own backward) stacked, and with
+    respect to ``B``'s diagonal blocks the parts' ``B`` gradients over their fold (as ``Scale``
+    carries the first moment): the carried Adam moments there (stacked, over the fold, over its
+    square) are exact. The zero blocks beside them get a gradient too: the fused pair trains as one
+    adapter of the summed rank, from exact-zero moments there."""
     layer = "decoder.layers.0.self_attention.linear_qkv"
     model = peft.PeftModel.from_pretrained(_model(fused["base"]), fused["peft"], is_trainable=True)
     attn = model.base_model.model.model.layers[0].self_attn
@@ -217,6 +218,13 @@ def test_fused_pair_trains_the_parts_blocks_like_peft_and_its_zero_blocks_too(fu
     y = c.extra["lora"]["lora_alpha"] / c.extra["lora"]["r"] * (x @ a.T) @ b.T
     (y * up.reshape(5, -1)).sum().backward()
     at, rows = 0, b.grad.reshape(groups, -1, b.shape[1])
+    opened = ckptbridge.open(fused["peft"])  # moments: the factors themselves as stand-ins, to see where they go
+    states = {n: LogicalTensor(n, dict.fromkeys(("param", "exp_avg", "exp_avg_sq"), t.state()))
+              for n, t in opened.tensors.items()}
+    moments = lora.carry(Checkpoint(CheckpointIndex("lora", opened.path, states), opened.files), fused["to_meg"])
+    m_a = moments[f"{layer}.adapter.linear_in.weight"].state("exp_avg").read()
+    m_b = {k: moments[f"{layer}.adapter.linear_out.weight"].state(k).read().reshape(groups, -1, b.shape[1])
+           for k in ("exp_avg", "exp_avg_sq")}
     row_of = {"q_proj": slice(0, heads // groups * d), "k_proj": slice(-2 * d, -d), "v_proj": slice(-d, None)}
     for p in ("q_proj", "k_proj", "v_proj"):
         lora_a, lora_b = getattr(attn, p).lora_A["default"].weight, getattr(attn, p).lora_B["default"].weight
@@ -226,4 +234,10 @@ def test_fused_pair_trains_the_parts_blocks_like_peft_and_its_zero_blocks_too(fu
         torch.testing.assert_close(block[:, at:at + rank], lora_b.grad / fold, rtol=1e-5, atol=1e-6)
         beside = torch.cat([block[:, :at], block[:, at + rank:]], dim=1)  # the zeros beside the block
         assert beside.abs().max() > 1e-2 * lora_b.grad.abs().max()  # get a gradient too
+        stored = f"base_model.model.model.layers.0.self_attn.{p}.lora_"
+        np.testing.assert_array_equal(m_a[at:at + rank], opened[stored + "A.weight"][...])
+        for k, power in (("exp_avg", 1), ("exp_avg_sq", 2)):
+            moment = m_b[k][:, row_of[p]].reshape(-1, b.shape[1])
+            np.testing.assert_array_equal(moment[:, at:at + rank], opened[stored + "B.weight"][...] / fold ** power)
+            assert not moment[:, :at].any() and not moment[:, at + rank:].any()
         at += rank
