@@ -3,7 +3,7 @@
 Opened in place (each tensor is one fragment pointing into its file; a quantized HF checkpoint,
 one whose ``config.json`` has a ``quantization_config``, opens dequantized: see
 ``ckptbridge.adapters._quant``; a PEFT LoRA adapter folder names the base weight of each tensor, and
-``adapters=[...]`` merges adapters lazily onto a base: see ``ckptbridge.adapters._lora``); written
+``adapters=[...]`` merges adapters lazily onto a base: see ``ckptbridge.adapters.lora._read``); written
 as one consolidated file of one state (``reshard --to safetensors`` is
 ``ckptbridge.export``)::
 
@@ -38,9 +38,9 @@ from ckptbridge.plugin import (
 )
 from ckptbridge.plugin import dtypes as _dtypes
 
-from . import _lora
 from ._hf import check_weight_map, index_json_of, shard_files
 from ._quant import OUTPUT_DTYPES, dequantize, derivation_of, quantization_config
+from .lora import _read as _lora
 
 __all__ = ["FORMAT", "SafetensorsOpenOptions", "SafetensorsWriteOptions", "detect", "index", "write"]
 

@@ -15,8 +15,9 @@ derived from it):
   :class:`TensorView`; :func:`open_checkpoint`, and :func:`as_checkpoint` (a path or a
   Checkpoint, seen through rules: the one helper for "source" arguments);
 * the rules adapters lay out or map with (``Shard``, ``Replicate``, ``Fuse``, ``Rename`` ...,
-  :func:`apply_rules`) and the fragment transforms they build views with (``concat``,
-  ``crop``, ``fuse``, ``pad``, ``reshape``, ``transpose``, ``unstack``); the whole language is :mod:`ckptbridge.rules`;
+  :func:`apply_rules`, ``regex``: their cached ``re.compile``) and the fragment transforms they
+  build views with (``concat``, ``crop``, ``fuse``, ``pad``, ``reshape``, ``transpose``,
+  ``unstack``); the whole language is :mod:`ckptbridge.rules`;
 * reading: :class:`FileCache`, :func:`read_state`, :func:`read_boxes`, :func:`fresh_array`;
 * storage: ``storage``, a :class:`Storage` (a small typed protocol: names, listings, reads,
   ``read_ranges``), through which checkpoints behind URLs (``s3://``, ``gs://``, ``hf://`` ...)
@@ -148,6 +149,7 @@ from .rules import concat as concat
 from .rules import crop as crop
 from .rules import fuse as fuse
 from .rules import pad as pad
+from .rules import regex as regex
 from .rules import reshape as reshape
 from .rules import rules_to_json as rules_to_json
 from .rules import transpose as transpose

@@ -129,6 +129,9 @@ def made(tmp_path_factory) -> dict:
     _write(carry.carry(ckptbridge.open(attn), no_scale), root / "attn_noscale.safetensors")
     _write(carry.carry(ckptbridge.open(full), to_mx), root / "full.safetensors")
     _write(carry.carry(ckptbridge.open(full), _rules(cfg, "hf", "maxtext", scan=True)), root / "full_scan.safetensors")
+    megatron = carry.carry(ckptbridge.open(attn), _rules(cfg, "hf", "megatron", scan=False))  # q/k/v fused, rank 12
+    via = carry.carry(megatron, _rules(cfg, "megatron", "maxtext", scan=False))
+    _write(via, root / "via_megatron.safetensors")
 
     adapter_cfg = json.loads((attn / "adapter_config.json").read_text())
     mx_cfg = {"r": lora.extra["lora"]["r"], "lora_alpha": lora.extra["lora"]["lora_alpha"],
@@ -138,6 +141,8 @@ def made(tmp_path_factory) -> dict:
     jobs = [mx.convert_job(spec, base, root / "base_mt.safetensors"),
             mx.convert_job(spec, root / "merged", root / "merged_mt.safetensors")]
     jobs += [_forward_job(spec, root, label, "base_mt.safetensors", mx_cfg) for label in ("attn", "attn_noscale")]
+    jobs.append(_forward_job(spec, root, "via_megatron", "base_mt.safetensors",
+                             {**mx_cfg, "r": via.extra["lora"]["r"], "lora_alpha": via.extra["lora"]["lora_alpha"]}))
     jobs.append({"cmd": "lora-grad", "spec": spec, "params": str(root / "base_mt.safetensors"),
                  "lora": str(root / "attn.safetensors"), "adapter_config": mx_cfg,
                  "tokens": str(root / "train.npy"), "out": str(root / "attn.grad.safetensors")})
@@ -146,7 +151,7 @@ def made(tmp_path_factory) -> dict:
     qwen3, more = _qwen3(root, tokens)
     mx.run_jobs(jobs + more, script=LORA_TOOL)  # one MaxText process (its import is most of the time)
     return {"root": root, "base": base, "cfg": cfg, "attn": attn, "full": full, "tokens": tokens, "mx_cfg": mx_cfg,
-            "qwen3": qwen3}
+            "qwen3": qwen3, "megatron": megatron}
 
 
 def test_peft_adapter_in_maxtext_gives_peft_logits_and_merges_like_maxtexts_converter(made: dict) -> None:
@@ -206,6 +211,15 @@ def test_maxtext_adapter_back_to_peft_loads_in_peft_with_the_same_values(made: d
     assert set(again) == set(original)
     for name in original:  # head_dim 16: the query scale 1/4 and its inverse are exact
         np.testing.assert_array_equal(again[name][...], original[name][...], err_msg=name)
+    # MaxText's scanned adapter tree (layers stacked on axis 1 of both factors) as the source: unstacked
+    # back, the same factors bitwise
+    scanned = carry.carry(ckptbridge.open(made["root"] / "full_scan.safetensors"), _rules(cfg, "maxtext", "hf", scan=True),
+                          alpha=alpha)
+    carry.save_peft(scanned, tmp_path / "full_scan")
+    again = ckptbridge.open(tmp_path / "full_scan")
+    assert set(again) == set(original)
+    for name in original:
+        np.testing.assert_array_equal(again[name][...], original[name][...], err_msg=name)
     # rsLoRA folded into B: PEFT loads the carried-back adapter (plain LoRA) with the same logits
     attn = carry.carry(ckptbridge.open(made["root"] / "attn.safetensors"), back, alpha=alpha)
     carry.save_peft(attn, tmp_path / "attn")
@@ -239,3 +253,22 @@ def test_carry_refuses_what_a_lora_factor_cannot_follow(made: dict) -> None:
     assert carry.factor_of("decoder/layers_0/mlp/wo/lora_b.kernel") == ("decoder/layers_0/mlp/wo/kernel", "B", "maxtext")
     assert carry.factor_name("model.layers.1.mlp.down_proj.weight", "A") == \
         "base_model.model.model.layers.1.mlp.down_proj.lora_A.weight"
+
+
+def test_megatron_adapter_in_maxtext_gives_peft_logits(made: dict) -> None:
+    """Megatron <-> MaxText, composed like the base weights' recipes: PEFT's q/k/v adapter fused into
+    Megatron-Bridge's ``linear_qkv`` pair (rank 3 x 4, ``B`` block-diagonal), then split again for
+    MaxText (each of query/key/value gets the whole ``A``, its rows of ``B``): MaxText's own adapter
+    tree, and merged by MaxText it gives PEFT's logits. MaxText -> Megatron gives the same fused pair
+    (bitwise) as PEFT -> Megatron, which ``tests/test_lora_megatron.py`` proves in megatron-core."""
+    root = made["root"]
+    report = json.loads((root / "via_megatron.json").read_text())
+    assert report["given"] == report["lora_tree"] and all(v[-1] == 12 or v[0] == 12 for v in report["given"].values())
+    want = _peft_logits(made["base"], made["attn"], made["tokens"])
+    np.testing.assert_allclose(np.load(root / "via_megatron.logits.npy"), want, atol=1e-4, rtol=0)
+    meg = made["megatron"]
+    back = carry.carry(ckptbridge.open(root / "attn.safetensors"), _rules(made["cfg"], "maxtext", "megatron", scan=False),
+                       alpha=made["mx_cfg"]["lora_alpha"])
+    assert set(back) == set(meg) and back.extra["lora"] == {**meg.extra["lora"], "from": back.path}
+    for name in meg:  # the query scale 1/4, its inverse and the rotary interleave are exact
+        np.testing.assert_array_equal(back[name][...], meg[name][...], err_msg=name)

@@ -45,6 +45,7 @@ from ._language import State as State
 from ._language import Transpose as Transpose
 from ._language import Unstack as Unstack
 from ._language import invert as invert
+from ._language import regex as regex
 from ._language import rule_from_json as rule_from_json
 from ._language import rules_to_json as rules_to_json
 from ._transforms import cast as cast

@@ -248,8 +248,7 @@ def _apply_split(tensors: dict[str, LogicalTensor], rule: Split) -> dict[str, Lo
             widths = (n // k,) * len(rule.parts)
         return T.split(st, dim, widths, rule.groups)
 
-    return _fan_out(tensors, rule, parts,
-                    lambda name, _n: [regex(rule.pattern).sub(rule.to, name).replace("{part}", p) for p in rule.parts])
+    return _fan_out(tensors, rule, parts, lambda name, _n: rule.part_names(name))
 
 
 def _apply_join(tensors: dict[str, LogicalTensor], rule: Join) -> dict[str, LogicalTensor]:

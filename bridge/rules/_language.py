@@ -332,6 +332,15 @@ class Split(Rule):
     widths: tuple[int, ...] = ()
     groups: int = 1
 
+    def part_names(self, name: str) -> list[str]:
+        """The name of each part of the fused tensor ``name`` (``to`` with ``{part}`` filled)::
+
+            Split(r"^(.*)\\.qkv$", r"\\1.{part}", parts=("q", "k", "v")).part_names("l0.qkv")
+            # ['l0.q', 'l0.k', 'l0.v']
+        """
+        fused = regex(self.pattern).sub(self.to, name)
+        return [fused.replace("{part}", p) for p in self.parts]
+
     def inverse(self) -> Join:
         head, _, tail = self.to.partition("{part}")
         pattern, to = _invert_rename(self.pattern, head + "\x00" + tail)

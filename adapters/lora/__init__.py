@@ -1,0 +1,26 @@
+"""LoRA adapters: HF PEFT adapters read and merged lazily, and adapters carried between frameworks.
+
+* ``_read``: a PEFT adapter folder opens as its ``lora_A`` / ``lora_B`` tensors, each with the base
+  weight it adapts (``extra["lora"]``), and ``ckptbridge.open(base, adapters=[...])`` merges them per
+  slice (used by the safetensors adapter);
+* ``_carry``: :func:`carry` moves an adapter alone through a family recipe (HF PEFT, MaxText,
+  Megatron-Bridge names; ``_plan`` writes each base rule for the factors) and :func:`save_peft`
+  writes one as a PEFT folder::
+
+    from ckptbridge.adapters import lora
+    mt = lora.carry(ckptbridge.open("peft_adapter/"), rules)
+    lora.save_peft(lora.carry(ckptbridge.open("mt_lora.safetensors"), back, alpha=16.0), "adapter/")
+"""
+
+from __future__ import annotations
+
+from ._carry import carry as carry
+from ._carry import factor_name as factor_name
+from ._carry import factor_of as factor_of
+from ._carry import save_peft as save_peft
+from ._plan import Copy as Copy
+from ._plan import Place as Place
+from ._plan import Plan as Plan
+from ._plan import plan as plan
+
+__all__ = ["Copy", "Place", "Plan", "carry", "factor_name", "factor_of", "plan", "save_peft"]

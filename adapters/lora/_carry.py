@@ -1,0 +1,207 @@
+"""LoRA adapters carried alone between frameworks, through the base model's recipe rules.
+
+An adapted weight ``W`` (HF ``[out, in]``) is ``s * B @ A``; the recipe that maps ``W`` to another
+framework (a MaxText kernel ``[in, ..., out ...]``, a fused Megatron ``linear_qkv``) permutes,
+reshapes, scales, splits and joins its axes. ``_plan`` writes each rule for the factor that holds
+the axes it moves: a query kernel scaled by ``c`` scales ``B`` by ``c`` (and its Adam moments as
+``Scale`` says), the rotary interleave permutes ``B``'s rows, the heads split ``B``'s columns, the
+transpose turns ``A [r, in]`` into ``A [in, r]``, MaxText's layer stack goes into both (and out of
+both, from a scanned MaxText tree)::
+
+    config = ckptbridge.recipes.config_from_hf("llama/config.json")
+    base = ckptbridge.recipes.rules("llama", src="hf", dst="maxtext", scan=False, **config)
+    mt = carry(ckptbridge.open("peft_adapter/"), base)   # PEFT's save_pretrained folder
+    sorted(mt)[:2]  # ['decoder/layers_0/mlp/wi_0/lora_a.kernel', 'decoder/layers_0/mlp/wi_0/lora_b.kernel']
+
+The MaxText names and shapes are MaxText 0.2.5's adapter tree (``utils/lora_utils.py``
+``get_lora_abstract_state_nnx``: ``<module>/lora_a.kernel [in..., r]``, ``<module>/lora_b.kernel
+[r, out...]``, scanned ``[in..., layers, r]`` / ``[r, layers, out...]``; its merge ``W +
+einsum("er,rnd->end", a, b) * lora_alpha / r``); HF names are PEFT's
+(``base_model.model.<module>.lora_A.weight [r, in]``, ``lora_B.weight [out, r]``); Megatron-Bridge's
+are ``<linear>.adapter.linear_in.weight`` (``A``) and ``.linear_out.weight`` (``B``), merged as ``W +
+alpha / dim * linear_out @ linear_in``. A fused QKV or gate/up ``Split`` (Megatron -> PEFT) splits
+``B`` like the weight's rows and gives every part the same ``A`` (:class:`Copy`); a ``Join`` (PEFT ->
+Megatron) fuses the parts' pairs into one of the summed rank (:class:`Place`; see :func:`carry`).
+Nothing is read: the result is lazy, like any view through rules.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Mapping, Sequence
+from pathlib import Path, PurePosixPath
+
+from ckptbridge.plugin import (
+    Checkpoint,
+    CheckpointIndex,
+    FormatError,
+    LogicalTensor,
+    OptionError,
+    Rule,
+    Scale,
+    apply_rules,
+)
+
+from . import _read
+from ._plan import Copy, Place, layout_of, plan, scan_axis
+
+__all__ = ["carry", "factor_name", "factor_of", "save_peft"]
+
+_PEFT = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<part>[AB])\.weight$")
+_MAXTEXT = re.compile(r"^(?P<module>.+)/lora_(?P<part>[ab])\.kernel$")
+_MEGATRON = re.compile(r"^(?P<module>.+)\.adapter\.linear_(?P<part>in|out)\.weight$")  # Megatron-Bridge's LoRA
+_MEGATRON_BASE = re.compile(r"^(decoder|embedding|output_layer)\.")
+
+
+def factor_of(name: str) -> tuple[str, str, str] | None:
+    """``(base weight name, "A"|"B", style)`` of an adapter tensor name, or ``None``::
+
+        factor_of("base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight")
+        # ('model.layers.0.self_attn.q_proj.weight', 'B', 'hf')
+        factor_of("decoder/layers_0/self_attention/query/lora_a.kernel")
+        # ('decoder/layers_0/self_attention/query/kernel', 'A', 'maxtext')
+        factor_of("decoder.layers.0.self_attention.linear_qkv.adapter.linear_out.weight")
+        # ('decoder.layers.0.self_attention.linear_qkv.weight', 'B', 'megatron')
+
+    Megatron-Bridge's ``LoRA`` (``peft/lora.py``) wraps a linear layer with an adapter whose
+    ``linear_in`` is ``A [r, in]`` and ``linear_out`` is ``B [out, r]``, scaled by ``alpha / dim``.
+    """
+    if m := _PEFT.match(name):
+        return m["module"] + ".weight", m["part"], "hf"
+    if m := _MAXTEXT.match(name):
+        return m["module"] + "/kernel", m["part"].upper(), "maxtext"
+    if m := _MEGATRON.match(name):
+        return m["module"] + ".weight", "A" if m["part"] == "in" else "B", "megatron"
+    return None
+
+
+def factor_name(base: str, part: str) -> str:
+    """The adapter tensor name of factor ``part`` of base weight ``base`` (its style from the name)."""
+    if base.endswith("/kernel"):
+        return f"{base.removesuffix('/kernel')}/lora_{part.lower()}.kernel"
+    if base.endswith(".weight") and _MEGATRON_BASE.match(base):
+        return f"{base.removesuffix('.weight')}.adapter.linear_{'in' if part == 'A' else 'out'}.weight"
+    if base.endswith(".weight"):
+        return f"base_model.model.{base.removesuffix('.weight')}.lora_{part}.weight"
+    raise FormatError(f"{base!r}: no LoRA naming for a weight that ends neither in '.weight' nor '/kernel'")
+
+
+def carry(adapter: Checkpoint, rules: Sequence[Rule], *, alpha: float | None = None,
+          path: str = "") -> Checkpoint:
+    """``adapter`` (PEFT's folder opened, MaxText's adapter leaves, unscanned or scanned, or
+    Megatron-Bridge's) seen through the base model's ``rules`` (e.g.
+    ``ckptbridge.recipes.rules(family, src=..., dst=...)``): a checkpoint of the destination's
+    ``lora_A``/``lora_B`` tensors (every state: Adam moments move as the rules say), lazily.
+
+    The result has one rank ``r`` and one scaling ``lora_alpha / r``, recorded in ``extra["lora"]``
+    (what PEFT's ``LoraConfig``, MaxText's adapter config and Megatron-Bridge's ``LoRA(dim=r,
+    alpha=lora_alpha)`` take): a pair scaled otherwise (rsLoRA, a rank or alpha pattern) has the
+    ratio folded into ``B``; a pair of a smaller rank is padded with zeros (``B @ A`` unchanged). A
+    weight fused from parts (PEFT's q/k/v into Megatron's ``linear_qkv``, gate/up into
+    ``linear_fc1``) gets one pair whose rank is the sum of the parts' ranks: ``A`` the parts' ``A``
+    stacked, ``B`` block-diagonal (each part's ``B`` in its rank columns, its rows where the weight's
+    rows go), so ``B @ A`` is exactly the parts' deltas. Its Adam moments: ``A``'s stack, ``B``'s
+    blocks with zeros beside them. At the carried point the gradients of ``A`` and of ``B``'s blocks
+    are the parts' own (so their moments are exact), but the zero blocks get a gradient too (a
+    fused pair trains as one adapter of the summed rank): their zero moments are a fresh start, not a
+    history, so training on is not the parts' training continued.
+
+    ``alpha``: the source's ``lora_alpha`` where its files record none (MaxText's and
+    Megatron-Bridge's factors; default ``r``, a scaling of 1); a PEFT folder's is its
+    ``adapter_config.json``'s. The result's ``lora_alpha`` keeps the source's scaling."""
+    pairs, style = _pairs(adapter)
+    lora_alpha, r, scalings = _scalings(adapter, style, pairs, alpha)
+    scale = lora_alpha / r
+    folded = {b: s / scale for b, s in scalings.items() if s != scale}
+    layouts = {b: layout_of(p["A"].shape, p["B"].shape, style, scan_axis(rules, b) if style == "maxtext" else None)
+               for b, p in pairs.items()}
+    steps = plan(rules, layouts)
+    out: dict[str, LogicalTensor] = {}
+    for part, part_rules in (("A", steps.a), ("B", steps.b)):
+        prefix = [Scale(f"^{re.escape(b)}$", f) for b, f in folded.items()] if part == "B" else []
+        moved = _apply({b: p[part] for b, p in pairs.items()}, [*prefix, *part_rules])
+        for name, t in moved.items():
+            new = factor_name(name, part)
+            out[new] = LogicalTensor(new, dict(t.states), dict(t.scalars))
+    extra = {"lora": {"r": steps.rank, "lora_alpha": scale * steps.rank, "from": adapter.path}}
+    index = CheckpointIndex("lora", path or adapter.path, out, adapter.step, extra)
+    return Checkpoint(index, adapter.files)
+
+
+def _pairs(adapter: Checkpoint) -> tuple[dict[str, dict[str, LogicalTensor]], str]:
+    """``adapter``'s factors by base weight (``{"A": ..., "B": ...}``) and their naming style."""
+    pairs: dict[str, dict[str, LogicalTensor]] = {}
+    styles = set()
+    for name, t in adapter.tensors.items():
+        found = factor_of(name)
+        if found is None:
+            raise FormatError(f"{adapter.path}: tensor {name!r} is not a LoRA factor (lora_A/lora_B)")
+        base, part, style = found
+        styles.add(style)
+        pairs.setdefault(base, {})[part] = LogicalTensor(base, dict(t.states), dict(t.scalars))
+    if len(styles) != 1:
+        raise FormatError(f"{adapter.path}: LoRA tensors of several namings {sorted(styles)}")
+    for base, ab in pairs.items():
+        if set(ab) != {"A", "B"}:
+            raise FormatError(f"{adapter.path}: {factor_name(base, next(iter(ab)))!r} has no partner")
+    return pairs, styles.pop()
+
+
+def _scalings(adapter: Checkpoint, style: str, pairs: Mapping[str, Mapping[str, LogicalTensor]],
+              alpha: float | None) -> tuple[float, int, dict[str, float]]:
+    """The source's ``lora_alpha`` and ``r`` (its nominal scaling ``lora_alpha / r``) and each pair's
+    own scaling: PEFT's as ``adapter_config.json`` gives it (rsLoRA, patterns), others ``lora_alpha``
+    over the pair's rank (Megatron-Bridge's ``alpha / dim``)."""
+    if style == "hf":
+        if alpha is not None:
+            raise OptionError(f"{adapter.path}: a PEFT adapter's lora_alpha is its {_read.CONFIG}'s; "
+                              "alpha= is for factors that record none (MaxText's, Megatron-Bridge's)")
+        config = _read._config(_read.weights_file(adapter.path))
+        read = _read.read(adapter.path, adapter.tensors)
+        return float(config.get("lora_alpha", 8)), int(config.get("r", 8)), {p.base: p.scaling for p in read.pairs}
+    ranks = {b: p["A"].shape[-1 if style == "maxtext" else 0] for b, p in pairs.items()}
+    given = adapter.extra.get("lora")
+    config = dict(given) if isinstance(given, Mapping) else {}
+    r = int(config.get("r", max(ranks.values())))
+    lora_alpha = float(alpha if alpha is not None else config.get("lora_alpha", r))
+    return lora_alpha, r, {b: lora_alpha / rank for b, rank in ranks.items()}
+
+
+def _apply(tensors: dict[str, LogicalTensor], rules: Sequence[Rule]) -> dict[str, LogicalTensor]:
+    """:func:`apply_rules`, with :class:`Copy` and :class:`Place` run here."""
+    for rule in rules:
+        if isinstance(rule, Copy):
+            tensors = {new: LogicalTensor(new, dict(t.states), dict(t.scalars))
+                       for n, t in tensors.items() for new in (rule.names(n) if rule.matches(n) else [n])}
+        elif isinstance(rule, Place):
+            tensors = {n: LogicalTensor(n, {s: rule.place(st) for s, st in t.states.items()}, dict(t.scalars))
+                       if rule.matches(n) else t for n, t in tensors.items()}
+        else:
+            tensors = apply_rules(tensors, [rule])
+    return tensors
+
+
+def save_peft(lora: Checkpoint, out: str | os.PathLike[str], *, task_type: str = "CAUSAL_LM") -> str:
+    """Write ``lora`` (HF-named factors, e.g. :func:`carry` to HF) as a PEFT adapter folder
+    (``adapter_model.safetensors`` + ``adapter_config.json`` with its ``r``, ``lora_alpha`` and the
+    modules it targets), which ``peft.PeftModel.from_pretrained`` loads::
+
+        save_peft(carry(ckptbridge.open("mt_read.safetensors"), back_rules, alpha=8.0), "adapter/")
+    """
+    import ckptbridge
+
+    names = [factor_of(n) for n in lora.tensors]
+    if not names or any(f is None or f[2] != "hf" for f in names):
+        raise FormatError(f"{lora.path}: only PEFT-named LoRA factors can be saved as a PEFT adapter")
+    cfg = lora.extra.get("lora") or {}
+    if "r" not in cfg or "lora_alpha" not in cfg:
+        raise FormatError(f"{lora.path}: no r / lora_alpha in extra['lora'] (carry() records them)")
+    modules = sorted({PurePosixPath(f[0].replace(".", "/")).parent.name for f in names if f})
+    Path(out).mkdir(parents=True, exist_ok=True)
+    ckptbridge.reshard(lora, str(Path(out) / _read.WEIGHTS), to="safetensors")
+    config = {"peft_type": "LORA", "task_type": task_type, "r": int(cfg["r"]), "lora_alpha": cfg["lora_alpha"],
+              "target_modules": modules, "bias": "none", "lora_dropout": 0.0, "use_rslora": False}
+    (Path(out) / _read.CONFIG).write_text(json.dumps(config, indent=1) + "\n")
+    return str(out)
