@@ -26,6 +26,9 @@ peft = pytest.importorskip("peft")
 from hf_models import HFSpec, build, logits, save, tokens  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
+# PEFT 0.21 checks rank_pattern / alpha_pattern keys against the targeted modules only and warns that
+# these "did not match", though its ParamWrappers use them (their r and scaling are asserted below)
+pytestmark = pytest.mark.filterwarnings("ignore:The following (rank|alpha)_pattern keys did not match")
 SPEC = HFSpec("qwen3_moe", mlp=24)  # 2 layers, 4 experts of width 24, hidden 64
 EXPERTS = "model.layers.{}.mlp.experts"
 TOKENS = tokens(2, 12, 256)
@@ -55,12 +58,15 @@ def made(tmp_path_factory) -> dict:
         want = on(input_ids=torch.as_tensor(TOKENS, dtype=torch.int64)).logits.numpy()
     wrappers = {name: (m.parameter_name, m.r["default"], m.scaling["default"], m.num_experts)
                 for name, m in on.named_modules() if isinstance(m, peft.tuners.lora.ParamWrapper)}
-    on.merge_and_unload().save_pretrained(root / "peft_merged")
+    fused = {k: v.clone() for k, v in _model(root / "base").state_dict().items()}  # experts as 3-D tensors
+    unloaded = on.merge_and_unload()
+    merged_3d = {k: v.clone() for k, v in unloaded.state_dict().items()}
+    unloaded.save_pretrained(root / "peft_merged")
     merged = {}
     for f in sorted((root / "peft_merged").glob("*.safetensors")):
         merged.update(load_file(str(f)))
     return {"root": root, "base": root / "base", "adapter": root / "adapter", "logits": want,
-            "wrappers": wrappers, "merged": merged}
+            "wrappers": wrappers, "merged": merged, "fused": fused, "merged_3d": merged_3d}
 
 
 def _assert_equals_peft(ckpt, made: dict) -> None:
@@ -77,9 +83,6 @@ def _assert_equals_peft(ckpt, made: dict) -> None:
     assert adapted == 2 * (4 + 1 + 3 * 4)  # per layer: q/k/v/o, the router, gate/up/down of 4 experts
 
 
-# PEFT 0.21 checks rank_pattern / alpha_pattern keys against the targeted modules only and warns that
-# these "did not match", though its ParamWrappers use them (their r and scaling are asserted below)
-@pytest.mark.filterwarnings("ignore:The following (rank|alpha)_pattern keys did not match")
 def test_expert_lora_merges_as_peft_merge_and_unload(made: dict, tmp_path: Path) -> None:
     """PEFT's wrappers name the weight, rank and scaling of each stored pair (the down_proj wrapper
     outermost, gate_up_proj under ``base_layer``); the merge equals PEFT's bitwise (float32: PEFT
@@ -155,3 +158,27 @@ def test_nesting_that_target_parameters_do_not_explain_fails(made: dict, tmp_pat
     (ad / "adapter_config.json").write_text(json.dumps({**config, "target_parameters": ["mlp.experts.down_proj"]}))
     with pytest.raises(FormatError, match=r"adapter_model\.safetensors.*experts\.base_layer\.lora_A.*nested 1 deep"):
         ckptbridge.open(ad)
+
+
+def test_a_base_storing_3d_experts_merges_in_either_orientation(made: dict, tmp_path: Path) -> None:
+    """A base that stores the experts as transformers holds them (``gate_up_proj [E, 2I, H]``) merges
+    to PEFT's ``merge_and_unload().state_dict()`` bitwise; stored ``[E, in, out]`` (the layout of
+    transformers' ``is_transposed`` experts), the merge is the same, transposed."""
+    for flip in (False, True):
+        base = tmp_path / f"fused{int(flip)}"
+        base.mkdir()
+        shutil.copy(made["base"] / "config.json", base / "config.json")
+        stored = {k: v.transpose(1, 2).contiguous() if flip and v.ndim == 3 else v for k, v in made["fused"].items()}
+        save_file(stored, str(base / "model.safetensors"))
+        merged = ckptbridge.open(base, adapters=[made["adapter"]])
+        assert sorted(merged) == sorted(made["merged_3d"])
+        for name, t in made["merged_3d"].items():
+            want = t.transpose(1, 2) if flip and t.ndim == 3 else t
+            np.testing.assert_array_equal(_bits(merged[name].read()), _bits(want), err_msg=name)
+        name = f"{EXPERTS.format(1)}.gate_up_proj"
+        assert merged.extra["lora"][name]["merged"][0]["experts"] == 4
+        merged.stats.reset()  # expert 2, outputs 3..4 (rank 2): B[3:5, 2::4] and A[4:6]
+        ref = made["merged_3d"][name].transpose(1, 2) if flip else made["merged_3d"][name]
+        index = (slice(2, 3), slice(None), slice(3, 5)) if flip else (slice(2, 3), slice(3, 5))
+        np.testing.assert_array_equal(_bits(merged[name][index]), _bits(ref[index]))
+        assert merged.stats.per_file[str(made["adapter"] / "adapter_model.safetensors")] == 2 * 2 * 4 + 2 * 64 * 4
