@@ -35,7 +35,10 @@ TOKENS = tokens(2, 12, 256)
 
 
 def _bits(a) -> np.ndarray:
-    a = a.detach().contiguous().numpy() if hasattr(a, "detach") else np.ascontiguousarray(a)
+    if hasattr(a, "detach"):
+        a = a.detach().contiguous()
+        return a.view(torch.int16 if a.dtype == torch.bfloat16 else torch.int32).numpy()
+    a = np.ascontiguousarray(a)
     return a.view(np.int16 if a.dtype.itemsize == 2 else np.int32)
 
 
@@ -182,3 +185,31 @@ def test_a_base_storing_3d_experts_merges_in_either_orientation(made: dict, tmp_
         index = (slice(2, 3), slice(None), slice(3, 5)) if flip else (slice(2, 3), slice(3, 5))
         np.testing.assert_array_equal(_bits(merged[name][index]), _bits(ref[index]))
         assert merged.stats.per_file[str(made["adapter"] / "adapter_model.safetensors")] == 2 * 2 * 4 + 2 * 64 * 4
+
+
+def test_bfloat16_merge_is_within_one_ulp_of_peft(made: dict, tmp_path: Path) -> None:
+    """bfloat16 base, float32 adapter: attention (PEFT's ``lora.Linear``, which adds the float32 delta
+    and rounds once, as ckptbridge does) bitwise; the parameters PEFT merges through
+    ``lora.ParamWrapper`` (experts, router) within one bfloat16 ulp of the larger of the weight and
+    the delta: ``ParamWrapper.get_delta_weight`` rounds the delta to bfloat16 before adding it to the
+    bfloat16 weight (two roundings), ckptbridge adds in float32 and rounds once."""
+    model = _model(made["base"]).to(torch.bfloat16)
+    model.save_pretrained(tmp_path / "bf16")
+    pm = peft.PeftModel.from_pretrained(model, made["adapter"])
+    pm.merge_and_unload().save_pretrained(tmp_path / "ref")
+    ref = {}
+    for f in sorted((tmp_path / "ref").glob("*.safetensors")):
+        ref.update(load_file(str(f)))
+    merged, plain = ckptbridge.open(tmp_path / "bf16", adapters=[made["adapter"]]), ckptbridge.open(tmp_path / "bf16")
+    rounded_twice = 0
+    for name, t in ref.items():
+        got = merged[name].read()
+        assert str(got.dtype) == "bfloat16", name
+        if ".experts." not in name and ".mlp.gate." not in name:
+            np.testing.assert_array_equal(_bits(got), _bits(t), err_msg=name)
+            continue
+        want, w = t.float().numpy(), plain[name].read().astype(np.float32)
+        bound = 2.0 ** -7 * np.maximum(np.abs(want - w), np.abs(want))  # one bfloat16 ulp of the larger
+        assert (np.abs(got.astype(np.float32) - want) <= bound).all(), name
+        rounded_twice += int((_bits(got) != _bits(t)).sum())
+    assert rounded_twice > 0  # the two roundings do show
