@@ -256,8 +256,11 @@ def merge(tensors: Mapping[str, LogicalTensor], adapters: Sequence[Adapter], wei
             parts.setdefault(p.base, []).append((p, adapter, weight))
     for base, applied in parts.items():
         first, adapter = applied[0][0], applied[0][1]
-        w, views = (_base_of(tensors, base, adapter, first.a, path, None).state(), {}) if first.experts == 1 \
-            else _experts_of(tensors, base, first, adapter, path)
+        views: dict[str, tuple[int, int, int]] = {}
+        if first.experts == 1:
+            w = _base_of(tensors, base, adapter, first.a, path, None).state()
+        else:  # views: the base's own per-expert tensors, where it stores the experts so
+            w, views = _experts_of(tensors, base, first, adapter, path)
         flip = len(w.shape) == 3 and _transposed(w.shape, adapter.tensors[first.b].shape[0],
                                                  adapter.tensors[first.a].shape[1])
         w = transpose(w, (0, 2, 1)) if flip else w
@@ -274,7 +277,7 @@ def merge(tensors: Mapping[str, LogicalTensor], adapters: Sequence[Adapter], wei
         if not views:
             out[base] = LogicalTensor(base, {"param": merged})
             notes[base] = note
-        for name, (e, r0, rows) in views.items():  # the base's own per-expert tensors, views of the merge
+        for name, (e, r0, rows) in views.items():  # each a view of the merged 3-D weight
             state = reshape(crop(merged, Box((e, r0, 0), (1, rows, merged.shape[2]))), (rows, merged.shape[2]))
             out[name] = LogicalTensor(name, {"param": state})
             notes[name] = {**note, "of": f"{base}[{e}, {r0}:{r0 + rows}]"}
