@@ -24,7 +24,6 @@ import atexit
 import json
 import os
 import select
-import shutil
 import subprocess
 import tempfile
 from pathlib import Path
@@ -193,24 +192,23 @@ def _env() -> dict[str, str]:
 
 
 class _Server:
-    """One ``serve`` process of ``script`` in its own folder: MaxText's output goes to ``log.txt``
-    there, the replies come on a pipe (see ``harness.serve``)."""
+    """One ``serve`` process of ``script``: MaxText's output goes to an unnamed temporary file (a
+    kernel killed before its exit handlers leaves nothing behind), the replies come on a pipe (see
+    ``harness.serve``)."""
 
     def __init__(self, exe: Path, script: Path) -> None:
-        self.dir = Path(tempfile.mkdtemp(prefix="maxtext-server-"))
-        self.log = self.dir / "log.txt"
+        self.log = tempfile.TemporaryFile()  # noqa: SIM115 (open for the process's life)
         read, write = os.pipe()
-        with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen([str(exe), str(script), "serve", "--reply-fd", str(write)],
-                                         stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, env=_env(),
-                                         cwd=self.dir, pass_fds=(write,), text=True)
+        self.proc = subprocess.Popen([str(exe), str(script), "serve", "--reply-fd", str(write)],
+                                     stdin=subprocess.PIPE, stdout=self.log, stderr=subprocess.STDOUT, env=_env(),
+                                     cwd=tempfile.gettempdir(), pass_fds=(write,), text=True)
         os.close(write)
         self.replies: IO[str] = os.fdopen(read)
 
     def ask(self, jobs_file: Path, out_file: Path, timeout: float) -> dict[str, Any]:
         """Send one batch and wait for its reply; a failed, dead or timed-out process is closed and
         its reply is ``{"error": ...}`` with the end of its output since the batch began."""
-        start = self.log.stat().st_size
+        start = os.fstat(self.log.fileno()).st_size
         assert self.proc.stdin is not None
         try:
             self.proc.stdin.write(json.dumps({"jobs": str(jobs_file), "out": str(out_file)}) + "\n")
@@ -221,14 +219,18 @@ class _Server:
         line = self.replies.readline() if ready else ""
         reply = json.loads(line) if line else {"error": "exited" if ready else f"no reply in {timeout} s"}
         if "error" in reply:
+            self.stop()
+            end = os.fstat(self.log.fileno()).st_size
+            tail = os.pread(self.log.fileno(), min(end - start, 6000), max(start, end - 6000))
+            reply["error"] += "\n" + tail.decode(errors="replace")
             self.close()
-            with open(self.log, "rb") as log:
-                log.seek(start)
-                reply["error"] += "\n" + log.read().decode(errors="replace")[-6000:]
-            shutil.rmtree(self.dir, ignore_errors=True)
         return reply
 
     def close(self) -> None:
+        self.stop()
+        self.log.close()
+
+    def stop(self) -> None:
         if self.proc.poll() is None:
             assert self.proc.stdin is not None
             self.proc.stdin.close()  # serve() returns at the end of its input
@@ -249,7 +251,6 @@ def close_servers() -> None:
     for servers in _SERVERS.values():
         for server in servers:
             server.close()
-            shutil.rmtree(server.dir, ignore_errors=True)
     _SERVERS.clear()
 
 
