@@ -128,14 +128,16 @@ def worker(args: argparse.Namespace) -> int:
         emit(args.events, ev="verdict", rank=rank, faulty=faulty, time=time.time(),
              code=ckptbridge.EXIT_FAULTY if rank in faulty else ckptbridge.EXIT_RESTART)
 
+    now = [start]  # the step the loop is in: where the fault lands (a late timer lands in a later one)
     with ckptbridge.Watchdog(ck, on_fault=on_fault) as wd:
         for step in range(start, args.steps):
+            now[0] = step
             if step == args.fault_step and rank == args.fault_rank and latest is None:
                 sig = signal.SIGKILL if args.fault_signal == "kill" else signal.SIGSTOP
 
                 def fire(step: int = step, sig: int = sig) -> None:
-                    emit(args.events, ev="fault", rank=rank, step=step, signal=args.fault_signal, pid=os.getpid(),
-                         time=time.time())
+                    emit(args.events, ev="fault", rank=rank, step=step, at=now[0], signal=args.fault_signal,
+                         pid=os.getpid(), time=time.time())
                     os.kill(os.getpid(), sig)
 
                 threading.Timer(args.fault_delay, fire).start()

@@ -12,19 +12,22 @@
     logits = np.load(work / "logits.npy")
     params = mx.read_params(work / "mt.safetensors")     # {"decoder/layers/...": ndarray}
 
-Each :func:`run_jobs` call is one process (MaxText imports in ~10 s), so batch the jobs.
-The venv comes from ``make maxtext-venv`` (``tools/maxtext/setup.sh``); ``MAXTEXT_PYTHON``
-points elsewhere.
+MaxText imports in ~10 s of CPU, so :func:`run_jobs` sends each batch to one harness process
+(``harness.py serve``) kept for the whole session (per script and device count; each batch still
+gets a fresh model cache), closed when this process exits. The venv comes from ``make
+maxtext-venv`` (``tools/maxtext/setup.sh``); ``MAXTEXT_PYTHON`` points elsewhere.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import select
 import subprocess
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 
@@ -188,23 +191,92 @@ def _env() -> dict[str, str]:
     return env
 
 
+class _Server:
+    """One ``serve`` process of ``script``: MaxText's output goes to an unnamed temporary file (a
+    kernel killed before its exit handlers leaves nothing behind), the replies come on a pipe (see
+    ``harness.serve``)."""
+
+    def __init__(self, exe: Path, script: Path) -> None:
+        self.log = tempfile.TemporaryFile()  # noqa: SIM115 (open for the process's life)
+        read, write = os.pipe()
+        self.proc = subprocess.Popen([str(exe), str(script), "serve", "--reply-fd", str(write)],
+                                     stdin=subprocess.PIPE, stdout=self.log, stderr=subprocess.STDOUT, env=_env(),
+                                     cwd=tempfile.gettempdir(), pass_fds=(write,), text=True)
+        os.close(write)
+        self.replies: IO[str] = os.fdopen(read)
+
+    def ask(self, jobs_file: Path, out_file: Path, timeout: float) -> dict[str, Any]:
+        """Send one batch and wait for its reply; a failed, dead or timed-out process is closed and
+        its reply is ``{"error": ...}`` with the end of its output since the batch began."""
+        start = os.fstat(self.log.fileno()).st_size
+        assert self.proc.stdin is not None
+        try:
+            self.proc.stdin.write(json.dumps({"jobs": str(jobs_file), "out": str(out_file)}) + "\n")
+            self.proc.stdin.flush()
+        except BrokenPipeError:
+            pass  # it died: the reply below is empty
+        ready, _, _ = select.select([self.replies], [], [], timeout)
+        line = self.replies.readline() if ready else ""
+        reply = json.loads(line) if line else {"error": "exited" if ready else f"no reply in {timeout} s"}
+        if "error" in reply:
+            self.stop()
+            end = os.fstat(self.log.fileno()).st_size
+            tail = os.pread(self.log.fileno(), min(end - start, 6000), max(start, end - 6000))
+            reply["error"] += "\n" + tail.decode(errors="replace")
+            self.close()
+        return reply
+
+    def close(self) -> None:
+        self.stop()
+        self.log.close()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            assert self.proc.stdin is not None
+            self.proc.stdin.close()  # serve() returns at the end of its input
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.replies.close()
+
+
+_SERVERS: dict[Path, list[_Server]] = {}  # script -> its processes (one per device count)
+
+
+@atexit.register
+def close_servers() -> None:
+    """End every harness process (at exit; a server also ends when its stdin closes)."""
+    for servers in _SERVERS.values():
+        for server in servers:
+            server.close()
+    _SERVERS.clear()
+
+
 def run_jobs(jobs: list[dict[str, Any]], timeout: float = 900, script: Path = HARNESS) -> list[dict[str, Any]]:
-    """Run the jobs in one harness process; their results (losses, converter errors, seconds).
-    ``script``: a harness with more jobs (``tools/maxtext/lora.py``), the same command line."""
+    """Run the jobs as one batch of a harness process; their results (losses, converter errors,
+    seconds). ``script``: a harness with more jobs (``tools/maxtext/lora.py``), the same command
+    line. A failed job ends its process (the next batch starts a fresh one) and raises
+    :class:`HarnessError` with the traceback and the end of MaxText's output."""
     exe = python()
     if not exe.exists():
         raise HarnessError(f"{exe} is missing: run `make maxtext-venv` (tools/maxtext/setup.sh)")
+    servers = _SERVERS.setdefault(Path(script), [])
     with tempfile.TemporaryDirectory(prefix="maxtext-jobs-") as tmp:
         spec_file, out_file = Path(tmp) / "jobs.json", Path(tmp) / "results.json"
         spec_file.write_text(json.dumps(jobs))
-        proc = subprocess.run(
-            [str(exe), str(script), "jobs", "--jobs", str(spec_file), "--out", str(out_file)],
-            env=_env(), capture_output=True, text=True, timeout=timeout, cwd=tmp,
-        )
-        if proc.returncode != 0 or not out_file.exists():
-            tail = (proc.stdout + proc.stderr)[-6000:]
-            raise HarnessError(f"harness exited {proc.returncode}:\n{tail}")
-        return json.loads(out_file.read_text())
+        for server in [*servers, None]:  # the process with this batch's device count, else a new one
+            if server is None:
+                server = _Server(exe, Path(script))
+                servers.append(server)
+            reply = server.ask(spec_file, out_file, timeout)
+            if "error" in reply:
+                servers.remove(server)
+                raise HarnessError(f"harness failed:\n{reply['error'][-8000:]}")
+            if reply.get("ok"):
+                return json.loads(out_file.read_text())
+        raise HarnessError(f"a new harness process refused the batch: {reply}")
 
 
 # ------------------------------------------------------------------ files

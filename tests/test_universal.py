@@ -334,22 +334,38 @@ def test_disk_full_mid_convert_names_the_file_and_keeps_the_old_checkpoint(tmp_p
 
 def test_background_writes_run_below_the_training_threads(tmp_path):
     """The checkpointer's flush (``background=True``) reads and writes on threads with a higher
-    nice value on Linux (elsewhere a thread id is not a process id, so priorities stay as they
-    are); the caller's own thread keeps its priority either way."""
+    nice value than the thread that started it, on Linux (elsewhere a thread id is not a process
+    id, so priorities stay as they are); the caller's own thread keeps its priority either way.
+    Relative, so it holds under an outer ``nice`` too: a training thread already at nice 12 (where
+    an absolute nice of 10 would not be below it) gets its writers at 19."""
     import threading
+    from concurrent.futures import ThreadPoolExecutor
 
     import ckptbridge._formats.safetensors_write as st
 
-    seen = []
+    linux = sys.platform.startswith("linux")
 
-    def data():
-        seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
-        return np.ones(8, np.float32)
+    def priority() -> int:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
 
-    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-    st.write_files([st.FileSpec(str(tmp_path / "a.safetensors"), [st.Entry("x", "float32", (8,), data)])],
-                   background=True)
-    st.write_files([st.FileSpec(str(tmp_path / "b.safetensors"), [st.Entry("x", "float32", (8,), data)])])
-    lowered = min(mine + st._BACKGROUND_NICE, 19) if sys.platform.startswith("linux") else mine
-    assert seen == [lowered, mine]
-    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine
+    def trainer(outer: int | None) -> tuple[list[int], int, int]:
+        if outer is not None:  # nice values are per thread on Linux: only this thread's changes
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), max(priority(), outer))
+        seen = []
+
+        def data():
+            seen.append(priority())
+            return np.ones(8, np.float32)
+
+        mine = priority()
+        for name, background in (("a", True), ("b", False)):
+            path = str(tmp_path / f"{name}{outer}.safetensors")
+            st.write_files([st.FileSpec(path, [st.Entry("x", "float32", (8,), data)])], background=background)
+        return seen, mine, priority()
+
+    for outer in (None, 12) if linux else (None,):
+        with ThreadPoolExecutor(1) as pool:  # a fresh thread each time (it inherits the caller's nice)
+            seen, mine, after = pool.submit(trainer, outer).result()
+        lowered = min(mine + st._BACKGROUND_NICE, 19) if linux else mine
+        assert seen == [lowered, mine] and after == mine, (outer, seen, mine)
+        assert not linux or mine == 19 or lowered > mine

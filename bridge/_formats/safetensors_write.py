@@ -334,11 +334,17 @@ _BACKGROUND_NICE = 10
 
 
 def lower_priority() -> None:
-    """Give the calling thread a lower CPU priority (Linux only: there nice values are per thread;
-    elsewhere the id would name a process)."""
+    """Give the calling thread a CPU priority ``_BACKGROUND_NICE`` steps below the one it inherited
+    from the thread that started it (Linux only: there nice values are per thread; elsewhere the id
+    would name a process). Relative, so it stays below the training threads when the whole process
+    runs under an outer ``nice`` (an absolute value would raise it back, or be refused); capped at 19::
+
+        ThreadPoolExecutor(2, initializer=lower_priority)  # workers below the caller's threads
+    """
     if sys.platform.startswith("linux"):
+        tid = threading.get_native_id()
         with contextlib.suppress(OSError):
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), _BACKGROUND_NICE)
+            os.setpriority(os.PRIO_PROCESS, tid, min(os.getpriority(os.PRIO_PROCESS, tid) + _BACKGROUND_NICE, 19))
 
 
 def _pwrite_all(fd: int, buf: mmap.mmap, lo: int, hi: int, at: int, path: str = "") -> None:

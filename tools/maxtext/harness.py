@@ -36,6 +36,7 @@ Subcommands::
                           [--tokens t.npy --logits l.npy] [--train-tokens tt.npy --steps N --train-out dir/]
                           [--update-scale '{"query/kernel$": 0.17}'] [--save-universal dir/] [--report r.json]
     harness.py jobs       --jobs jobs.json   # several of the above in one process (one import)
+    harness.py serve      --reply-fd N       # batches of jobs named on stdin, one process (see serve())
 
 ``tree`` builds MaxText's decoder (``models.transformer_as_linen``) and lists every leaf
 with its shape, dtype and the logical axis names of its ``nn.LogicallyPartitioned`` box.
@@ -958,6 +959,8 @@ def _parser() -> argparse.ArgumentParser:
     j = sub.add_parser("jobs", help="several jobs (a JSON list of {cmd, ...options}) in one process")
     j.add_argument("--jobs", required=True)
     j.add_argument("--out", help="results JSON")
+    sv = sub.add_parser("serve", help="batches of jobs named on stdin, one process for many (see serve())")
+    sv.add_argument("--reply-fd", type=int, required=True)
     return p
 
 
@@ -972,21 +975,71 @@ def _spec_text(arg: str) -> str:
     return Path(arg).read_text() if not arg.lstrip().startswith("{") else arg
 
 
+def set_devices(ndev: int) -> None:
+    """``ndev`` CPU devices for jax. XLA reads these once, when jax initialises its backend: call
+    this before the first job (before importing jax)."""
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    os.environ.setdefault("DECOUPLE_GCLOUD", "TRUE")
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
+    os.environ["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={ndev}"])
+
+
+Batch = Callable[[list[dict[str, Any]], dict[str, Built]], list[dict[str, Any]]]
+
+
+def run_batch(jobs: list[dict[str, Any]], cache: dict[str, Built]) -> list[dict[str, Any]]:
+    """Every job of ``jobs`` in order, sharing ``cache`` (built models by spec)."""
+    return [run_job(j, cache) for j in jobs]
+
+
+def serve(batch: Batch, reply_fd: int) -> int:
+    """Run batches of jobs until stdin closes, MaxText imported once for all of them (the client,
+    ``tests/maxtext_client.py``, keeps this process for a whole test session). Each stdin line is
+    ``{"jobs": jobs.json, "out": results.json}``; each reply, one JSON line on ``reply_fd``:
+
+    - ``{"ok": true}``: the results are in ``out``;
+    - ``{"devices": n}``: the batch needs ``n`` devices, not this process's (XLA fixes the count
+      when jax starts: the first batch sets it); nothing ran;
+    - ``{"error": traceback}``: a job failed; the process then exits, so no later batch runs in
+      a state a failure left behind.
+
+    Each batch gets a fresh model cache, as a ``jobs`` process would: what a batch computes does
+    not depend on the batches before it.
+    """
+    import traceback
+
+    ndev = None
+    with os.fdopen(reply_fd, "w", buffering=1) as reply:
+        for line in sys.stdin:
+            request = json.loads(line)
+            try:
+                jobs = json.loads(Path(request["jobs"]).read_text())
+                need = _devices_for(jobs)
+                if ndev is None:
+                    ndev = need
+                    set_devices(ndev)
+                if need != ndev:
+                    reply.write(json.dumps({"devices": need}) + "\n")
+                    continue
+                _write_json(Path(request["out"]), batch(jobs, {}))
+            except BaseException:  # SystemExit too: the jobs' own errors
+                reply.write(json.dumps({"error": traceback.format_exc()}) + "\n")
+                return 1
+            reply.write(json.dumps({"ok": True}) + "\n")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.cmd == "serve":
+        return serve(run_batch, args.reply_fd)
     if args.cmd == "jobs":
         jobs = json.loads(Path(args.jobs).read_text())
     else:
         job = {k.replace("-", "_"): v for k, v in vars(args).items() if v is not None}
         jobs = [job]
-    ndev = _devices_for(jobs)
-    # XLA reads these once, when jax initialises its backend: set them before importing jax
-    os.environ["JAX_PLATFORMS"] = "cpu"
-    os.environ.setdefault("DECOUPLE_GCLOUD", "TRUE")
-    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
-    os.environ["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={ndev}"])
-    cache: dict[str, Built] = {}
-    results = [run_job(j, cache) for j in jobs]
+    set_devices(_devices_for(jobs))
+    results = run_batch(jobs, {})
     if args.cmd == "jobs" and args.out:
         _write_json(Path(args.out), results)
     print(json.dumps(results))

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -94,19 +93,8 @@ def lora_grad(job: dict[str, Any], built: harness.Built) -> dict[str, Any]:
     return {"cmd": job["cmd"], "loss": float(loss)}
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="lora.py", description=__doc__.split("\n\n")[0])
-    p.add_argument("cmd", choices=["jobs"])  # harness.py's command line, so maxtext_client.run_jobs drives both
-    p.add_argument("--jobs", required=True)
-    p.add_argument("--out", required=True)
-    args = p.parse_args(argv)
-    jobs = json.loads(Path(args.jobs).read_text())
-    ndev = harness._devices_for(jobs)
-    os.environ["JAX_PLATFORMS"] = "cpu"  # before jax initialises its backend, as harness.main does
-    os.environ.setdefault("DECOUPLE_GCLOUD", "TRUE")
-    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
-    os.environ["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={ndev}"])
-    cache: dict[str, harness.Built] = {}
+def run_batch(jobs: list[dict[str, Any]], cache: dict[str, harness.Built]) -> list[dict[str, Any]]:
+    """Every job in order: the LoRA jobs here, every other one by ``harness.run_job``."""
     results = []
     for job in jobs:
         if job["cmd"] not in ("lora-forward", "lora-tree", "lora-grad"):
@@ -122,7 +110,21 @@ def main(argv: list[str] | None = None) -> int:
         else:
             result = (lora_forward if job["cmd"] == "lora-forward" else lora_grad)(job, cache[key])
         results.append({**result, "seconds": round(time.time() - t0, 2)})
-    harness._write_json(Path(args.out), results)
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="lora.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("cmd", choices=["jobs", "serve"])  # harness.py's command lines, so maxtext_client drives both
+    p.add_argument("--jobs")
+    p.add_argument("--out")
+    p.add_argument("--reply-fd", type=int)
+    args = p.parse_args(argv)
+    if args.cmd == "serve":
+        return harness.serve(run_batch, args.reply_fd)
+    jobs = json.loads(Path(args.jobs).read_text())
+    harness.set_devices(harness._devices_for(jobs))  # before jax initialises its backend, as harness.main does
+    harness._write_json(Path(args.out), run_batch(jobs, {}))
     return 0
 
 

@@ -57,8 +57,9 @@ if ! is312 "$VENV/bin/python"; then
   "$PY" -m venv "$VENV"
 fi
 rm -f "$STAMP"
-"$VENV/bin/python" -m pip install -q --no-deps -r "$REQ" "maxtext==$MAXTEXT_VERSION"
-"$VENV/bin/python" -m pip install -q --no-deps -e "$ROOT"
+# --no-compile: the harness imports a fraction of the venv's ~11k files (Python compiles those on first import)
+"$VENV/bin/python" -m pip install -q --no-deps --no-compile -r "$REQ" "maxtext==$MAXTEXT_VERSION"
+"$VENV/bin/python" -m pip install -q --no-deps --no-compile -e "$ROOT"
 smoke
 touch "$STAMP"
 echo "maxtext venv ready: $VENV"
