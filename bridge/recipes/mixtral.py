@@ -61,11 +61,14 @@ class MixtralConfig(MoeConfig):
 
 
 def megatron_to_hf(c: MixtralConfig) -> list[Rule]:
-    """megatron-core -> HF: Qwen3-MoE's rules without its q/k norms, then Mixtral's HF names."""
-    qk_norms = megatron_qk_norm_names()
-    rules = [r for r in qwen3_moe.megatron_to_hf(c) if r not in qk_norms]
-    return rules + [Rename(r"^model\.layers\." + L + r"\." + qwen + "$", r"model.layers.\g<layer>." + mixtral)
-                    for qwen, mixtral in QWEN3_MOE_TO_MIXTRAL]
+    """megatron-core -> HF: Qwen3-MoE's rules without its q/k norms, then Mixtral's HF names; the HF
+    attention checks last (where the composition with HF -> MaxText, which begins with them, keeps
+    them once)."""
+    checks = _gpt.hf_expects(c)
+    skip = [*megatron_qk_norm_names(), *checks]
+    rules = [r for r in qwen3_moe.megatron_to_hf(c) if r not in skip]
+    return [*rules, *(Rename(r"^model\.layers\." + L + r"\." + qwen + "$", r"model.layers.\g<layer>." + mixtral)
+                      for qwen, mixtral in QWEN3_MOE_TO_MIXTRAL), *checks]
 
 
 def config_from_hf(hf: Mapping[str, Any]) -> dict[str, Any]:
