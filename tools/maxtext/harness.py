@@ -494,10 +494,11 @@ def read_rules(arg: Any) -> list[dict[str, Any]]:
     return list(data["rules"] if isinstance(data, dict) else data)
 
 
-def scaled_adamw(hp: AdamW, update_scale: dict[str, float]) -> Any:
+def scaled_adamw(hp: AdamW, update_scale: dict[str, float], mask: Any = None) -> Any:
     """optax's AdamW as MaxText's ``get_optimizer`` builds it (``scale_by_adam``, decoupled weight
     decay, a learning-rate schedule), with the Adam direction of the leaves whose path matches a
     pattern of ``update_scale`` multiplied by its factor, before the decay and the learning rate.
+    ``mask``: MaxText's weight-decay mask (``optimizers.get_adamw_mask`` of its ``adamw_mask`` config).
 
     A leaf reparametrised as ``w' = c w`` (MaxText's query kernel, ``c = 1/sqrt(head_dim)``) with
     its moments mapped (``mu / c``, ``nu / c**2``) follows the original run's trajectory exactly
@@ -523,7 +524,7 @@ def scaled_adamw(hp: AdamW, update_scale: dict[str, float]) -> Any:
     return optax.chain(
         optax.scale_by_adam(b1=hp.b1, b2=hp.b2, eps=hp.eps, eps_root=0.0, mu_dtype="float32"),
         scale,
-        optax.add_decayed_weights(hp.wd),
+        optax.add_decayed_weights(hp.wd, mask),
         optax.scale_by_learning_rate(lambda step: hp.lr),
     )
 
@@ -577,26 +578,36 @@ def load_recipe(built: Built, source: str, rules: list[dict[str, Any]], tx: Any 
         jax.block_until_ready(jax.tree.map(_unboxed, boxed, is_leaf=is_box))
     loaded = time.perf_counter() - t0
     flat = jax.tree_util.tree_flatten_with_path(boxed, is_leaf=is_box)[0]
-    not_boxed, bad_sharding = [], []
+    not_boxed, bad_sharding, shards = [], [], {}
     for path, leaf in flat:
         name = _path_name(path)
         if not is_box(leaf) or tuple(leaf.names) != tuple(built.leaves[name].names):
             not_boxed.append(name)
         arr = _unboxed(leaf)
+        shards[name] = _shards(arr)
         if not arr.sharding.is_equivalent_to(built.shardings[name], arr.ndim):
             bad_sharding.append(name)
     if opt_state is not None:
         for path, arr in jax.tree_util.tree_flatten_with_path(opt_state)[0]:
             name = path_name(path)
+            shards[name] = _shards(arr)
             param = next((n for n in built.shardings if name.endswith("/" + n)), None)
             if param is not None and not arr.sharding.is_equivalent_to(built.shardings[param], arr.ndim):
                 bad_sharding.append(name)
     report = {"open_seconds": opened, "load_seconds": loaded, "bytes_read": int(ckpt.stats.bytes_read),
               "leaves": len(flat), "not_boxed": not_boxed, "not_maxtext_sharding": bad_sharding,
-              "devices": int(built.mesh.devices.size)}
+              "devices": int(built.mesh.devices.size), "shards": shards}
     ckpt.close()
     params = jax.tree.map(_unboxed, boxed, is_leaf=is_box)
     return params, opt_state, report
+
+
+def _shards(arr: Any) -> list[list[Any]]:
+    """What each device holds of ``arr`` (its ``jax.Array.sharding``): ``[[device id, [[start, stop] per
+    dim]], ...]`` by device id."""
+    index = sorted(arr.sharding.devices_indices_map(arr.shape).items(), key=lambda kv: kv[0].id)
+    return [[int(dev.id), [[s.start or 0, n if s.stop is None else s.stop] for s, n in zip(idx, arr.shape)]]
+            for dev, idx in index]
 
 
 def _state_arrays(params: Any, opt_state: Any) -> dict[str, Any]:
@@ -851,7 +862,7 @@ def _load_job(job: dict[str, Any], built: Built) -> dict[str, Any]:
     update_scale = job.get("update_scale") or {}
     tx = None
     if job.get("opt"):
-        tx = scaled_adamw(hp, update_scale) if update_scale else _tx(built, hp)
+        tx = _load_tx(built, hp, update_scale)
     variables, opt_state, report = load_recipe(built, job["source"], read_rules(job.get("rules") or []), tx,
                                                job.get("open_options"))
     if opt_state is not None:
@@ -864,7 +875,7 @@ def _load_job(job: dict[str, Any], built: Built) -> dict[str, Any]:
         np.save(job["logits"], logits)
     if job.get("steps"):
         if tx is None:
-            tx = scaled_adamw(hp, update_scale) if update_scale else _tx(built, hp)
+            tx = _load_tx(built, hp, update_scale)
         tokens = np.load(job["train_tokens"], allow_pickle=False)
         losses, params, opt_state = train(built, variables, tokens, int(job["steps"]), hp, None, tx=tx,
                                           opt_state=opt_state)
@@ -883,6 +894,13 @@ def _load_job(job: dict[str, Any], built: Built) -> dict[str, Any]:
     if job.get("report"):
         _write_json(Path(job["report"]), report)
     return {"load": report}
+
+
+def _load_tx(built: Built, hp: AdamW, update_scale: dict[str, float]) -> Any:
+    """MaxText's AdamW, or with ``update_scale`` :func:`scaled_adamw` (MaxText's weight-decay mask kept)."""
+    from maxtext.optimizers import optimizers
+
+    return scaled_adamw(hp, update_scale, optimizers.get_adamw_mask(built.config)) if update_scale else _tx(built, hp)
 
 
 def _opt_tree(opt_state: Any) -> list[str]:

@@ -52,6 +52,9 @@ losses and (PP 1) GPTModel's logits over the padded vocabulary, to compare with 
     python tools/megatron/core_loss.py --world 2 --train-step --dump /tmp/dump \\
         save:tests/fixtures/megatron/Abf16/tp2pp1/torch=/tmp/bf16_dist dist:/tmp/bf16_dist:tp=1,pp=2,optim=1
 
+``--set ARG=JSON`` changes one of the saved args for every checkpoint (``--set moe_aux_loss_coeff=0``: the
+train step without the router's load-balancing loss); an ``eval:`` item is evaluated without the train step.
+
 Megatron-LM's own training loop is tools/megatron/verify_loss.py (needs setup.sh's git clone).
 """
 
@@ -89,7 +92,9 @@ class Item:
     ``dist:path[:tp=N,pp=M[,ep=E,etp=X][,optim=1]]`` (EP default 1, ETP default TP)
     (``optim=1``: with ``--train-step``, also load the optimizer through megatron-core's
     ``sharded_state_dict``), or ``save:path=OUT`` (a legacy checkpoint at its own layout, model +
-    optimizer + scheduler loaded, then saved by megatron-core as the ``torch_dist`` checkpoint OUT)."""
+    optimizer + scheduler loaded, then saved by megatron-core as the ``torch_dist`` checkpoint OUT);
+    ``eval:`` before any of these: evaluated only, no optimizer and no train step even with
+    ``--train-step`` (a checkpoint without optimizer state beside others that have one)."""
 
     path: str
     dist: bool = False
@@ -100,9 +105,12 @@ class Item:
     model_only: bool = False  # savemodel:PATH=OUT: save the model alone
     ep: int | None = None
     etp: int | None = None
+    train: bool = True
 
     @staticmethod
     def parse(text: str) -> Item:
+        if text.startswith("eval:"):
+            return dataclasses.replace(Item.parse(text[len("eval:"):]), train=False)
         if text.startswith(("save:", "savemodel:")):
             kind, _, body = text.partition(":")
             path, _, out = body.rpartition("=")
@@ -579,6 +587,8 @@ def evaluate(item: Item, opts: argparse.Namespace, index: int = 0) -> dict[str, 
     if err:
         return {"ckpt": item.path, "error": err} if dist.get_rank() == 0 else None
     args = ap.Namespace(**{k: _revive(v) for k, v in plain.items()})
+    for key, value in opts.set:  # --set: the run's args changed for this evaluation (e.g. its aux loss off)
+        setattr(args, key, value)
     tp = item.tp or int(args.tensor_model_parallel_size or 1)
     pp = item.pp or int(args.pipeline_model_parallel_size or 1)
     if item.dist and item.tp and vocab is not None:  # Megatron-LM pads the tokenizer's vocab for the run's TP
@@ -628,7 +638,8 @@ def evaluate(item: Item, opts: argparse.Namespace, index: int = 0) -> dict[str, 
         if item.model_only and "error" not in rec:
             save_dist(model, None, None, sd or {}, str(item.save_to))
             rec["saved"] = item.save_to
-        want_optimizer = (item.save_to and not item.model_only) or (opts.train_step and (item.optim or not item.dist))
+        want_optimizer = ((item.save_to and not item.model_only)
+                          or (opts.train_step and item.train and (item.optim or not item.dist)))
         if want_optimizer and "error" not in rec:
             try:
                 ddp, optimizer, sched = make_optimizer(model, args)
@@ -707,10 +718,19 @@ def worker(rank: int, world: int, port: int, opts: argparse.Namespace) -> None:
         dist.destroy_process_group()
 
 
+def _arg_override(text: str) -> tuple[str, Any]:
+    """``--set`` ``ARG=JSON`` -> (ARG, its value)."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"--set {text!r}: expected ARG=JSON")
+    return key, json.loads(value)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("ckpt", nargs="+", help="checkpoint dirs (legacy layout), dist:PATH[:tp=N,pp=M[,ep=E,etp=X][,optim=1]] "
-                                            "or save:PATH=OUT or savemodel:PATH=OUT")
+                                            "or save:PATH=OUT or savemodel:PATH=OUT; eval:<any of these>: no "
+                                            "train step")
     ap.add_argument("--world", type=int, default=2, help="ranks to spawn (gloo); TP x PP must divide it")
     ap.add_argument("--microbatches", type=int, default=2)
     ap.add_argument("--micro-batch-size", type=int, default=0, help="default: the run's micro_batch_size")
@@ -724,6 +744,9 @@ def main(argv: list[str] | None = None) -> int:
                          "logits over the padded vocabulary (PP 1 only); with the optimizer loaded, its state as "
                          "megatron-core holds it in DIR/<n>/tpT_ppP_dpD.pt (see optimizer_state)")
     ap.add_argument("--timeout", type=int, default=300, help="gloo collective timeout (s)")
+    ap.add_argument("--set", type=_arg_override, action="append", default=[], metavar="ARG=JSON",
+                    help="override one of the run's saved Megatron args for every checkpoint, the value as JSON "
+                         "(e.g. moe_aux_loss_coeff=0: the router's load-balancing loss off in the train step)")
     ap.add_argument("-v", "--verbose", action="store_true")
     opts = ap.parse_args(argv)
     import socket
