@@ -329,17 +329,19 @@ def _convert(ctx, ep: int) -> None:
 
 
 def _last_error(log: str) -> str:
-    """The converter's last exception, one line: ``file:line in function: Error: message`` (+ the failing line)."""
+    """The converter's exceptions (its loader's and its saver's process each raise), one line each
+    ``Error: message at file:line function: `failing line```, distinct ones joined in order."""
     lines = [ln.removeprefix("[rank0]: ").strip() for ln in log.splitlines()]
-    err = max((i for i, ln in enumerate(lines) if re.match(r"^[A-Za-z_.]*(Error|Exception)\b", ln)), default=None)
-    if err is None:
-        return log.strip().splitlines()[-1] if log.strip() else "no output"
-    where = next((lines[i] for i in range(err, -1, -1) if lines[i].startswith("File ")), "")
-    code = lines[err - 1] if err and not lines[err - 1].startswith(("File ", "^")) else \
-        next((lines[i] for i in range(err - 1, -1, -1) if lines[i] and not lines[i].startswith("^")), "")
-    m = re.match(r'File "(.*)", line (\d+), in (\S+)', where)
-    place = f"{os.path.basename(m[1])}:{m[2]} {m[3]}" if m else where
-    return f"{lines[err]} at {place}: `{code}`"
+    found: list[str] = []
+    for i, ln in enumerate(lines):
+        if not re.match(r"^[A-Za-z_.]*(Error|Exception)\b", ln):
+            continue
+        where = next((lines[j] for j in range(i, -1, -1) if lines[j].startswith("File ")), "")
+        code = next((lines[j] for j in range(i - 1, -1, -1) if lines[j] and not lines[j].startswith("^")), "")
+        m = re.match(r'File "(.*)", line (\d+), in (\S+)', where)
+        place = f"{os.path.basename(m[1])}:{m[2]} {m[3]}" if m else where
+        found.append(f"{ln[:160]} at {place}: `{code[:120]}`")
+    return " / ".join(dict.fromkeys(found)) or (lines[-1] if lines else "no output")
 
 
 def core_ep4(ctx) -> None:
