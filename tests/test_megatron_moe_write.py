@@ -10,7 +10,13 @@ expert optimizer; TP 2 x EP 2 with expert-TP 1), read from its legacy per-rank f
   ``mp_rank_00_000`` and ``mp_rank_01_001`` of the expert-data-parallel rank 0 ranks, a dense + expert
   optimizer; megatron-core trains it with sequence parallelism);
 * from ``D/tp1ep2dp4`` (the distributed optimizer, its ``torch_dist`` copy), ``dist_opt_ep1``: EP 2 -> 1
-  (``distrib_optim.pt`` of one optimizer; megatron-core itself cannot make this reshard).
+  (``distrib_optim.pt`` of one optimizer; megatron-core itself cannot make this reshard);
+* from ``G/tp2ep2etp1`` (bf16, legacy GroupedMLP: each layer's experts in ``experts.weight1`` /
+  ``weight2``, Float16 optimizer with fp32 masters; Megatron-LM's own legacy files), ``g_ep1``: TP 1 x
+  EP 1, and from it ``g_tp1ep2``: TP 1 x EP 2 (megatron-core builds the GroupedMLP with
+  ``MEGATRON_CPU_SHIM_GG=1``: tools/megatron/cpu_shim.py's pure-torch grouped GEMM); the reference is
+  megatron-core's ``dist_checkpointing`` reshard of ``G/tp2ep2etp1/torch_dist`` to each layout (it can
+  reshard GroupedMLP, optimizer included: the fixtures themselves were made so).
 
 ``tools/megatron/core_loss.py`` (megatron-core 0.16.1, 2 gloo ranks) loads each written checkpoint
 strictly (``load_state_dict(strict=True)`` of this rank's ``mp_rank_TT_EEE`` file, the optimizer through
@@ -23,7 +29,10 @@ the same logits, and the same grad norm (measured bitwise equal).
 Negative controls, written the same way at TP 2 x EP 2: every EP rank given global experts 0.. (the
 local index read as global), and one expert's gate/up halves swapped; each moves the logits by > 1000x
 the tolerance (relative 1.2e-2 and 1.5e-3; the per-token losses by 4e-4 and 3e-5: the experts of a model
-trained 5 iterations are still alike, and top-2 routing with a shared expert dilutes one expert).
+trained 5 iterations are still alike, and top-2 routing with a shared expert dilutes one expert). For
+GroupedMLP at TP 1 x EP 2: the local index read as global, and one layer's ``weight1`` of EP rank 1 stored
+untransposed (each expert's ``[fc1, hidden]`` rows where megatron-core views ``[hidden, fc1]``): logits
+moved by 1.1e-2 each, the per-token losses by 3.8e-4 and 3.5e-4.
 """
 
 from __future__ import annotations
@@ -44,6 +53,7 @@ from ckptbridge.adapters.megatron import _write_moe, _writer
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 SRC = os.path.join(HERE, "fixtures", "megatron_moe", "M", "tp2ep2etp1")
+G_SRC = os.path.join(HERE, "fixtures", "megatron_moe", "G", "tp2ep2etp1")
 CORE_LOSS = os.path.join(ROOT, "tools", "megatron", "core_loss.py")
 RTOL = 1e-6  # measured 0.0 (bitwise equal); the negative controls move the logits by > 1e-3
 
@@ -68,12 +78,8 @@ def _swap_gate_up(src: str, dst: str) -> None:
     torch.save(sd, f)
 
 
-@pytest.fixture(scope="module")
-def losses(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
-    work = tmp_path_factory.mktemp("moe_write")
-    src = os.path.join(SRC, "torch")
-    _reshard(src, str(work / "ep1"), "tp=1", "ep=1")
-    _reshard(str(work / "ep1"), str(work / "tp2ep2etp1"), "tp=2", "ep=2", "etp=1")
+def _reshard_local_as_global(src: str, dst: str, *opts: str) -> None:
+    """``_reshard`` with every EP rank given global experts 0.. (the local index read as global)."""
     right = _write_moe.rank_params
 
     def local_as_global(cfg: Any, args: Any, names: Any, shapes: Any, rank: Any, pp: int) -> Any:
@@ -81,19 +87,54 @@ def losses(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(_writer, "rank_params", local_as_global)
-        _reshard(str(work / "ep1"), str(work / "local_as_global"), "tp=2", "ep=2", "etp=1")
+        _reshard(src, dst, *opts)
+
+
+def _untranspose_weight1(src: str, dst: str) -> None:
+    """A copy of ``src`` (GroupedMLP, written by ckptbridge) with layer 1's ``experts.weight1`` of EP rank 1
+    laid out wrongly: megatron-core views the buffer as ``[local experts, hidden, fc1]`` (expert K's
+    fc1 weight transposed); here each expert's ``[fc1, hidden]`` rows are stored flat, untransposed."""
+    import torch
+
+    shutil.copytree(src, dst)
+    f = os.path.join(dst, "iter_0000005", "mp_rank_00_001", "model_optim_rng.pt")
+    sd = torch.load(f, map_location="cpu", weights_only=False)  # a file this test wrote
+    key = "decoder.layers.1.mlp.experts.weight1"
+    w, args = sd["model"][key], sd["args"]
+    local = w.view(args.num_experts // args.expert_model_parallel_size, w.shape[0], -1)
+    sd["model"][key] = local.transpose(1, 2).contiguous().view(w.shape)
+    torch.save(sd, f)
+
+
+@pytest.fixture(scope="module")
+def losses(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    work = tmp_path_factory.mktemp("moe_write")
+    src = os.path.join(SRC, "torch")
+    _reshard(src, str(work / "ep1"), "tp=1", "ep=1")
+    _reshard(str(work / "ep1"), str(work / "tp2ep2etp1"), "tp=2", "ep=2", "etp=1")
+    _reshard_local_as_global(str(work / "ep1"), str(work / "local_as_global"), "tp=2", "ep=2", "etp=1")
     _swap_gate_up(str(work / "tp2ep2etp1"), str(work / "gate_up_swapped"))
     d_src = os.path.join(HERE, "fixtures", "megatron_moe", "D", "tp1ep2dp4", "torch_dist")
     _reshard(d_src, str(work / "dist_opt_ep1"), "ep=1")
-    dist = os.path.join(SRC, "torch_dist")
-    items = {"ref:dist_opt_ep2": f"dist:{d_src}:tp=1,pp=1,ep=2,optim=1", "dist_opt_ep1": str(work / "dist_opt_ep1"),"ref:ep1": f"dist:{dist}:tp=1,pp=1,ep=1,optim=1", "ep1": str(work / "ep1"),
+    # GroupedMLP (bf16, Float16 optimizer): TP 2 x EP 2 -> TP 1 x EP 1 -> TP 1 x EP 2
+    _reshard(os.path.join(G_SRC, "torch"), str(work / "g_ep1"), "tp=1", "ep=1")
+    _reshard(str(work / "g_ep1"), str(work / "g_tp1ep2"), "tp=1", "ep=2")
+    _reshard_local_as_global(str(work / "g_ep1"), str(work / "g_local_as_global"), "tp=1", "ep=2")
+    _untranspose_weight1(str(work / "g_tp1ep2"), str(work / "g_weight1_untransposed"))
+    dist, g_dist = os.path.join(SRC, "torch_dist"), os.path.join(G_SRC, "torch_dist")
+    items = {"ref:dist_opt_ep2": f"dist:{d_src}:tp=1,pp=1,ep=2,optim=1", "dist_opt_ep1": str(work / "dist_opt_ep1"),
+             "ref:ep1": f"dist:{dist}:tp=1,pp=1,ep=1,optim=1", "ep1": str(work / "ep1"),
              "ref:tp2ep2etp1": f"dist:{dist}:tp=2,pp=1,ep=2,etp=1,optim=1", "tp2ep2etp1": str(work / "tp2ep2etp1"),
-             "local_as_global": str(work / "local_as_global"), "gate_up_swapped": str(work / "gate_up_swapped")}
+             "local_as_global": str(work / "local_as_global"), "gate_up_swapped": str(work / "gate_up_swapped"),
+             "ref:g_ep1": f"dist:{g_dist}:tp=1,pp=1,ep=1,optim=1", "g_ep1": str(work / "g_ep1"),
+             "ref:g_tp1ep2": f"dist:{g_dist}:tp=1,pp=1,ep=2,optim=1", "g_tp1ep2": str(work / "g_tp1ep2"),
+             "g_local_as_global": str(work / "g_local_as_global"),
+             "g_weight1_untransposed": str(work / "g_weight1_untransposed")}
     dump = str(work / "dump")
     out = subprocess.run([sys.executable, CORE_LOSS, "--world", "2", "--microbatches", "1", "--train-step",
                           "--dump", dump, *items.values()],
                          capture_output=True, text=True, cwd=ROOT, timeout=600,
-                         env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"))
+                         env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", MEGATRON_CPU_SHIM_GG="1"))
     recs = [json.loads(line[len("CORE_LOSS "):]) for line in out.stdout.splitlines() if line.startswith("CORE_LOSS ")]
     assert out.returncode == 0 and len(recs) == len(items), out.stdout[-3000:] + out.stderr[-5000:]
     result = dict(zip(items, recs))
@@ -114,26 +155,50 @@ def _logit_diff(a: dict[str, Any], b: dict[str, Any]) -> float:
     return float(np.max(np.abs(a["logits"] - b["logits"])) / np.max(np.abs(b["logits"])))
 
 
+def _resumes_as_reference(losses: dict[str, dict[str, Any]], label: str, layout: tuple[int, int, int]) -> None:
+    """``label`` (written by ckptbridge) and ``ref:label`` (megatron-core's own reshard) at ``layout``
+    (TP, EP, ETP): the same logits and per-token losses, grad norm, lr and losses after one step."""
+    got, ref = losses[label], losses[f"ref:{label}"]
+    assert "error" not in got and "error" not in ref, (got.get("error"), ref.get("error"))
+    assert (got["tp"], got["ep"], got["etp"]) == (ref["tp"], ref["ep"], ref["etp"]) == layout
+    assert _token_diff(got["token_losses"], ref["token_losses"]) <= RTOL, label
+    assert _logit_diff(got, ref) <= RTOL, label
+    assert got["step"]["updated"] and ref["step"]["updated"]
+    assert abs(got["step"]["grad_norm"] - ref["step"]["grad_norm"]) <= RTOL * ref["step"]["grad_norm"], label
+    assert got["step"]["lr"] == ref["step"]["lr"]
+    assert _token_diff(got["step"]["after_token_losses"], ref["step"]["after_token_losses"]) <= RTOL, label
+    assert got["step"]["after_loss"] < got["loss"]  # the step trained (Adam moments carried over)
+
+
+def _reads_back_as(written: str, source: str, ep: int) -> None:
+    """What ckptbridge wrote reads back bitwise equal to the source, every expert, master weight and Adam moment."""
+    src = ckptbridge.open(source)
+    back = ckptbridge.open(written)
+    assert set(back.tensors) == set(src.tensors) and back.extra["megatron"]["moe"]["ep"] == ep
+    for name, t in src.tensors.items():
+        assert set(back[name].states) == set(t.states), name
+        for state in t.states:
+            assert (back[name].state(state)[...] == src[name].state(state)[...]).all(), (name, state)
+
+
 @pytest.mark.heavy
 def test_written_moe_layouts_resume_in_megatron_core_as_its_own_reshard(losses: dict[str, dict[str, Any]]) -> None:
     for label, layout in (("ep1", (1, 1, 1)), ("tp2ep2etp1", (2, 2, 1))):
-        got, ref = losses[label], losses[f"ref:{label}"]
-        assert "error" not in got and "error" not in ref, (got.get("error"), ref.get("error"))
-        assert (got["tp"], got["ep"], got["etp"]) == (ref["tp"], ref["ep"], ref["etp"]) == layout
-        assert _token_diff(got["token_losses"], ref["token_losses"]) <= RTOL, label
-        assert _logit_diff(got, ref) <= RTOL, label
-        assert got["step"]["updated"] and ref["step"]["updated"]
-        assert abs(got["step"]["grad_norm"] - ref["step"]["grad_norm"]) <= RTOL * ref["step"]["grad_norm"], label
-        assert got["step"]["lr"] == ref["step"]["lr"]
-        assert _token_diff(got["step"]["after_token_losses"], ref["step"]["after_token_losses"]) <= RTOL, label
-        assert got["step"]["after_loss"] < got["loss"]  # the step trained (Adam moments carried over)
-    # what ckptbridge wrote reads back bitwise equal to the source, every expert and Adam moment
-    src = ckptbridge.open(os.path.join(SRC, "torch"))
-    back = ckptbridge.open(losses["tp2ep2etp1"]["ckpt"])
-    assert set(back.tensors) == set(src.tensors) and back.extra["megatron"]["moe"]["ep"] == 2
-    for name, t in src.tensors.items():
-        for state in t.states:
-            assert (back[name].state(state)[...] == src[name].state(state)[...]).all(), (name, state)
+        _resumes_as_reference(losses, label, layout)
+    _reads_back_as(losses["tp2ep2etp1"]["ckpt"], os.path.join(SRC, "torch"), 2)
+
+
+@pytest.mark.heavy
+def test_written_grouped_mlp_resumes_at_a_new_ep_as_megatron_cores_own_reshard(
+        losses: dict[str, dict[str, Any]]) -> None:
+    """``G/tp2ep2etp1`` (bf16 legacy GroupedMLP: ``experts.weight1`` / ``weight2``, Float16 optimizer with
+    fp32 masters) written at TP 1 x EP 1, and from that at TP 1 x EP 2: megatron-core's GPTModel with
+    ``moe_grouped_gemm`` (the shim's pure-torch grouped GEMM) loads each strictly, optimizer included,
+    and continues exactly as after its own ``dist_checkpointing`` reshard of the source's ``torch_dist``
+    copy to that layout (measured bitwise: logits, losses, grad norm, losses after the step)."""
+    for label, layout in (("g_ep1", (1, 1, 1)), ("g_tp1ep2", (1, 2, 1))):
+        _resumes_as_reference(losses, label, layout)
+    _reads_back_as(losses["g_tp1ep2"]["ckpt"], os.path.join(G_SRC, "torch"), 2)
 
 
 @pytest.mark.heavy
@@ -155,11 +220,15 @@ def test_distributed_optimizer_moe_written_at_ep1_resumes_as_megatron_cores_own_
 
 
 @pytest.mark.heavy
-@pytest.mark.parametrize("label", ["local_as_global", "gate_up_swapped"])
-def test_negative_controls_wrong_expert_or_swapped_gate_up_fail_by_far(losses: dict, label: str) -> None:
-    got, ref = losses[label], losses["ref:tp2ep2etp1"]
+@pytest.mark.parametrize("label,ref", [("local_as_global", "tp2ep2etp1"), ("gate_up_swapped", "tp2ep2etp1"),
+                                       ("g_local_as_global", "g_tp1ep2"), ("g_weight1_untransposed", "g_tp1ep2")])
+def test_negative_controls_wrong_expert_or_swapped_gate_up_fail_by_far(losses: dict, label: str, ref: str) -> None:
+    """Wrong experts (every EP rank given global experts 0..), one expert's gate/up halves swapped, one
+    GroupedMLP ``weight1`` stored untransposed: megatron-core loads each and its logits move by far."""
+    got, ref = losses[label], losses[f"ref:{ref}"]
     assert "error" not in got, got.get("error")
-    assert _logit_diff(got, ref) > 1000 * RTOL, label  # measured 1.2e-2 (wrong experts), 1.5e-3 (swapped)
+    # measured 1.2e-2 (wrong experts), 1.5e-3 (swapped); GroupedMLP: 1.1e-2 (wrong experts, untransposed weight1)
+    assert _logit_diff(got, ref) > 1000 * RTOL, label
     assert _token_diff(got["token_losses"], ref["token_losses"]) > 10 * RTOL, label
 
 
