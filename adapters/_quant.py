@@ -29,7 +29,7 @@ from __future__ import annotations
 import functools
 import itertools
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -182,10 +182,9 @@ def dequantize(tensors: Mapping[str, LogicalTensor], derivation: BlockFp8 | Mxfp
                     raise FormatError(f"{files.get(partner, '?')}: {partner!r} has no partner tensor {one!r} in any shard")
     meta = tensors.meta if isinstance(tensors, LazyTensors) else functools.partial(spec_of, tensors)
     weights, grids = list(map(meta, stored)), list(map(meta, scales))
-    if isinstance(derivation, BlockFp8):
-        shapes, check = _fp8_shapes(weights, grids, derivation.block), _fp8_shape
-    else:
-        shapes, check = _mxfp4_shapes(weights, grids), _mxfp4_shape
+    check: Callable[..., tuple[int, ...]] = _fp8_shape if isinstance(derivation, BlockFp8) else _mxfp4_shape
+    shapes = (_fp8_shapes(weights, grids, derivation.block) if isinstance(derivation, BlockFp8)
+              else _mxfp4_shapes(weights, grids))
     if shapes is None:  # not plainly right: check pair by pair, naming the first bad one
         shapes = [check(n, w, s, g, derivation, files) for n, w, s, g in zip(logical, weights, scales, grids)]
     pairs = dict(zip(logical, zip(stored, scales)))

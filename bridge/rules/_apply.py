@@ -55,7 +55,7 @@ from ._language import (
     Unstack,
     regex,
 )
-from ._names import Names
+from ._names import Names, substitute
 
 Shape = tuple[int, ...]
 Layout = Mapping[str, tuple[str, Shape]]  # state -> (dtype, shape)
@@ -85,7 +85,7 @@ def map_rules(tensors: Mapping[str, LogicalTensor], rules: Sequence[Rule]) -> La
     """:func:`apply_rules` with every check made now and each tensor built when first used."""
     with no_gc():
         order = list(tensors)
-        nodes = Names(dict(zip(order, map(functools.partial(_source, tensors), order))))
+        nodes = Names(dict(zip(order, map(functools.partial(_source, tensors, {}), order))))
         for rule in rules:
             handler = _HANDLERS.get(type(rule))
             if handler is not None:
@@ -94,12 +94,13 @@ def map_rules(tensors: Mapping[str, LogicalTensor], rules: Sequence[Rule]) -> La
     return LazyTensors(specs, _build, layout=_layout)
 
 
-def _source(tensors: Mapping[str, LogicalTensor], name: str) -> Node:
+def _source(tensors: Mapping[str, LogicalTensor], layouts: dict[Any, Layout], name: str) -> Node:
+    """The node of an input tensor; equal layouts are one object (``layouts``), so that a rule maps each once."""
     if isinstance(tensors, LazyTensors):
         layout = tensors.layout(name)
     else:
         layout = {s: (st.dtype, st.shape) for s, st in tensors[name].states.items()}
-    return Node(layout, functools.partial(_stored, tensors, name))
+    return Node(layouts.setdefault(tuple(layout.items()), layout), functools.partial(_stored, tensors, name))
 
 
 def _stored(tensors: Mapping[str, LogicalTensor], name: str) -> Built:
@@ -136,16 +137,20 @@ def _apply_states(nodes: Names[Node], rule: Rule) -> Names[Node]:
     if not hits:
         return nodes
     shape_of, state_of = _state_fns(rule)
+    done: dict[int, tuple[Layout, Layout]] = {}  # id of a layout (tensors share them: see map_rules) -> (it, mapped)
     for name in hits:
         node = nodes.values[name]
-        layout = {}
-        for s, (dtype, shape) in node.layout.items():
-            where = f"{type(rule).__name__}({rule.pattern!r}) on tensor {name!r} state {s!r}"
-            try:
-                layout[s] = shape_of(dtype, shape, s, where)
-            except ShapeMismatchError as err:
-                raise ShapeMismatchError(f"{where}: {err}") from None
-        nodes.values[name] = Node(layout, functools.partial(_map_states, node.build, state_of))
+        seen = done.get(id(node.layout))
+        if seen is None:
+            layout = {}
+            for s, (dtype, shape) in node.layout.items():
+                where = f"{type(rule).__name__}({rule.pattern!r}) on tensor {name!r} state {s!r}"
+                try:
+                    layout[s] = shape_of(dtype, shape, s, where)
+                except ShapeMismatchError as err:
+                    raise ShapeMismatchError(f"{where}: {err}") from None
+            seen = done[id(node.layout)] = (node.layout, layout)
+        nodes.values[name] = Node(seen[1], functools.partial(_map_states, node.build, state_of))
     return nodes
 
 
@@ -225,8 +230,7 @@ def _apply_rename(nodes: Names[Node], rule: Rename) -> Names[Node]:
     hits = _hits(nodes, rule)
     if not hits:
         return nodes
-    sub = regex(rule.pattern).sub
-    new = {name: sub(rule.to, name) for name in hits}
+    new = dict(zip(hits, map(substitute(rule.pattern, rule.to), hits)))
     targets = set(new.values())
     if len(targets) != len(new) or any(to in nodes.pos and to not in new for to in targets):
         seen: set[str] = set()  # two tensors mapped onto one name: which (the first in order)
@@ -276,12 +280,12 @@ def _apply_stack(nodes: Names[Node], rule: Stack) -> Names[Node]:
         return nodes
     groups: dict[str, dict[int, tuple[str, Node]]] = {}
     spans: dict[str, tuple[str, int, int]] = {}  # target -> (a member's name, span of its index)
-    pattern = regex(rule.pattern)
+    pattern, sub = regex(rule.pattern), substitute(rule.pattern, rule.to)
     for name in hits:
         m = pattern.search(name)
         if m is None:
             continue
-        target = pattern.sub(rule.to, name)
+        target = sub(name)
         groups.setdefault(target, {})[_stack_index(m, rule.index, rule, name)] = (name, nodes.values[name])
         spans.setdefault(target, (name, m.start(rule.index), m.end(rule.index)))
     gone = set(hits)
