@@ -427,7 +427,28 @@ def finish(results: dict[str, Any], work: Path) -> None:
     shutil.rmtree(work, ignore_errors=True)
     results["goals"] = goals(results)
     print(json.dumps(results, indent=1))
-    print(f"results: {save_result('bench_quant', results)}")
+    path = save_result("bench_quant", results)
+    Path(path).with_suffix(".md").write_text(markdown(results))
+    print(f"results: {path}")
+
+
+def markdown(r: dict[str, Any]) -> str:
+    """The README table: dequantize throughput ratios, then open and open + recipe at 671B shapes
+    (wall and CPU seconds: the machine is shared), then the goals."""
+    o = r["open_671b"]
+    rows = [f"| dequantize: reshard vs {k} | {v:.2f}x |" for k, v in r["ratios"].items()]
+    rows += [f"| dequantize: convert vs {k} | {v:.2f}x |" for k, v in r["ratios_convert"].items()]
+    rows += [f"| open 671B ({o['shards']} shards, {o['tensors']} tensors -> {o['listed']}): wall / CPU s | "
+             f"{o['s']:.2f} / {o['cpu_s']:.2f} |",
+             f"| open: peak RSS MiB (process, before open) | {o['hwm_mb']:.0f} ({o['hwm_before_open_mb']:.0f}) |"]
+    rows += [f"| open + recipe to MaxText ({k}): wall / CPU s | {v['s']:.2f} / {v['cpu_s']:.2f} |"
+             for k, v in o["recipe"].items()]
+    rows += [f"| open worker, whole process CPU s (imports included) | {o.get('child_cpu_s', float('nan')):.2f} |",
+             f"| load average at the end (1 min; 2 CPUs) | {r.get('machine', {}).get('load_avg_at_end', [0])[0]:.1f} |"]
+    if o.get("run"):
+        rows.append(f"| runs | open: `{o['run']}`; dequantize: the file's last full run |")
+    rows += [f"| goal: {k} | {'yes' if v else 'no'} |" for k, v in r["goals"].items()]
+    return "| figure | value |\n|---|---|\n" + "\n".join(rows) + "\n"
 
 
 if __name__ == "__main__":
