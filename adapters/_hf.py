@@ -6,6 +6,7 @@ import json
 import os
 import posixpath
 from collections.abc import Mapping
+from typing import Any
 
 from ckptbridge.plugin import FormatError, MissingShardError, storage
 
@@ -13,9 +14,15 @@ from ckptbridge.plugin import FormatError, MissingShardError, storage
 def shard_files(index_json: str) -> list[str]:
     """The shard files an HF ``*.index.json`` (``{"weight_map": {name: file}}``) lists, in order,
     refusing any that would lie outside its directory."""
+    return read_index(index_json)[0]
+
+
+def read_index(index_json: str) -> tuple[list[str], dict[str, Any]]:
+    """:func:`shard_files` and the index's ``weight_map`` (parsed once: DeepSeek-V3's names 92k tensors),
+    for :func:`check_weight_map`."""
     try:
         weight_map = json.loads(storage.read_text(index_json))["weight_map"]
-        names = list(dict.fromkeys(str(f) for f in weight_map.values()))
+        names = list(dict.fromkeys(map(str, weight_map.values())))
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
         raise FormatError(f"{index_json}: not a shard index ({err})") from None
     paths = posixpath if storage.is_url(index_json) else os.path
@@ -26,7 +33,7 @@ def shard_files(index_json: str) -> list[str]:
         if paths.dirname(full) != root:
             raise FormatError(f"{index_json}: shard name {f!r} points outside the checkpoint directory")
         files.append(full)
-    return files
+    return files, weight_map
 
 
 def index_json_of(path: str, suffix: str) -> str | None:
@@ -37,17 +44,23 @@ def index_json_of(path: str, suffix: str) -> str | None:
     return path if path.endswith(".index.json") else None
 
 
-def check_weight_map(index_json: str | None, found: Mapping[str, str]) -> None:
+def check_weight_map(index_json: str | None, found: Mapping[str, str], weight_map: Mapping[str, Any] | None = None
+                     ) -> None:
     """The tensors an HF index's ``weight_map`` names are exactly those ``found`` (name -> file),
-    each in the shard the index names: shards mixed from two saves or an index out of date fail."""
+    each in the shard the index names: shards mixed from two saves or an index out of date fail.
+    ``weight_map``: the index's, when :func:`read_index` has parsed it already."""
     if index_json is None:
         return
-    with open(index_json) as fh:
-        weight_map = json.load(fh)["weight_map"]  # shard_files() checked it
+    if weight_map is None:
+        with open(index_json) as fh:
+            weight_map = json.load(fh)["weight_map"]  # shard_files() checked it
     root = os.path.dirname(index_json)
     listed = {str(f): os.path.normpath(os.path.join(root, str(f))) for f in set(weight_map.values())}  # per shard
     holders = {f: os.path.normpath(f) for f in set(found.values())}  # once per shard, not per tensor
-    for name, f in weight_map.items():
+    expected = dict(zip(weight_map, map(listed.__getitem__, map(str, weight_map.values()))))
+    if expected == dict(zip(found, map(holders.__getitem__, found.values()))):  # in bulk: C loops over 92k names
+        return
+    for name, f in weight_map.items():  # which tensor is wrong
         got = found.get(name)
         if got is None:
             raise MissingShardError(f"{index_json}: tensor {name!r} is listed in {f} but no shard holds it")

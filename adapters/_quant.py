@@ -26,8 +26,10 @@ Any other method fails when the checkpoint is opened, naming it, before any tens
 
 from __future__ import annotations
 
+import functools
+import itertools
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -162,35 +164,41 @@ def dequantize(tensors: Mapping[str, LogicalTensor], derivation: BlockFp8 | Mxfp
                files: Mapping[str, str]) -> LazyTensors[TensorSpec]:
     """``tensors`` (as stored; ``files`` names each one's shard) with every quantized weight and its
     scales replaced by one dequantized tensor of ``dtype`` (in the weight's place). Every pair is
-    checked here (partners present, dtypes, shapes); the tensors are built when used."""
-    # stored name of the quantized values -> (logical name, name of its scales)
+    checked here (partners present, dtypes, shapes: in bulk, then pair by pair to name a bad one);
+    the tensors are built when used."""
+    names = list(tensors)
     if isinstance(derivation, BlockFp8):
-        quantized = {n.removesuffix("_scale_inv"): (n.removesuffix("_scale_inv"), n)
-                     for n in tensors if n.endswith("_scale_inv")}
+        scales = [n for n in names if n.endswith("_scale_inv")]
+        stored = [n[: -len("_scale_inv")] for n in scales]
+        logical = stored
     else:
-        quantized = {n: (n.removesuffix("_blocks"), n.removesuffix("_blocks") + "_scales")
-                     for n in tensors if n.endswith("_blocks")}
-    for stored, (_, scale) in quantized.items():
-        for name, partner in ((stored, scale), (scale, stored)):
-            if name not in tensors:
-                raise FormatError(f"{files.get(partner, '?')}: {partner!r} has no partner tensor {name!r} in any shard")
-    check = _fp8_shape if isinstance(derivation, BlockFp8) else _mxfp4_shape
-    folded = {scale for _, scale in quantized.values()}
-    specs: dict[str, TensorSpec] = {}
-    for name in tensors:
-        if name in quantized:
-            logical, scale = quantized[name]
-            shape = check(logical, spec_of(tensors, name), scale, spec_of(tensors, scale), derivation, files)
-            specs[logical] = TensorSpec(dtype, shape, (name, scale))
-        elif name not in folded:
-            specs[name] = TensorSpec(*spec_of(tensors, name)[:2], None)
+        stored = [n for n in names if n.endswith("_blocks")]
+        logical = [n[: -len("_blocks")] for n in stored]
+        scales = [n + "_scales" for n in logical]
+    if not set(names).issuperset(itertools.chain(stored, scales)):
+        for name, scale in zip(stored, scales):
+            for one, partner in ((name, scale), (scale, name)):
+                if one not in tensors:
+                    raise FormatError(f"{files.get(partner, '?')}: {partner!r} has no partner tensor {one!r} in any shard")
+    meta = tensors.meta if isinstance(tensors, LazyTensors) else functools.partial(spec_of, tensors)
+    weights, grids = list(map(meta, stored)), list(map(meta, scales))
+    check: Callable[..., tuple[int, ...]] = _fp8_shape if isinstance(derivation, BlockFp8) else _mxfp4_shape
+    shapes = (_fp8_shapes(weights, grids, derivation.block) if isinstance(derivation, BlockFp8)
+              else _mxfp4_shapes(weights, grids))
+    if shapes is None:  # not plainly right: check pair by pair, naming the first bad one
+        shapes = [check(n, w, s, g, derivation, files) for n, w, s, g in zip(logical, weights, scales, grids)]
+    pairs = dict(zip(logical, zip(stored, scales)))
+    quantized = dict(zip(stored, map(TensorSpec._make, zip(itertools.repeat(dtype), shapes, pairs.values()))))
+    to_logical = dict(zip(stored, logical))
+    folded = set(scales)
+    specs = {to_logical.get(n, n): quantized[n] if n in quantized else meta(n) for n in names if n not in folded}
 
     def build(name: str, spec: TensorSpec) -> LogicalTensor:
-        if spec.source is None:
+        if name not in pairs:
             return tensors[name]
-        stored, scale = spec.source
-        state = derived_state(derivation, (tensors[stored].state(), tensors[scale].state()), spec.shape, dtype,
-                              (f"{files[stored]}: {stored}", f"{files[scale]}: {scale}"))
+        weight, scale = spec.source
+        state = derived_state(derivation, (tensors[weight].state(), tensors[scale].state()), spec.shape, dtype,
+                              (f"{files[weight]}: {weight}", f"{files[scale]}: {scale}"))
         return LogicalTensor(name, {"param": state})
 
     return LazyTensors(specs, build)
@@ -225,3 +233,25 @@ def _mxfp4_shape(name: str, blocks: TensorSpec, scale_name: str, scales: TensorS
     _check(scale_name, files[scale_name], scales, ("uint8",), blocks.shape[:3], 3)
     experts, rows, groups, _ = blocks.shape
     return experts, groups * 32, rows
+
+
+def _fp8_shapes(weights: Sequence[TensorSpec], grids: Sequence[TensorSpec], block: tuple[int, int]
+                ) -> list[tuple[int, ...]] | None:
+    """The dequantized shapes of block-fp8 weights whose dtypes and scale grids are all right (one numpy
+    comparison), else None."""
+    ws, gs = [w.shape for w in weights], [g.shape for g in grids]
+    if ({w.dtype for w in weights} - set(_FP8) or {g.dtype for g in grids} - {"float32", "bfloat16"}
+            or set(map(len, ws)) - {2} or set(map(len, gs)) - {2}):
+        return None
+    if ws and not np.array_equal(-(-np.array(ws) // np.array(block)), np.array(gs)):
+        return None
+    return ws
+
+
+def _mxfp4_shapes(weights: Sequence[TensorSpec], grids: Sequence[TensorSpec]) -> list[tuple[int, ...]] | None:
+    """The dequantized shapes ``[E, G * 32, R]`` of MXFP4 blocks whose dtypes and scales are all right, else None."""
+    ws, gs = [w.shape for w in weights], [g.shape for g in grids]
+    if ({w.dtype for w in weights} | {g.dtype for g in grids}) - {"uint8"} or set(map(len, ws)) - {4} \
+            or any(w[3] != 16 or w[:3] != g for w, g in zip(ws, gs)):
+        return None
+    return [(e, g * 32, r) for e, r, g, _ in ws]

@@ -15,12 +15,14 @@ as one consolidated file of one state (``reshard --to safetensors`` is
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import ckptbridge
 from ckptbridge.plugin import (
     CheckpointIndex,
+    Entries,
     Format,
     FormatError,
     LazyTensors,
@@ -31,31 +33,35 @@ from ckptbridge.plugin import (
     TensorSpec,
     TensorState,
     WriteOptions,
-    check_name,
     contiguous_fragment,
+    read_entries,
     read_header,
     storage,
 )
-from ckptbridge.plugin import dtypes as _dtypes
 
-from ._hf import check_weight_map, index_json_of, shard_files
+from ._hf import check_weight_map, index_json_of, read_index
 from ._quant import OUTPUT_DTYPES, dequantize, derivation_of, quantization_config
 from .lora import _read as _lora
 
 __all__ = ["FORMAT", "SafetensorsOpenOptions", "SafetensorsWriteOptions", "detect", "index", "write"]
 
 
-def _shard_specs(path: str) -> dict[str, TensorSpec]:
-    """Every tensor of one safetensors file, validated (name, dtype, byte range): source ``(file, byte offset)``."""
-    header, base = read_header(path)
-    out = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        check_name(name, path)
-        shape = tuple(map(int, info["shape"]))
-        out[name] = TensorSpec(_dtypes.from_safetensors(info["dtype"]), shape, (path, base + int(info["data_offsets"][0])))
-    return out
+def _specs(files: Sequence[str], entries: Sequence[Entries]) -> tuple[dict[str, TensorSpec], dict[str, str]]:
+    """Every tensor of the shards ``files`` (their validated ``entries``), source ``(file, byte offset)``,
+    and the file of each; a tensor in two shards is an error naming it."""
+    names = [x for e in entries for x in e.names]
+    where = [f for f, e in zip(files, entries) for _ in e.names]
+    dtypes, shapes, offsets = ([x for e in entries for x in getattr(e, c)] for c in ("dtypes", "shapes", "offsets"))
+    # C loops (92k tensors for DeepSeek-V3); TensorSpec._make is tuple.__new__, no Python frame per tensor
+    specs = dict(zip(names, map(TensorSpec._make, zip(dtypes, shapes, zip(where, offsets)))))
+    if len(specs) != len(names):
+        seen: set[str] = set()
+        for f, e in zip(files, entries):
+            twice = next((n for n in e.names if n in seen), None)
+            if twice is not None:
+                raise FormatError(f"{f}: tensor {twice!r} appears in two shards")
+            seen.update(e.names)
+    return specs, dict(zip(names, where))
 
 
 def _stored(name: str, spec: TensorSpec) -> LogicalTensor:
@@ -64,17 +70,18 @@ def _stored(name: str, spec: TensorSpec) -> LogicalTensor:
 
 
 def _single_file_tensors(path: str) -> dict[str, LogicalTensor]:
-    return {name: _stored(name, spec) for name, spec in _shard_specs(path).items()}
+    return {name: _stored(name, spec) for name, spec in _specs([path], [read_entries(path)])[0].items()}
 
 
-def _index_files(path: str) -> list[str]:
+def _index_files(path: str) -> tuple[list[str], dict[str, Any] | None]:
+    """The shard files of ``path`` and, for an HF index, its ``weight_map``."""
     if storage.isdir(path):
         names = sorted(storage.listdir(path))
         idx = [f for f in names if f.endswith(".safetensors.index.json")]
         if idx:
-            return shard_files(storage.join(path, idx[0]))
-        return [storage.join(path, f) for f in names if f.endswith(".safetensors")]
-    return shard_files(path) if path.endswith(".index.json") else [path]
+            return read_index(storage.join(path, idx[0]))
+        return [storage.join(path, f) for f in names if f.endswith(".safetensors")], None
+    return read_index(path) if path.endswith(".index.json") else ([path], None)
 
 
 def detect(path: str) -> bool:
@@ -112,19 +119,12 @@ def index(path: str, options: OpenOptions | None = None) -> CheckpointIndex:
     opts = options if isinstance(options, SafetensorsOpenOptions) else SafetensorsOpenOptions()
     quant = quantization_config(path) if opts.dequantize else None
     derivation = derivation_of(*quant) if quant else None  # an unsupported method fails before any read
-    specs: dict[str, TensorSpec] = {}
-    files = _index_files(path)
-    found: dict[str, str] = {}
+    files, weight_map = _index_files(path)
     for f in files:
         if not storage.exists(f):
             raise MissingShardError(f"{f}: shard listed by {path} is missing")
-        shard = _shard_specs(f)
-        if not specs.keys().isdisjoint(shard):
-            name = next(n for n in shard if n in specs)
-            raise FormatError(f"{f}: tensor {name!r} appears in two shards")
-        specs.update(shard)
-        found.update(dict.fromkeys(shard, f))
-    check_weight_map(index_json_of(path, ".safetensors.index.json"), found)
+    specs, found = _specs(files, [read_entries(f) for f in files])
+    check_weight_map(index_json_of(path, ".safetensors.index.json"), found, weight_map)
     tensors: Mapping[str, LogicalTensor] = LazyTensors(specs, _stored)  # built when used: see LazyTensors
     if derivation is not None:
         tensors = dequantize(tensors, derivation, opts.dequantize_dtype, found)

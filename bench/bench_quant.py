@@ -2,7 +2,7 @@
 
 ::
 
-    .venv/bin/python bench/bench_quant.py [--work /tmp/ckptbridge-bench-quant] [--experts 8] [--reps 1]
+    .venv/bin/python bench/bench_quant.py [--work /tmp/ckptbridge-bench-quant] [--experts 8] [--reps 1] [--only open]
 
 **Dequantize** (real-size DeepSeek-V3 matrices, real bytes): one layer's attention (``q_a_proj``
 1536x7168, ``q_b_proj`` 24576x1536, ``kv_a_proj_with_mqa`` 576x7168, ``kv_b_proj`` 32768x512,
@@ -36,6 +36,12 @@ RSS (goal <= 1 s and <= 1 GiB), then one expert's 128-row slice read, with the b
 with the release's ``config.json``): every rule applied, the MTP layer dropped, no byte read
 (goal <= 2 s each).
 
+``--only open`` runs the 671B open and recipe part only and keeps the dequantize figures of the
+result file's last full run (the JSON says which run each part comes from). Seconds are wall time;
+``cpu_s`` the measured region's CPU time in the worker (``time.process_time``), ``child_cpu_s`` the
+whole worker's (``import ckptbridge`` included; its ``import_s`` / ``import_cpu_s`` are measured apart
+and are not in ``open``'s figures): the shared machine's load makes wall time noisy, CPU time less so.
+
 Prints a table and writes ``bench/results/bench_quant.json``. Numbers are noisy on a shared
 machine: compare the ratios of one run.
 """
@@ -46,6 +52,7 @@ import argparse
 import json
 import math
 import os
+import resource
 import shutil
 import statistics
 import sys
@@ -54,7 +61,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _proc import last_json, measure, save_result
+from _proc import RESULTS, last_json, measure, save_result
 
 BLOCK = 128
 ATTN = {"q_a_proj": (1536, 7168), "q_b_proj": (24576, 1536), "kv_a_proj_with_mqa": (576, 7168),
@@ -263,7 +270,10 @@ def work_floor(src: str, out: str, out_bytes: int) -> dict[str, Any]:
 
 
 def work_open(src: str) -> dict[str, Any]:
+    t, cpu = time.perf_counter(), time.process_time()
     import ckptbridge
+
+    imported = {"import_s": time.perf_counter() - t, "import_cpu_s": time.process_time() - cpu}
 
     def hwm_mb() -> float:  # this process's peak RSS (VmHWM; ru_maxrss would count the parent's too)
         with open("/proc/self/status") as fh:
@@ -278,7 +288,7 @@ def work_open(src: str) -> dict[str, Any]:
     name = "model.layers.10.mlp.experts.7.up_proj.weight"
     ckpt.stats.reset()
     rows = ckpt[name][128:256]
-    out = {"s": s, "cpu_s": cpu, "listed": n, "hwm_mb": peak, "hwm_before_open_mb": base,
+    out = {"s": s, "cpu_s": cpu, **imported, "listed": n, "hwm_mb": peak, "hwm_before_open_mb": base,
            "slice_shape": list(rows.shape), "slice_bytes": dict(ckpt.stats.per_file), "dtype": ckpt[name].dtype,
            "listed_scales": sum(k.endswith("_scale_inv") for k in ckpt)}
     out["recipe"] = {f"scan={scan}": recipe_to_maxtext(src, scan) for scan in (True, False)}
@@ -312,8 +322,11 @@ def run(args: argparse.Namespace, method: str, src: Path, out: Path, extra: str 
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     cmd = [sys.executable, __file__, "--worker", method, "--src", str(src), "--out", str(out), "--arg", extra]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     r = measure(cmd, env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")})
-    return {**last_json(r["stdout"]), "wall_s": r["wall_s"], "peak_mb": r["peak_tree_rss_mb"]}
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+    return {**last_json(r["stdout"]), "wall_s": r["wall_s"], "peak_mb": r["peak_tree_rss_mb"], "child_cpu_s": cpu}
 
 
 def same_bytes(a: Path, b: Path) -> bool:
@@ -356,6 +369,7 @@ def main() -> None:
     p.add_argument("--src")
     p.add_argument("--out")
     p.add_argument("--arg", default="")
+    p.add_argument("--only", choices=["open"], help="run the 671B open + recipe part only")
     args = p.parse_args()
     if args.worker:
         fn = {"cb": lambda: work_cb(args.src, args.out, args.arg),
@@ -367,6 +381,13 @@ def main() -> None:
     work = Path(args.work)
     src, out = work / "fp8", work / "out"
     shutil.rmtree(work, ignore_errors=True)
+    if args.only == "open":
+        results = json.loads(Path(RESULTS, "bench_quant.json").read_text())
+        results.pop("machine", None)
+        results["open_671b"] = {**make_sparse(work / "v3"), **run(args, "open", work / "v3", out / "open"),
+                                "run": "--only open"}
+        finish(results, work)
+        return
     out_bytes = make_dequant(src, args.experts)
     in_bytes = sum(f.stat().st_size for f in src.glob("*.safetensors"))
     largest = 2 * 7168 * 16384
@@ -399,10 +420,35 @@ def main() -> None:
     shutil.rmtree(src, ignore_errors=True)
     results["open_671b"] = make_sparse(work / "v3")
     results["open_671b"].update(run(args, "open", work / "v3", out / "open"))
+    finish(results, work)
+
+
+def finish(results: dict[str, Any], work: Path) -> None:
     shutil.rmtree(work, ignore_errors=True)
     results["goals"] = goals(results)
     print(json.dumps(results, indent=1))
-    print(f"results: {save_result('bench_quant', results)}")
+    path = save_result("bench_quant", results)
+    Path(path).with_suffix(".md").write_text(markdown(results))
+    print(f"results: {path}")
+
+
+def markdown(r: dict[str, Any]) -> str:
+    """The README table: dequantize throughput ratios, then open and open + recipe at 671B shapes
+    (wall and CPU seconds: the machine is shared), then the goals."""
+    o = r["open_671b"]
+    rows = [f"| dequantize: reshard vs {k} | {v:.2f}x |" for k, v in r["ratios"].items()]
+    rows += [f"| dequantize: convert vs {k} | {v:.2f}x |" for k, v in r["ratios_convert"].items()]
+    rows += [f"| open 671B ({o['shards']} shards, {o['tensors']} tensors -> {o['listed']}): wall / CPU s | "
+             f"{o['s']:.2f} / {o['cpu_s']:.2f} |",
+             f"| open: peak RSS MiB (process, before open) | {o['hwm_mb']:.0f} ({o['hwm_before_open_mb']:.0f}) |"]
+    rows += [f"| open + recipe to MaxText ({k}): wall / CPU s | {v['s']:.2f} / {v['cpu_s']:.2f} |"
+             for k, v in o["recipe"].items()]
+    rows += [f"| open worker, whole process CPU s (imports included) | {o.get('child_cpu_s', float('nan')):.2f} |",
+             f"| load average at the end (1 min; 2 CPUs) | {r.get('machine', {}).get('load_avg_at_end', [0])[0]:.1f} |"]
+    if o.get("run"):
+        rows.append(f"| runs | open: `{o['run']}`; dequantize: the file's last full run |")
+    rows += [f"| goal: {k} | {'yes' if v else 'no'} |" for k, v in r["goals"].items()]
+    return "| figure | value |\n|---|---|\n" + "\n".join(rows) + "\n"
 
 
 if __name__ == "__main__":

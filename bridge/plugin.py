@@ -27,7 +27,8 @@ derived from it):
   to install);
 * writing: :func:`staged_dir` / :func:`staging_path` / :func:`check_destination` (the commit
   rule), the universal layout's writer (:class:`Piece`, :func:`write_universal`,
-  :func:`write_rank`, :func:`commit_universal`), :func:`read_header` (safetensors); the
+  :func:`write_rank`, :func:`commit_universal`), :func:`read_header` and :func:`read_entries`
+  (safetensors); the
   direct-I/O file writer for other layouts (:func:`write_files` of :class:`StreamFile` parts:
   bytes, :class:`Entry` tensors produced in chunks, :class:`Late` bytes made from their CRCs)
   and :class:`Filler` (an entry's data read from a :class:`TensorView` in row blocks);
@@ -74,7 +75,9 @@ from ._formats.registry import OpenOptions as OpenOptions
 from ._formats.registry import WriteOptions as WriteOptions
 from ._formats.registry import register_format as register_format
 from ._formats.registry import require as require
+from ._formats.safetensors import Entries as Entries
 from ._formats.safetensors import Entry as Entry
+from ._formats.safetensors import read_entries as read_entries
 from ._formats.safetensors import read_header as read_header
 from ._formats.safetensors_write import Late as Late
 from ._formats.safetensors_write import StreamFile as StreamFile

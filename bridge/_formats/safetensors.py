@@ -6,6 +6,7 @@ Format: 8-byte little-endian header length N, N bytes of JSON
 then the data; offsets are relative to byte ``8 + N``::
 
     header, base = read_header("model.safetensors")
+    names, dtypes, shapes, offsets = read_entries("model.safetensors")   # the same, column-wise
     file_layout([Entry("w", "float32", (4, 6), arr)])   # (header bytes, offsets, total size)
 
 (Opening safetensors files and HF shard indexes as checkpoints is the
@@ -14,21 +15,34 @@ then the data; offsets are relative to byte ``8 + N``::
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import mmap
+import operator
 import os
 import struct
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from .. import _dtypes, _storage
 from .._errors import FormatError, MissingShardError, TruncatedError
+from .._read.model import check_name
 
 _MAX_HEADER = 100 << 20
+
+
+class Entries(NamedTuple):
+    """A safetensors header's tensors, column-wise in file order: names, dtype names, shapes and the
+    absolute byte offset of each one's data (see :func:`read_entries`)."""
+
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[tuple[int, ...]]
+    offsets: list[int]
 
 
 def read_header(path: str) -> tuple[dict[str, Any], int]:
@@ -37,6 +51,28 @@ def read_header(path: str) -> tuple[dict[str, Any], int]:
     Validates every entry against the file size, so a lying header never
     leads to a huge allocation or a read past the end.
     """
+    header, base, size = _load(path)
+    _validate(path, header, base, size)
+    return header, base
+
+
+def read_entries(path: str) -> Entries:
+    """Every tensor entry of a safetensors file, validated as :func:`read_header` does, and its names
+    as ``check_name`` does (in bulk: columns, sets and numpy; a file with a bad entry is checked entry
+    by entry, naming it)::
+
+        names, dtypes, shapes, offsets = read_entries("model.safetensors")
+    """
+    header, base, size = _load(path)
+    entries = _validate(path, header, base, size)
+    names = entries.names
+    if names and (min(map(len, names)) == 0 or max(map(len, names)) > 4096 or "\x00" in "".join(names)):
+        for name in names:
+            check_name(name, path)
+    return entries
+
+
+def _load(path: str) -> tuple[dict[str, Any], int, int]:
     try:
         with _storage.open_read(path) as fh:
             size = os.fstat(fh.fileno()).st_size if not _storage.is_url(path) else _storage.getsize(path)
@@ -55,23 +91,72 @@ def read_header(path: str) -> tuple[dict[str, Any], int]:
         raise FormatError(f"{path}: safetensors header is not valid JSON ({err})") from None
     if not isinstance(header, dict):
         raise FormatError(f"{path}: safetensors header is not a JSON object")
-    base = 8 + n
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            dtype = _dtypes.from_safetensors(info["dtype"])
-            shape = list(map(int, info["shape"]))  # map, min: C loops over 92k entries (DeepSeek-V3)
-            begin, end = map(int, info["data_offsets"])
-        except (KeyError, TypeError, ValueError) as err:
-            raise FormatError(f"{path}: tensor {name!r} has a malformed header entry ({err})") from None
-        if min(shape, default=0) < 0 or begin < 0 or end < begin:
-            raise FormatError(f"{path}: tensor {name!r} has a negative shape or offsets")
-        if (end - begin) != math.prod(shape) * _dtypes.itemsize(dtype):
-            raise FormatError(f"{path}: tensor {name!r} byte range {end - begin} does not match shape {shape} {dtype}")
-        if base + end > size:
-            raise TruncatedError(f"{path}: tensor {name!r} ends at byte {base + end} but the file has {size}")
-    return header, base
+    return header, 8 + n, size
+
+
+def _validate(path: str, header: dict[str, Any], base: int, size: int) -> Entries:
+    names = [k for k in header if k != "__metadata__"]
+    infos = [header[k] for k in names]
+    fast = _columns(infos, base, size)
+    if fast is not None:
+        return Entries(names, *fast)
+    columns: tuple[list[Any], ...] = ([], [], [])
+    for name, info in zip(names, infos):
+        for col, value in zip(columns, _entry(path, name, info, base, size)):
+            col.append(value)
+    return Entries(names, *columns)
+
+
+def _columns(infos: list[Any], base: int, size: int) -> tuple[list[str], list[tuple[int, ...]], list[int]] | None:
+    """Dtypes, shapes and absolute offsets of well-formed entries, checked in bulk; None when any entry
+    is not plainly well-formed (then :func:`_entry` checks each one and names the bad one)."""
+    try:
+        if set(map(type, infos)) - {dict}:
+            return None
+        codes = list(map(operator.itemgetter("dtype"), infos))
+        known = {code: _dtypes.from_safetensors(code) for code in set(codes)}  # a few distinct codes
+        dtypes = list(map(known.__getitem__, codes))
+        raw_shapes = list(map(operator.itemgetter("shape"), infos))
+        spans = list(map(operator.itemgetter("data_offsets"), infos))
+    except (KeyError, TypeError, FormatError):
+        return None
+    if set(map(type, raw_shapes)) - {list} or set(map(type, spans)) - {list} or set(map(len, spans)) - {2}:
+        return None
+    dims = list(itertools.chain.from_iterable(raw_shapes))
+    if set(map(type, dims)) - {int} or set(map(type, itertools.chain.from_iterable(spans))) - {int}:
+        return None  # floats, strings, booleans: the slow path decides what int() makes of them
+    if dims and min(dims) < 0:
+        return None
+    shapes = list(map(tuple, raw_shapes))
+    try:
+        counts = np.fromiter(map(math.prod, shapes), np.int64, len(shapes))
+        at = np.fromiter(itertools.chain.from_iterable(spans), np.int64, 2 * len(spans)).reshape(len(spans), 2)
+    except OverflowError:
+        return None
+    sizes = {name: _dtypes.itemsize(name) for name in known.values()}
+    items = np.fromiter(map(sizes.__getitem__, dtypes), np.int64, len(dtypes))
+    begin, end = at[:, 0], at[:, 1]
+    if not ((begin >= 0).all() and (end >= begin).all() and (end <= size - base).all() and (counts <= size).all()
+            and (end - begin == counts * items).all()):
+        return None
+    return dtypes, shapes, (begin + base).tolist()
+
+
+def _entry(path: str, name: str, info: Any, base: int, size: int) -> tuple[str, tuple[int, ...], int]:
+    """One header entry checked: its dtype name, shape and absolute data offset."""
+    try:
+        dtype = _dtypes.from_safetensors(info["dtype"])
+        shape = tuple(map(int, info["shape"]))  # map, min: C loops
+        begin, end = map(int, info["data_offsets"])
+    except (KeyError, TypeError, ValueError) as err:
+        raise FormatError(f"{path}: tensor {name!r} has a malformed header entry ({err})") from None
+    if min(shape, default=0) < 0 or begin < 0 or end < begin:
+        raise FormatError(f"{path}: tensor {name!r} has a negative shape or offsets")
+    if (end - begin) != math.prod(shape) * _dtypes.itemsize(dtype):
+        raise FormatError(f"{path}: tensor {name!r} byte range {end - begin} does not match shape {list(shape)} {dtype}")
+    if base + end > size:
+        raise TruncatedError(f"{path}: tensor {name!r} ends at byte {base + end} but the file has {size}")
+    return dtype, shape, base + begin
 
 
 # ------------------------------------------------------------------ writing

@@ -23,7 +23,8 @@ from typing import Any
 import numpy as np
 
 from .._errors import CheckpointError, TensorNotFoundError
-from ..rules import Rule, apply_rules, rule_from_json, rules_to_json
+from ..rules import Rule, rule_from_json, rules_to_json
+from ..rules._apply import map_rules
 from .executor import FileCache, ReadStats, read_state, read_states
 from .html import checkpoint_html, tensor_html
 from .model import Box, Fragment, LogicalTensor, TensorState
@@ -218,7 +219,8 @@ class Checkpoint(Mapping[str, TensorView]):
     def with_rules(self, rules: Sequence[RuleLike]) -> Checkpoint:
         """This checkpoint seen through mapping ``rules`` (rule objects or their JSON form):
         names, shapes and states after the rules, sharing this checkpoint's reader. Nothing is
-        read; the rules are appended to ``rules`` (and recorded by ``convert``)::
+        read, and each tensor's fragments are built when it is first used (every rule's checks run
+        here); the rules are appended to ``rules`` (and recorded by ``convert``)::
 
             hf = ckptbridge.open("llama/").with_rules(recipes.rules("llama", src="hf", dst="maxtext", ...))
             hf["decoder/layers/self_attention/query/kernel"].shape
@@ -227,7 +229,7 @@ class Checkpoint(Mapping[str, TensorView]):
         if not parsed:
             return self
         try:
-            tensors = apply_rules(self.index.tensors, parsed)
+            tensors = map_rules(self.index.tensors, parsed)
         except CheckpointError as err:  # name the checkpoint too
             raise type(err)(f"{self.path}: {err.args[0] if err.args else err}") from None
         index = dataclasses.replace(self.index, tensors=tensors, rules=(*self.index.rules, *rules_to_json(parsed)))

@@ -274,6 +274,13 @@ class TensorSpec(NamedTuple):
 
 
 S = TypeVar("S", bound=TensorSpec)
+Layout = Mapping[str, tuple[str, tuple[int, ...]]]
+"""Each state of a tensor with its dtype and shape: what rules check before a tensor is built."""
+
+
+def param_layout(spec: TensorSpec) -> Layout:
+    """The layout of a tensor stored as its weights only: one ``param`` state of the spec's dtype and shape."""
+    return {"param": (spec.dtype, spec.shape)}
 
 
 class LazyTensors(Mapping[str, LogicalTensor], Generic[S]):
@@ -281,21 +288,29 @@ class LazyTensors(Mapping[str, LogicalTensor], Generic[S]):
 
     Opening DeepSeek-V3 (92k stored tensors, 46k after dequantization) checks every header entry,
     name, dtype and shape, but builds the fragments and states of a tensor only when it is used;
-    names, ``len`` and ``meta`` need no building. Built tensors are kept (they are immutable)::
+    names, ``len``, ``meta`` and ``layout`` need no building. Built tensors are kept (they are immutable).
+    ``layout`` gives each state's dtype and shape from a spec (default :func:`param_layout`: the builder
+    makes one ``param`` state)::
 
         specs = {"w": TensorSpec("float32", (4, 6), ("/tmp/w.safetensors", 80))}
-        tensors = LazyTensors(specs, lambda name, spec: LogicalTensor(name, {"fp32": ...}))
-        tensors.meta("w").shape, len(tensors), tensors["w"].state()
+        tensors = LazyTensors(specs, lambda name, spec: LogicalTensor(name, {"param": ...}))
+        tensors.meta("w").shape, len(tensors), tensors.layout("w"), tensors["w"].state()
     """
 
-    def __init__(self, specs: Mapping[str, S], build: Callable[[str, S], LogicalTensor]) -> None:
+    def __init__(self, specs: Mapping[str, S], build: Callable[[str, S], LogicalTensor],
+                 layout: Callable[[S], Layout] = param_layout) -> None:
         self._specs = specs
         self._build = build
+        self._layout = layout
         self._built: dict[str, LogicalTensor] = {}
 
     def meta(self, name: str) -> S:
         """The spec of ``name`` (dtype, shape, source), without building it."""
         return self._specs[name]
+
+    def layout(self, name: str) -> Layout:
+        """Each state of ``name`` with its dtype and shape, without building it."""
+        return self._layout(self._specs[name])
 
     def __getitem__(self, name: str) -> LogicalTensor:
         t = self._built.get(name)

@@ -1,15 +1,36 @@
-"""Running mapping rules over logical tensors: :func:`apply_rules` and one handler per rule kind
-(metadata only: boxes, strides and value transforms move, no byte is read)."""
+"""Running mapping rules over logical tensors: :func:`apply_rules` (and its lazy twin :func:`map_rules`)
+and one handler per rule kind (metadata only: boxes, strides and value transforms move, no byte is read).
+
+Rules run over *nodes*, not built tensors: a node knows each state's dtype and shape (its layout) and how
+to build its states (a closure over the nodes it came from). Every check a rule makes (shapes that divide,
+parts and indices present, states a value transform knows) runs on the layouts while the rules are applied,
+so a rule set that does not fit fails there, naming the rule, the tensor and the shapes; the fragments of a
+tensor (boxes, strides, views) are built when it is first used. A recipe onto DeepSeek-V3's 46k tensors
+so costs one pass of small tuples per rule, and reading one leaf builds that leaf only::
+
+    view = map_rules(ckpt.tensors, rules)       # names, shapes, checks: now
+    view["decoder/logits_dense/kernel"]         # its fragments: now, once
+"""
 
 from __future__ import annotations
 
+import functools
 import re
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
+from .. import _dtypes
 from .._errors import FormatError, ShapeMismatchError, TensorNotFoundError
-from .._read.model import WEIGHT_STATES, Box, LogicalTensor, TensorState, no_gc
+from .._read.model import (
+    WEIGHT_STATES,
+    Box,
+    LazyTensors,
+    LogicalTensor,
+    TensorSpec,
+    TensorState,
+    no_gc,
+)
 from . import _transforms as T
 from ._language import (
     Cast,
@@ -34,6 +55,18 @@ from ._language import (
     Unstack,
     regex,
 )
+from ._names import Names, substitute
+
+Shape = tuple[int, ...]
+Layout = Mapping[str, tuple[str, Shape]]  # state -> (dtype, shape)
+Built = tuple[Mapping[str, TensorState], Mapping[str, float | int]]  # states, scalars
+
+
+class Node(NamedTuple):
+    """A tensor while rules run: its states' dtypes and shapes, and how to build the states."""
+
+    layout: Layout
+    build: Callable[[], Built]
 
 
 def apply_rules(tensors: Mapping[str, LogicalTensor], rules: Sequence[Rule]) -> dict[str, LogicalTensor]:
@@ -42,130 +75,196 @@ def apply_rules(tensors: Mapping[str, LogicalTensor], rules: Sequence[Rule]) -> 
     Layout rules are descriptive and pass through. A rule that does not fit a
     tensor (a shape that does not divide, parts missing) raises before anything
     is read, naming the rule, the tensor, and the expected and found shapes.
+    Every tensor is built here; :func:`map_rules` builds each when it is used.
     """
     with no_gc():  # millions of acyclic objects for a 671B MoE: see no_gc
-        out = dict(tensors)
+        return dict(map_rules(tensors, rules))
+
+
+def map_rules(tensors: Mapping[str, LogicalTensor], rules: Sequence[Rule]) -> LazyTensors[TensorSpec]:
+    """:func:`apply_rules` with every check made now and each tensor built when first used."""
+    with no_gc():
+        order = list(tensors)
+        nodes = Names(dict(zip(order, map(functools.partial(_source, tensors, {}), order))))
         for rule in rules:
             handler = _HANDLERS.get(type(rule))
             if handler is not None:
-                out = handler(out, rule)
-    return out
+                nodes = handler(nodes, rule)
+        specs = {name: TensorSpec(*_weights(node.layout), node) for name, node in nodes.items()}
+    return LazyTensors(specs, _build, layout=_layout)
 
 
-def _per_state(rule: Rule, fn: Callable[[TensorState, str, str], TensorState]
-               ) -> Callable[[dict[str, LogicalTensor], Rule], dict[str, LogicalTensor]]:
-    def run(tensors: dict[str, LogicalTensor], _rule: Rule) -> dict[str, LogicalTensor]:
-        hits = set(_hits(tensors, rule))
-        if not hits:
-            return tensors
-        out = {}
-        for name, t in tensors.items():
-            if name not in hits:
-                out[name] = t
-                continue
-            states = {}
-            for s, st in t.states.items():
+def _source(tensors: Mapping[str, LogicalTensor], layouts: dict[Any, Layout], name: str) -> Node:
+    """The node of an input tensor; equal layouts are one object (``layouts``), so that a rule maps each once."""
+    if isinstance(tensors, LazyTensors):
+        layout = tensors.layout(name)
+    else:
+        layout = {s: (st.dtype, st.shape) for s, st in tensors[name].states.items()}
+    return Node(layouts.setdefault(tuple(layout.items()), layout), functools.partial(_stored, tensors, name))
+
+
+def _stored(tensors: Mapping[str, LogicalTensor], name: str) -> Built:
+    t = tensors[name]
+    return t.states, t.scalars
+
+
+def _weights(layout: Layout) -> tuple[str, Shape]:
+    """The dtype and shape of the weight state of ``layout`` (as :attr:`LogicalTensor.weight_state`)."""
+    state = next((s for s in WEIGHT_STATES if s in layout), next(iter(layout), None))
+    return layout[state] if state is not None else ("", ())
+
+
+def _build(name: str, spec: TensorSpec) -> LogicalTensor:
+    states, scalars = spec.source.build()
+    return LogicalTensor(name, dict(states), dict(scalars))
+
+
+def _layout(spec: TensorSpec) -> Layout:
+    return spec.source.layout  # type: ignore[no-any-return]
+
+
+def _hits(nodes: Names[Node], rule: Rule) -> list[str]:
+    """The names ``rule`` matches, in order (through the index of :class:`Names`: a recipe runs a hundred
+    rules over every name, 92k for DeepSeek-V3)."""
+    return nodes.hits(rule.pattern)
+
+
+# ------------------------------------------------------------------ one state at a time
+
+
+def _apply_states(nodes: Names[Node], rule: Rule) -> Names[Node]:
+    hits = _hits(nodes, rule)
+    if not hits:
+        return nodes
+    shape_of, state_of = _state_fns(rule)
+    done: dict[int, tuple[Layout, Layout]] = {}  # id of a layout (tensors share them: see map_rules) -> (it, mapped)
+    for name in hits:
+        node = nodes.values[name]
+        seen = done.get(id(node.layout))
+        if seen is None:
+            layout = {}
+            for s, (dtype, shape) in node.layout.items():
                 where = f"{type(rule).__name__}({rule.pattern!r}) on tensor {name!r} state {s!r}"
                 try:
-                    states[s] = fn(st, s, where)
+                    layout[s] = shape_of(dtype, shape, s, where)
                 except ShapeMismatchError as err:
                     raise ShapeMismatchError(f"{where}: {err}") from None
-            out[name] = LogicalTensor(name, states, dict(t.scalars))
-        return out
+            seen = done[id(node.layout)] = (node.layout, layout)
+        nodes.values[name] = Node(seen[1], functools.partial(_map_states, node.build, state_of))
+    return nodes
 
-    return run
+
+def _map_states(build: Callable[[], Built], fn: Callable[[TensorState, str], TensorState]) -> Built:
+    states, scalars = build()
+    return {s: fn(st, s) for s, st in states.items()}, scalars
 
 
-def _state_fn(rule: Rule) -> Callable[[TensorState, str, str], TensorState]:
+ShapeFn = Callable[[str, Shape, str, str], tuple[str, Shape]]  # (dtype, shape, state, where) -> (dtype, shape)
+StateFn = Callable[[TensorState, str], TensorState]
+
+
+def _state_fns(rule: Rule) -> tuple[ShapeFn, StateFn]:
+    """How ``rule`` maps one state: its dtype and shape (every check made here), and its fragments."""
     if isinstance(rule, Transpose):
-        return lambda st, s, w: T.transpose(st, rule.perm)
+        return (lambda dt, shp, s, w: (dt, T.permuted_shape(shp, rule.perm)),
+                lambda st, s: T.transpose(st, rule.perm))
     if isinstance(rule, Reshape):
-        def reshape(st: TensorState, s: str, w: str) -> TensorState:
-            if rule.from_shape and tuple(st.shape) != tuple(T._infer(st.shape, rule.from_shape)):
-                raise ShapeMismatchError(f"expected shape {rule.from_shape}, found {st.shape}")
-            return T.reshape(st, rule.shape)
-        return reshape
+        def reshape(dt: str, shp: Shape, s: str, w: str) -> tuple[str, Shape]:
+            if rule.from_shape and shp != T._infer(shp, rule.from_shape):
+                raise ShapeMismatchError(f"expected shape {rule.from_shape}, found {shp}")
+            return dt, T._infer(shp, rule.shape)
+        return reshape, lambda st, s: T.reshape(st, rule.shape)
     if isinstance(rule, SplitDim):
-        return lambda st, s, w: T.split_dim(st, rule.dim, rule.sizes)
+        return (lambda dt, shp, s, w: (dt, T.split_dim_shape(shp, rule.dim, rule.sizes)),
+                lambda st, s: T.split_dim(st, rule.dim, rule.sizes))
     if isinstance(rule, MergeDims):
-        return lambda st, s, w: T.merge_dims(st, rule.dim, rule.count)
-    if isinstance(rule, Interleave):
-        return lambda st, s, w: T.interleave(st, rule.dim, rule.block, rule.ways)
-    if isinstance(rule, Deinterleave):
-        return lambda st, s, w: T.deinterleave(st, rule.dim, rule.block, rule.ways)
+        return (lambda dt, shp, s, w: (dt, T.merged_shape(shp, rule.dim, rule.count)),
+                lambda st, s: T.merge_dims(st, rule.dim, rule.count))
+    if isinstance(rule, (Interleave, Deinterleave)):
+        fn = T.interleave if isinstance(rule, Interleave) else T.deinterleave
+        def blocks(dt: str, shp: Shape, s: str, w: str) -> tuple[str, Shape]:
+            T.check_blocks(shp, rule.dim, rule.block, rule.ways)
+            return dt, shp
+        return blocks, lambda st, s: fn(st, rule.dim, rule.block, rule.ways)
     if isinstance(rule, Pad):
-        def pad(st: TensorState, s: str, w: str) -> TensorState:
-            d = T._axis(rule.dim, len(st.shape))
-            if st.shape[d] != rule.size:
-                raise ShapeMismatchError(f"expected {rule.size} entries along dim {rule.dim}, found {st.shape[d]} "
-                                         f"(shape {st.shape})")
-            return T.pad(st, d, rule.padded)
-        return pad
+        def pad(dt: str, shp: Shape, s: str, w: str) -> tuple[str, Shape]:
+            d = T._axis(rule.dim, len(shp))
+            if shp[d] != rule.size:
+                raise ShapeMismatchError(f"expected {rule.size} entries along dim {rule.dim}, found {shp[d]} "
+                                         f"(shape {shp})")
+            return dt, T.padded_shape(shp, d, rule.padded)
+        return pad, lambda st, s: T.pad(st, T._axis(rule.dim, len(st.shape)), rule.padded)
     if isinstance(rule, Crop):
-        def crop(st: TensorState, s: str, w: str) -> TensorState:
-            d = T._axis(rule.dim, len(st.shape))
-            if rule.padded and st.shape[d] != rule.padded:
-                raise ShapeMismatchError(f"expected {rule.padded} entries along dim {rule.dim}, found {st.shape[d]}")
-            if rule.start + rule.size > st.shape[d]:
-                raise ShapeMismatchError(f"cannot keep {rule.size} entries from {rule.start} of {st.shape[d]}")
-            off = tuple(rule.start if k == d else 0 for k in range(len(st.shape)))
-            shp = tuple(rule.size if k == d else n for k, n in enumerate(st.shape))
-            return T.crop(st, Box(off, shp))
-        return crop
-    if isinstance(rule, Scale):
-        return lambda st, s, w: T.scale(st, rule.factor ** rule.power(s, w))
-    if isinstance(rule, Offset):
-        return lambda st, s, w: T.offset(st, rule.offset) if rule.shifts(s, w) else st
+        def crop_box(shp: Shape) -> Box:
+            d = T._axis(rule.dim, len(shp))
+            if rule.padded and shp[d] != rule.padded:
+                raise ShapeMismatchError(f"expected {rule.padded} entries along dim {rule.dim}, found {shp[d]}")
+            if rule.start + rule.size > shp[d]:
+                raise ShapeMismatchError(f"cannot keep {rule.size} entries from {rule.start} of {shp[d]}")
+            return Box(tuple(rule.start if k == d else 0 for k in range(len(shp))),
+                       tuple(rule.size if k == d else n for k, n in enumerate(shp)))
+        return (lambda dt, shp, s, w: (dt, crop_box(shp).shape), lambda st, s: T.crop(st, crop_box(st.shape)))
+    if isinstance(rule, (Scale, Offset)):
+        known = rule.power if isinstance(rule, Scale) else rule.shifts
+
+        def values(dt: str, shp: Shape, s: str, w: str) -> tuple[str, Shape]:
+            known(s, w)  # a state of unknown meaning fails here, naming it
+            return dt, shp
+        if isinstance(rule, Scale):
+            return values, lambda st, s: T.scale(st, rule.factor ** rule.power(s, ""))
+        return values, lambda st, s: T.offset(st, rule.offset) if rule.shifts(s, "") else st
     if isinstance(rule, Cast):
-        return lambda st, s, w: T.cast(st, rule.dtype) if s in rule.states else st
+        def cast(dt: str, shp: Shape, s: str, w: str) -> tuple[str, Shape]:
+            if s not in rule.states:
+                return dt, shp
+            _dtypes.to_numpy(rule.dtype)  # a dtype ckptbridge does not know fails here
+            return rule.dtype, shp
+        return cast, lambda st, s: T.cast(st, rule.dtype) if s in rule.states else st
     raise FormatError(f"no state transform for {type(rule).__name__}")
 
 
-def _hits(tensors: Mapping[str, Any], rule: Rule) -> list[str]:
-    """The names ``rule`` matches, in order (one C loop: rules run over every name, 92k for DeepSeek-V3)."""
-    return list(filter(regex(rule.pattern).search, tensors))
+# ------------------------------------------------------------------ names
 
 
-def _apply_rename(tensors: dict[str, LogicalTensor], rule: Rename) -> dict[str, LogicalTensor]:
-    hits = _hits(tensors, rule)
+def _apply_rename(nodes: Names[Node], rule: Rename) -> Names[Node]:
+    hits = _hits(nodes, rule)
     if not hits:
-        return tensors
-    sub = regex(rule.pattern).sub
-    new = {name: sub(rule.to, name) for name in hits}
-    renamed = dict(zip(map(new.get, tensors, tensors), tensors.values()))  # C loops, in order
-    if len(renamed) != len(tensors):  # two tensors mapped onto one name: which
-        seen: set[str] = set()
-        for name in tensors:
+        return nodes
+    new = dict(zip(hits, map(substitute(rule.pattern, rule.to), hits)))
+    targets = set(new.values())
+    if len(targets) != len(new) or any(to in nodes.pos and to not in new for to in targets):
+        seen: set[str] = set()  # two tensors mapped onto one name: which (the first in order)
+        for name in nodes:
             to = new.get(name, name)
             if to in seen:
                 raise FormatError(f"Rename({rule.pattern!r} -> {rule.to!r}) maps two tensors onto {to!r}")
             seen.add(to)
-    for to in new.values():
-        t = renamed[to]
-        if t.name != to:
-            renamed[to] = LogicalTensor(to, t.states, t.scalars)
-    return renamed
+    nodes.rename(new)
+    return nodes
 
 
-def _apply_expect(tensors: dict[str, LogicalTensor], rule: Expect) -> dict[str, LogicalTensor]:
+def _apply_expect(nodes: Names[Node], rule: Expect) -> Names[Node]:
     want = tuple(rule.shape)
     shown = "(" + ", ".join("*" if w is None else str(w) for w in want) + ("," if len(want) == 1 else "") + ")"
-    for name in _hits(tensors, rule):
-        for s, st in tensors[name].states.items():
-            found = tuple(st.shape)
+    for name in _hits(nodes, rule):
+        for s, (_, found) in nodes.values[name].layout.items():
             if len(found) != len(want) or any(w is not None and w != f for w, f in zip(want, found)):
                 why = f" ({rule.why})" if rule.why else ""
                 state = "" if s in WEIGHT_STATES else f" state {s!r}"
                 raise ShapeMismatchError(f"tensor {name!r}{state}: expected shape {shown}{why}, found {found}")
-    return tensors
+    return nodes
 
 
-def _apply_drop(tensors: dict[str, LogicalTensor], rule: Drop) -> dict[str, LogicalTensor]:
-    gone = dict.fromkeys(_hits(tensors, rule))  # a dict: ordered, O(1) membership
-    if gone:
-        why = f" ({rule.why})" if rule.why else ""
-        warnings.warn(f"dropped {len(gone)} tensors{why}: {', '.join(gone)}", DroppedTensorsWarning, stacklevel=2)
-    return {name: t for name, t in tensors.items() if name not in gone}
+def _apply_drop(nodes: Names[Node], rule: Drop) -> Names[Node]:
+    gone = dict.fromkeys(_hits(nodes, rule))  # a dict: ordered, O(1) membership
+    if not gone:
+        return nodes
+    why = f" ({rule.why})" if rule.why else ""
+    warnings.warn(f"dropped {len(gone)} tensors{why}: {', '.join(gone)}", DroppedTensorsWarning, stacklevel=4)
+    return nodes.rebuilt({name: node for name, node in nodes.items() if name not in gone})
+
+
+# ------------------------------------------------------------------ several tensors into one
 
 
 def _stack_index(m: re.Match[str], index: int | str, rule: Rule, name: str) -> int:
@@ -175,115 +274,158 @@ def _stack_index(m: re.Match[str], index: int | str, rule: Rule, name: str) -> i
         raise FormatError(f"Stack({rule.pattern!r}): group {index!r} of {name!r} is not an index") from None
 
 
-def _apply_stack(tensors: dict[str, LogicalTensor], rule: Stack) -> dict[str, LogicalTensor]:
-    groups: dict[str, dict[int, LogicalTensor]] = {}
+def _apply_stack(nodes: Names[Node], rule: Stack) -> Names[Node]:
+    hits = _hits(nodes, rule)
+    if not hits:
+        return nodes
+    groups: dict[str, dict[int, tuple[str, Node]]] = {}
     spans: dict[str, tuple[str, int, int]] = {}  # target -> (a member's name, span of its index)
-    pattern = regex(rule.pattern)
-    out: dict[str, LogicalTensor] = {}
-    for name, t in tensors.items():
+    pattern, sub = regex(rule.pattern), substitute(rule.pattern, rule.to)
+    for name in hits:
         m = pattern.search(name)
         if m is None:
-            out[name] = t
             continue
-        target = pattern.sub(rule.to, name)
-        groups.setdefault(target, {})[_stack_index(m, rule.index, rule, name)] = t
+        target = sub(name)
+        groups.setdefault(target, {})[_stack_index(m, rule.index, rule, name)] = (name, nodes.values[name])
         spans.setdefault(target, (name, m.start(rule.index), m.end(rule.index)))
-    every = sorted(set().union(*(set(g) for g in groups.values()))) if groups else []
+    gone = set(hits)
+    out = {name: node for name, node in nodes.items() if name not in gone}
+    every = sorted(set().union(*(set(g) for g in groups.values())))
     for target, members in groups.items():
         idx = sorted(members)
         if idx != every or idx != list(range(len(idx))):  # one rule stacks every group over the same indices
-            gone = [i for i in range(max(every) + 1) if i not in members]
+            missing = [i for i in range(max(every) + 1) if i not in members]
             name, a, b = spans[target]
-            shape = next(iter(members.values())).state().shape
+            shape = _weights(next(iter(members.values()))[1].layout)[1]
             raise TensorNotFoundError(
-                f"Stack {target!r}: no tensor {name[:a] + str(gone[0]) + name[b:]!r} (expected shape {shape}, "
+                f"Stack {target!r}: no tensor {name[:a] + str(missing[0]) + name[b:]!r} (expected shape {shape}, "
                 f"like {name!r}); found indices {idx}, the other stacked tensors have 0..{max(every)}")
         items = [members[i] for i in idx]
-        common = [s for s in items[0].states if all(s in it.states for it in items)]
-        states = {}
-        for s in common:
-            parts = [it.states[s] for it in items]
-            bad = next((it.name for it, p in zip(items, parts) if p.shape != parts[0].shape), None)
-            if bad is not None:
-                raise ShapeMismatchError(f"Stack {target!r}: {bad!r} state {s!r} has shape "
-                                         f"{items[[it.name for it in items].index(bad)].states[s].shape}, "
-                                         f"{items[0].name!r} has {parts[0].shape}")
-            states[s] = T.stack(parts, T._axis(rule.dim, len(parts[0].shape) + 1))
-        out[target] = LogicalTensor(target, states, dict(items[0].scalars))
-    return out
+        layouts = [node.layout for _, node in items]
+        first_name, first = items[0][0], layouts[0]
+        layout = {}
+        for s in [s for s in first if all(s in lay for lay in layouts)]:
+            dtype, shape = first[s]
+            for (name, _), lay in zip(items, layouts):
+                if lay[s][1] != shape:
+                    raise ShapeMismatchError(f"Stack {target!r}: {name!r} state {s!r} has shape {lay[s][1]}, "
+                                             f"{first_name!r} has {shape}")
+                if lay[s][0] != dtype:
+                    raise ShapeMismatchError(f"cannot stack {shape}/{lay[s][0]} with {shape}/{dtype}")
+            axis = T._axis(rule.dim, len(shape) + 1)
+            layout[s] = (dtype, (*shape[:axis], len(items), *shape[axis:]))
+        out[target] = Node(layout, functools.partial(_stacked, tuple(node.build for _, node in items), rule.dim))
+    return nodes.rebuilt(out)
 
 
-def _fan_out(tensors: dict[str, LogicalTensor], rule: Rule, parts: Callable[[TensorState], list[TensorState]],
-             names: Callable[[str, int], list[str]]) -> dict[str, LogicalTensor]:
-    """One tensor matching ``rule`` -> several: ``parts(state)`` gives each state's pieces,
-    ``names(name, n)`` the new names in the same order."""
-    out: dict[str, LogicalTensor] = {}
-    for name, t in tensors.items():
-        if not rule.matches(name):
-            out[name] = t
-            continue
-        try:
-            per_state = {s: parts(st) for s, st in t.states.items()}
-        except ShapeMismatchError as err:
-            raise ShapeMismatchError(f"{type(rule).__name__}({rule.pattern!r}) on tensor {name!r}: {err}") from None
-        for k, new in enumerate(names(name, len(next(iter(per_state.values()))))):
-            out[new] = LogicalTensor(new, {s: ps[k] for s, ps in per_state.items()}, dict(t.scalars))
-    return out
+def _stacked(builds: Sequence[Callable[[], Built]], dim: int) -> Built:
+    built = [b() for b in builds]
+    common = [s for s in built[0][0] if all(s in states for states, _ in built)]
+    return {s: T.stack([states[s] for states, _ in built], T._axis(dim, len(built[0][0][s].shape) + 1))
+            for s in common}, built[0][1]
 
 
-def _apply_unstack(tensors: dict[str, LogicalTensor], rule: Unstack) -> dict[str, LogicalTensor]:
-    hole = "{" + rule.index + "}"
-    return _fan_out(tensors, rule, lambda st: T.unstack(st, T._axis(rule.dim, len(st.shape))),
-                    lambda name, n: [regex(rule.pattern).sub(rule.to, name).replace(hole, str(i)) for i in range(n)])
-
-
-def _apply_split(tensors: dict[str, LogicalTensor], rule: Split) -> dict[str, LogicalTensor]:
-    def parts(st: TensorState) -> list[TensorState]:
-        dim = T._axis(rule.dim, len(st.shape))
-        widths = rule.widths
-        if not widths:  # equal parts
-            n, k = st.shape[dim], rule.groups * len(rule.parts)
-            if not k or n % k:
-                raise ShapeMismatchError(f"dim {dim} of {n} entries does not split into {k} equal parts")
-            widths = (n // k,) * len(rule.parts)
-        return T.split(st, dim, widths, rule.groups)
-
-    return _fan_out(tensors, rule, parts, lambda name, _n: rule.part_names(name))
-
-
-def _apply_join(tensors: dict[str, LogicalTensor], rule: Join) -> dict[str, LogicalTensor]:
-    out: dict[str, LogicalTensor] = {}
-    found: dict[str, dict[int, LogicalTensor]] = {}
-    patterns = [rule.pattern.replace("{part}", re.escape(p)) for p in rule.parts]
-    for name, t in tensors.items():
+def _apply_join(nodes: Names[Node], rule: Join) -> Names[Node]:
+    out: dict[str, Node] = {}
+    found: dict[str, dict[int, Node]] = {}
+    patterns = [regex(rule.pattern.replace("{part}", re.escape(p))) for p in rule.parts]
+    for name, node in nodes.items():
         for k, pat in enumerate(patterns):
-            if regex(pat).search(name):
-                found.setdefault(regex(pat).sub(rule.to, name), {})[k] = t
+            if pat.search(name):
+                found.setdefault(pat.sub(rule.to, name), {})[k] = node
                 break
         else:
-            out[name] = t
+            out[name] = node
     for target, members in found.items():
         if sorted(members) != list(range(len(rule.parts))):
             have = [rule.parts[k] for k in sorted(members)]
             raise FormatError(f"Join {target!r}: found parts {have} of {list(rule.parts)}")
-        items = [members[k] for k in range(len(rule.parts))]
-        states = {}
-        for s in items[0].states:
-            if all(s in it.states for it in items):
-                try:
-                    states[s] = T.fuse([it.states[s] for it in items],
-                                       T._axis(rule.dim, len(items[0].states[s].shape)), rule.groups)
-                except ShapeMismatchError as err:
-                    raise ShapeMismatchError(f"Join {target!r} state {s!r}: {err}") from None
-        out[target] = LogicalTensor(target, states, dict(items[0].scalars))
-    return out
+        layouts = [members[k].layout for k in range(len(rule.parts))]
+        layout = {}
+        for s in [s for s in layouts[0] if all(s in lay for lay in layouts)]:
+            try:
+                layout[s] = T.fused_layout([lay[s] for lay in layouts], T._axis(rule.dim, len(layouts[0][s][1])),
+                                           rule.groups)
+            except ShapeMismatchError as err:
+                raise ShapeMismatchError(f"Join {target!r} state {s!r}: {err}") from None
+        builds = tuple(members[k].build for k in range(len(rule.parts)))
+        out[target] = Node(layout, functools.partial(_joined, builds, rule.dim, rule.groups))
+    return nodes.rebuilt(out)
 
 
-def _shape_rule(tensors: dict[str, LogicalTensor], rule: Rule) -> dict[str, LogicalTensor]:
-    return _per_state(rule, _state_fn(rule))(tensors, rule)
+def _joined(builds: Sequence[Callable[[], Built]], dim: int, groups: int) -> Built:
+    built = [b() for b in builds]
+    common = [s for s in built[0][0] if all(s in states for states, _ in built)]
+    return {s: T.fuse([states[s] for states, _ in built], T._axis(dim, len(built[0][0][s].shape)), groups)
+            for s in common}, built[0][1]
 
 
-_HANDLERS: dict[type[Rule], Callable[[dict[str, LogicalTensor], Any], dict[str, LogicalTensor]]] = {
+# ------------------------------------------------------------------ one tensor into several
+
+
+def _fan_out(nodes: Names[Node], rule: Rule, count: Callable[[str, Shape], list[tuple[str, Shape]]],
+             part: Callable[[TensorState, int], TensorState], names: Callable[[str, int], list[str]]
+             ) -> Names[Node]:
+    """One tensor matching ``rule`` -> several: ``count(dtype, shape)`` gives each part's dtype and shape
+    (checking the shape), ``part(state, k)`` builds part ``k``, ``names(name, n)`` the new names in order."""
+    hits = set(_hits(nodes, rule))
+    if not hits:
+        return nodes
+    out: dict[str, Node] = {}
+    for name, node in nodes.items():
+        if name not in hits:
+            out[name] = node
+            continue
+        try:
+            per_state = {s: count(*dt_shape) for s, dt_shape in node.layout.items()}
+        except ShapeMismatchError as err:
+            raise ShapeMismatchError(f"{type(rule).__name__}({rule.pattern!r}) on tensor {name!r}: {err}") from None
+        shared = functools.cache(node.build)  # the parts of one tensor build it once
+        for k, new in enumerate(names(name, len(next(iter(per_state.values()))))):
+            out[new] = Node({s: ps[k] for s, ps in per_state.items()}, functools.partial(_part, shared, part, k))
+    return nodes.rebuilt(out)
+
+
+def _part(build: Callable[[], Built], part: Callable[[TensorState, int], TensorState], k: int) -> Built:
+    states, scalars = build()
+    return {s: part(st, k) for s, st in states.items()}, scalars
+
+
+def _apply_unstack(nodes: Names[Node], rule: Unstack) -> Names[Node]:
+    hole = "{" + rule.index + "}"
+
+    def count(dtype: str, shape: Shape) -> list[tuple[str, Shape]]:
+        d = T._axis(rule.dim, len(shape))
+        return [(dtype, shape[:d] + shape[d + 1 :])] * shape[d]
+
+    return _fan_out(nodes, rule, count, lambda st, k: T.unstack_part(st, T._axis(rule.dim, len(st.shape)), k),
+                    lambda name, n: [regex(rule.pattern).sub(rule.to, name).replace(hole, str(i)) for i in range(n)])
+
+
+def _split_widths(rule: Split, shape: Shape) -> tuple[int, tuple[int, ...]]:
+    """The dim ``rule`` splits and each part's width (equal parts unless given), checked."""
+    dim = T._axis(rule.dim, len(shape))
+    widths = tuple(rule.widths)
+    if not widths:  # equal parts
+        n, k = shape[dim], rule.groups * len(rule.parts)
+        if not k or n % k:
+            raise ShapeMismatchError(f"dim {dim} of {n} entries does not split into {k} equal parts")
+        widths = (n // k,) * len(rule.parts)
+    return dim, widths
+
+
+def _apply_split(nodes: Names[Node], rule: Split) -> Names[Node]:
+    def count(dtype: str, shape: Shape) -> list[tuple[str, Shape]]:
+        dim, widths = _split_widths(rule, shape)
+        return [(dtype, s) for s in T.split_shapes(shape, dim, widths, rule.groups)]
+
+    def part(st: TensorState, k: int) -> TensorState:
+        return T.split_part(st, *_split_widths(rule, st.shape), rule.groups, k)
+
+    return _fan_out(nodes, rule, count, part, lambda name, _n: rule.part_names(name))
+
+
+_HANDLERS: dict[type[Rule], Callable[[Names[Node], Any], Names[Node]]] = {
     Rename: _apply_rename,
     Expect: _apply_expect,
     Drop: _apply_drop,
@@ -291,9 +433,6 @@ _HANDLERS: dict[type[Rule], Callable[[dict[str, LogicalTensor], Any], dict[str, 
     Unstack: _apply_unstack,
     Split: _apply_split,
     Join: _apply_join,
-    **{cls: _shape_rule for cls in (Transpose, Reshape, SplitDim, MergeDims, Interleave, Deinterleave, Pad, Crop,
-                                    Scale, Offset, Cast)},
+    **{cls: _apply_states for cls in (Transpose, Reshape, SplitDim, MergeDims, Interleave, Deinterleave, Pad, Crop,
+                                      Scale, Offset, Cast)},
 }
-
-
-# ------------------------------------------------------------------ inverting renames

@@ -61,11 +61,17 @@ def crop(state: TensorState, box: Box) -> TensorState:
     return TensorState(state.dtype, box.shape, tuple(frags))
 
 
+def permuted_shape(shape: Sequence[int], perm: Sequence[int]) -> tuple[int, ...]:
+    """The shape :func:`transpose` gives (``perm`` checked against ``shape``)."""
+    if sorted(perm) != list(range(len(shape))):
+        raise ShapeMismatchError(f"permutation {tuple(perm)} does not fit shape {tuple(shape)}")
+    return tuple(shape[p] for p in perm)
+
+
 def transpose(state: TensorState, perm: Sequence[int]) -> TensorState:
     """Reorder dims: result dim ``i`` is input dim ``perm[i]`` (no data moves)."""
     perm = tuple(perm)
-    if sorted(perm) != list(range(len(state.shape))):
-        raise ShapeMismatchError(f"permutation {perm} does not fit shape {state.shape}")
+    shape = permuted_shape(state.shape, perm)
     frags = tuple(
         Fragment(
             Box(tuple(f.box.offset[p] for p in perm), tuple(f.box.shape[p] for p in perm)),
@@ -73,7 +79,7 @@ def transpose(state: TensorState, perm: Sequence[int]) -> TensorState:
         )
         for f in state.fragments
     )
-    return TensorState(state.dtype, tuple(state.shape[p] for p in perm), frags)
+    return TensorState(state.dtype, shape, frags)
 
 
 def stack(parts: Sequence[TensorState], dim: int = 0) -> TensorState:
@@ -95,20 +101,22 @@ def stack(parts: Sequence[TensorState], dim: int = 0) -> TensorState:
 
 def unstack(state: TensorState, dim: int = 0) -> list[TensorState]:
     """The inverse of :func:`stack`: one state per index of ``dim``."""
-    out = []
-    for i in range(state.shape[dim]):
-        off = tuple(i if d == dim else 0 for d in range(len(state.shape)))
-        shp = tuple(1 if d == dim else s for d, s in enumerate(state.shape))
-        part = crop(state, Box(off, shp))
-        frags = tuple(
-            Fragment(
-                Box(f.box.offset[:dim] + f.box.offset[dim + 1 :], f.box.shape[:dim] + f.box.shape[dim + 1 :]),
-                f.location.drop_dim(dim),
-            )
-            for f in part.fragments
+    return [unstack_part(state, dim, i) for i in range(state.shape[dim])]
+
+
+def unstack_part(state: TensorState, dim: int, i: int) -> TensorState:
+    """Index ``i`` of ``dim`` of a state, without that dim (part ``i`` of :func:`unstack`)."""
+    off = tuple(i if d == dim else 0 for d in range(len(state.shape)))
+    shp = tuple(1 if d == dim else s for d, s in enumerate(state.shape))
+    part = crop(state, Box(off, shp))
+    frags = tuple(
+        Fragment(
+            Box(f.box.offset[:dim] + f.box.offset[dim + 1 :], f.box.shape[:dim] + f.box.shape[dim + 1 :]),
+            f.location.drop_dim(dim),
         )
-        out.append(TensorState(state.dtype, shp[:dim] + shp[dim + 1 :], frags))
-    return out
+        for f in part.fragments
+    )
+    return TensorState(state.dtype, shp[:dim] + shp[dim + 1 :], frags)
 
 
 def split(state: TensorState, dim: int, widths: Sequence[int], groups: int = 1) -> list[TensorState]:
@@ -119,36 +127,54 @@ def split(state: TensorState, dim: int, widths: Sequence[int], groups: int = 1) 
     widths = (heads_per_group * head_dim, head_dim, head_dim); SwiGLU: groups=1,
     widths = (ffn, ffn)). Part ``k`` gathers its slice from every group.
     """
+    return [split_part(state, dim, widths, groups, k) for k in range(len(widths))]
+
+
+def split_shapes(shape: Sequence[int], dim: int, widths: Sequence[int], groups: int = 1) -> list[tuple[int, ...]]:
+    """The shapes of the parts :func:`split` gives (the fused dim checked)."""
     group = sum(widths)
-    if group * groups != state.shape[dim]:
-        raise ShapeMismatchError(
-            f"fused dim {dim} has {state.shape[dim]} entries, expected {groups} x {group}"
-        )
-    out = []
-    start = 0
-    for w in widths:
-        pieces_ = []
-        for g in range(groups):
-            off = tuple(g * group + start if d == dim else 0 for d in range(len(state.shape)))
-            shp = tuple(w if d == dim else s for d, s in enumerate(state.shape))
-            pieces_.append(crop(state, Box(off, shp)))
-        out.append(coalesce(concat(pieces_, dim)))
-        start += w
-    return out
+    if group * groups != shape[dim]:
+        raise ShapeMismatchError(f"fused dim {dim} has {shape[dim]} entries, expected {groups} x {group}")
+    return [tuple(w * groups if d == dim else s for d, s in enumerate(shape)) for w in widths]
+
+
+def split_part(state: TensorState, dim: int, widths: Sequence[int], groups: int, k: int) -> TensorState:
+    """Part ``k`` of :func:`split`."""
+    split_shapes(state.shape, dim, widths, groups)
+    group, start, w = sum(widths), sum(widths[:k]), widths[k]
+    pieces_ = []
+    for g in range(groups):
+        off = tuple(g * group + start if d == dim else 0 for d in range(len(state.shape)))
+        shp = tuple(w if d == dim else s for d, s in enumerate(state.shape))
+        pieces_.append(crop(state, Box(off, shp)))
+    return coalesce(concat(pieces_, dim))
 
 
 def fuse(parts: Sequence[TensorState], dim: int, groups: int = 1) -> TensorState:
     """The inverse of :func:`split`: interleave parts group by group along ``dim``."""
+    fused_layout([(p.dtype, p.shape) for p in parts], dim, groups)
     pieces_ = []
     for g in range(groups):
         for p in parts:
-            if p.shape[dim] % groups:
-                raise ShapeMismatchError(f"part of {p.shape[dim]} entries does not split into {groups} groups")
             w = p.shape[dim] // groups
             off = tuple(g * w if d == dim else 0 for d in range(len(p.shape)))
             shp = tuple(w if d == dim else s for d, s in enumerate(p.shape))
             pieces_.append(crop(p, Box(off, shp)))
     return coalesce(concat(pieces_, dim))
+
+
+def fused_layout(parts: Sequence[tuple[str, Sequence[int]]], dim: int, groups: int = 1) -> tuple[str, tuple[int, ...]]:
+    """The dtype and shape :func:`fuse` gives parts of these dtypes and shapes (checked as it checks them)."""
+    (dtype, first), *_ = parts
+    for pdtype, shape in parts:
+        if shape[dim] % groups:
+            raise ShapeMismatchError(f"part of {shape[dim]} entries does not split into {groups} groups")
+        if pdtype != dtype or len(shape) != len(first) or any(
+                a != b for d, (a, b) in enumerate(zip(shape, first)) if d != dim):
+            piece = tuple(n // groups if d == dim else n for d, n in enumerate(shape))
+            head = tuple(n // groups if d == dim else n for d, n in enumerate(first))
+            raise ShapeMismatchError(f"cannot concat {piece}/{pdtype} with {head}/{dtype} on dim {dim}")
+    return dtype, tuple(sum(s[dim] for _, s in parts) if d == dim else n for d, n in enumerate(first))
 
 
 # ------------------------------------------------------------------ reshapes
@@ -176,29 +202,34 @@ def reshape(state: TensorState, shape: Sequence[int]) -> TensorState:
 
 def split_dim(state: TensorState, dim: int, sizes: Sequence[int]) -> TensorState:
     """Split ``dim`` into ``sizes`` (row-major; one ``-1`` inferred): ``[H*D, E] -> [H, D, E]``."""
-    dim = _axis(dim, len(state.shape))
-    sizes = _infer((state.shape[dim],), sizes)
-    return reshape(state, (*state.shape[:dim], *sizes, *state.shape[dim + 1 :]))
+    return reshape(state, split_dim_shape(state.shape, dim, sizes))
+
+
+def split_dim_shape(shape: Sequence[int], dim: int, sizes: Sequence[int]) -> tuple[int, ...]:
+    """The shape :func:`split_dim` gives (checked)."""
+    dim = _axis(dim, len(shape))
+    return (*shape[:dim], *_infer((shape[dim],), sizes), *shape[dim + 1 :])
 
 
 def merge_dims(state: TensorState, dim: int, count: int) -> TensorState:
     """Merge ``count`` dims from ``dim`` on into one (row-major): ``[E, H, D] -> [E, H*D]``."""
-    dim = _axis(dim, len(state.shape))
-    if count < 1 or dim + count > len(state.shape):
-        raise ShapeMismatchError(f"cannot merge {count} dims from dim {dim} of shape {state.shape}")
-    merged = math.prod(state.shape[dim : dim + count])
-    return reshape(state, (*state.shape[:dim], merged, *state.shape[dim + count :]))
+    return reshape(state, merged_shape(state.shape, dim, count))
+
+
+def merged_shape(shape: Sequence[int], dim: int, count: int) -> tuple[int, ...]:
+    """The shape :func:`merge_dims` gives (checked)."""
+    dim = _axis(dim, len(shape))
+    if count < 1 or dim + count > len(shape):
+        raise ShapeMismatchError(f"cannot merge {count} dims from dim {dim} of shape {tuple(shape)}")
+    return (*shape[:dim], math.prod(shape[dim : dim + count]), *shape[dim + count :])
 
 
 def interleave(state: TensorState, dim: int, block: int, ways: int = 2) -> TensorState:
     """Within every ``block`` entries of ``dim``, take the ``ways`` contiguous parts and
     interleave them: ``[a0 a1 .. b0 b1 ..] -> [a0 b0 a1 b1 ..]`` (rotate-half rotary rows
     -> interleaved pairs, per head with ``block = head_dim``). A strided view, no data moves."""
-    dim = _axis(dim, len(state.shape))
-    n = state.shape[dim]
-    if block <= 0 or n % block or block % ways:
-        raise ShapeMismatchError(f"dim {dim} of {n} entries does not split into blocks of {block} in {ways} parts")
-    s = state.shape
+    dim = check_blocks(state.shape, dim, block, ways)
+    n, s = state.shape[dim], state.shape
     v = split_dim(state, dim, (n // block, ways, block // ways))
     v = transpose(v, (*range(dim + 1), dim + 2, dim + 1, *range(dim + 3, len(s) + 2)))
     return merge_dims(v, dim, 3)
@@ -206,14 +237,20 @@ def interleave(state: TensorState, dim: int, block: int, ways: int = 2) -> Tenso
 
 def deinterleave(state: TensorState, dim: int, block: int, ways: int = 2) -> TensorState:
     """The inverse of :func:`interleave`: ``[a0 b0 a1 b1 ..] -> [a0 a1 .. b0 b1 ..]`` per block."""
-    dim = _axis(dim, len(state.shape))
-    n = state.shape[dim]
-    if block <= 0 or n % block or block % ways:
-        raise ShapeMismatchError(f"dim {dim} of {n} entries does not split into blocks of {block} in {ways} parts")
-    s = state.shape
+    dim = check_blocks(state.shape, dim, block, ways)
+    n, s = state.shape[dim], state.shape
     v = split_dim(state, dim, (n // block, block // ways, ways))
     v = transpose(v, (*range(dim + 1), dim + 2, dim + 1, *range(dim + 3, len(s) + 2)))
     return merge_dims(v, dim, 3)
+
+
+def check_blocks(shape: Sequence[int], dim: int, block: int, ways: int) -> int:
+    """The axis :func:`interleave` / :func:`deinterleave` work on, its blocks checked."""
+    dim = _axis(dim, len(shape))
+    n = shape[dim]
+    if block <= 0 or n % block or block % ways:
+        raise ShapeMismatchError(f"dim {dim} of {n} entries does not split into blocks of {block} in {ways} parts")
+    return dim
 
 
 def _axis(dim: int, ndim: int) -> int:
@@ -401,14 +438,20 @@ def pad(state: TensorState, dim: int, padded: int) -> TensorState:
     """Zeros appended along ``dim`` up to ``padded`` entries (a vocabulary re-padded for a target)."""
     dim = _axis(dim, len(state.shape))
     size = state.shape[dim]
-    if padded < size:
-        raise ShapeMismatchError(f"cannot pad dim {dim} of {size} entries down to {padded}")
+    shape = padded_shape(state.shape, dim, padded)
     if padded == size:
         return state
     off = tuple(size if d == dim else 0 for d in range(len(state.shape)))
     shp = tuple(padded - size if d == dim else s for d, s in enumerate(state.shape))
-    shape = tuple(padded if d == dim else s for d, s in enumerate(state.shape))
     return TensorState(state.dtype, shape, (*state.fragments, Fragment(Box(off, shp), ZeroRegion(state.dtype))))
+
+
+def padded_shape(shape: Sequence[int], dim: int, padded: int) -> tuple[int, ...]:
+    """The shape :func:`pad` gives (checked)."""
+    dim = _axis(dim, len(shape))
+    if padded < shape[dim]:
+        raise ShapeMismatchError(f"cannot pad dim {dim} of {shape[dim]} entries down to {padded}")
+    return tuple(padded if d == dim else s for d, s in enumerate(shape))
 
 
 # ------------------------------------------------------------------ coalescing

@@ -1,0 +1,209 @@
+"""The names rules run over, indexed so that a rule finds its tensors without testing every name.
+
+A recipe is a hundred rules over every tensor name (92k for DeepSeek-V3): testing each rule's regex on
+each name is the whole cost of applying it. Most rule patterns begin with a literal after ``^``
+(``^model\\.layers\\.7\\.``) or end with one before ``$`` (``\\.q_proj\\.weight$``): every name a rule can
+match starts (ends) with that literal, and those names sit in one range of the names sorted (sorted
+reversed). :class:`Names` keeps its names in order with their values, renames in place, and keeps sorted
+runs of every name it has held (stale names are dropped on lookup), so a rule tests only its candidates::
+
+    names = Names({"model.layers.0.w": 1, "model.layers.1.w": 2})
+    names.hits(r"^model\\.layers\\.1\\.")         # ['model.layers.1.w']
+    names.rename({"model.layers.1.w": "layers/1/w"})
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+import re
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Generic, TypeVar
+
+from ._language import regex
+
+V = TypeVar("V")
+_META = set(".^$*+?{}[]()|\\")
+_QUANTIFIERS = set("*+?{")
+_MAX_RUNS = 256
+
+
+def literal_ends(pattern: str) -> tuple[str, str]:
+    """The literal every match of ``pattern`` starts with (when anchored by ``^``) and ends with (when
+    anchored by ``$``); ``""`` where there is none or the pattern is not plain enough to tell::
+
+        literal_ends(r"^model\\.layers\\.(\\d+)\\.mlp\\.weight$")   # ('model.layers.', '.mlp.weight')
+    """
+    tokens: list[str | None] = []  # a literal character, or None for anything else at depth 0
+    depth, i, n = 0, 0, len(pattern)
+    while i < n:
+        c = pattern[i]
+        if c == "\\":
+            nxt = pattern[i + 1 : i + 2]
+            literal = nxt if nxt and not nxt.isalnum() else None
+            i += 2
+        elif c == "[":  # a character class: skip it whole
+            j = i + 1
+            j += pattern[j : j + 1] == "^"
+            j += pattern[j : j + 1] == "]"
+            while j < n and pattern[j] != "]":
+                j += 2 if pattern[j] == "\\" else 1
+            literal, i = None, j + 1
+        elif c == "(":
+            if pattern.startswith("(?", i) and not pattern.startswith(("(?:", "(?P<"), i):
+                return "", ""  # flags, lookarounds, conditionals: not plain
+            depth += 1
+            literal, i = None, i + 1
+        elif c == ")":
+            depth -= 1
+            literal, i = None, i + 1
+        elif c == "|":
+            if depth == 0:
+                return "", ""  # alternatives at the top: no common literal
+            literal, i = None, i + 1
+        elif c in _QUANTIFIERS:
+            if tokens:
+                tokens[-1] = None  # the quantified token is not a fixed literal
+            literal, i = None, i + 1
+        else:
+            literal, i = (None if c in _META else c), i + 1
+        if depth == 0 or c == "(":
+            tokens.append(literal if c not in "^$" else c)
+    prefix = suffix = ""
+    if tokens[:1] == ["^"]:
+        for t in tokens[1:]:
+            if t is None or t in "^$":
+                break
+            prefix += t
+    if tokens[-1:] == ["$"] and not pattern.endswith("\\$"):
+        for t in reversed(tokens[:-1]):
+            if t is None or t in "^$":
+                break
+            suffix = t + suffix
+    return prefix, suffix
+
+
+class Names(Generic[V]):
+    """Names in order, each with a value; :meth:`hits` finds the names a pattern matches through sorted
+    runs of names (and of reversed names), :meth:`rename` renames in place."""
+
+    def __init__(self, items: Mapping[str, V]) -> None:
+        self.values: dict[str, V] = dict(items)
+        self.order: list[str] = list(self.values)
+        self.pos = {name: k for k, name in enumerate(self.order)}
+        self._runs: tuple[list[list[str]], list[list[str]]] | None = None  # sorted names, sorted reversed names
+        self._newline = any("\n" in name for name in self.order)  # ``$`` also matches before a final newline
+
+    def rebuilt(self, items: Mapping[str, V]) -> Names[V]:
+        """Other items (some names gone, some new), keeping this index's runs (cheaper than sorting again)."""
+        out = Names(items)
+        if self._runs is not None:
+            added = [name for name in out.order if name not in self.pos]
+            out._runs = self._runs
+            out._add_run(added)
+        return out
+
+    def __len__(self) -> int:
+        return len(self.order)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.order)
+
+    def items(self) -> Iterator[tuple[str, V]]:
+        return ((name, self.values[name]) for name in self.order)
+
+    def hits(self, pattern: str) -> list[str]:
+        """The names ``pattern`` matches (``re.search``), in order."""
+        search = regex(pattern).search
+        candidates = self._candidates(pattern)
+        if candidates is None:
+            return list(filter(search, self.order))
+        found = [name for name in candidates if name in self.pos and search(name)]
+        found.sort(key=self.pos.__getitem__)
+        return found
+
+    def rename(self, new: Mapping[str, str]) -> None:
+        """Rename ``old -> new`` for each item of ``new`` (the caller checked the new names are free)."""
+        moved = [(self.pos.pop(old), self.values.pop(old), to) for old, to in new.items()]
+        for k, value, to in moved:
+            self.order[k] = to
+            self.pos[to] = k
+            self.values[to] = value
+        self._newline = self._newline or any("\n" in to for to in new.values())
+        self._add_run(new.values())
+
+    def _add_run(self, names: Iterable[str]) -> None:
+        if self._runs is not None:
+            added = sorted(set(names))
+            if added:
+                self._runs[0].append(added)
+                self._runs[1].append(sorted(name[::-1] for name in added))
+            if len(self._runs[0]) > _MAX_RUNS:
+                self._runs = None
+
+    def _candidates(self, pattern: str) -> list[str] | None:
+        """Names that may match (a superset, stale names included), or None: test every name."""
+        prefix, suffix = literal_ends(pattern)
+        if not prefix and not suffix:
+            return None
+        if self._runs is None:
+            self._runs = [sorted(self.order)], [sorted(name[::-1] for name in self.order)]
+        ranges = []
+        if prefix:
+            ranges.append([_range(run, prefix) for run in self._runs[0]])
+        if suffix and not self._newline:
+            ranges.append([_range(run, suffix[::-1]) for run in self._runs[1]])
+        if not ranges:
+            return None
+        best = min(ranges, key=lambda rs: sum(len(r) for r in rs))
+        if sum(len(r) for r in best) > len(self.order) // 4:  # testing every name is cheaper
+            return None
+        out = dict.fromkeys(name for r in best for name in r)
+        return list(out) if best is ranges[0] and prefix else [name[::-1] for name in out]
+
+
+def _range(run: list[str], prefix: str) -> list[str]:
+    """The names of the sorted ``run`` that start with ``prefix``."""
+    lo = bisect.bisect_left(run, prefix)
+    hi = bisect.bisect_left(run, prefix[:-1] + chr(ord(prefix[-1]) + 1)) if ord(prefix[-1]) < 0x10FFFF else len(run)
+    return run[lo:hi]
+
+
+@functools.lru_cache(maxsize=4096)
+def substitute(pattern: str, to: str) -> Callable[[str], str]:
+    """``lambda name: re.sub(pattern, to, name)``, faster for the renames recipes are made of: a pattern
+    anchored by ``^`` (one match at most) and a template of literals and group references (``\\1``,
+    ``\\g<leaf>``) are expanded here rather than by ``re``'s template engine (a Python call per name)::
+
+        substitute(r"^model\\.layers\\.(\\d+)\\.", r"layers/\\1/")("model.layers.3.mlp")   # 'layers/3/mlp'
+    """
+    compiled = regex(pattern)
+    pieces = _template(to) if pattern.startswith("^") else None
+    if pieces is None or not all(isinstance(p, str) or p[0] in compiled.groupindex
+                                 or (isinstance(p[0], int) and p[0] <= compiled.groups) for p in pieces):
+        return functools.partial(compiled.sub, to)  # re's engine (and its errors)
+    search = compiled.search
+
+    def sub(name: str) -> str:
+        m = search(name)
+        if m is None:
+            return name
+        return name[: m.start()] + "".join([p if isinstance(p, str) else m.group(p[0]) or "" for p in pieces]) \
+            + name[m.end():]
+
+    return sub
+
+
+def _template(to: str) -> list[str | tuple[int | str]] | None:
+    """A replacement template as literals and group references ``(group,)``, or None when it has other escapes."""
+    pieces: list[str | tuple[int | str]] = []
+    for m in re.finditer(r"\\g<(\w+)>|\\(\d\d?)(?!\d)|\\(.)|([^\\]+)", to, re.S):
+        ref, num, other, text = m.groups()
+        if other is not None or (num is not None and num.startswith("0")):
+            return None  # escapes (\n, \\ ...) and octal: re's own engine
+        if text is not None:
+            pieces.append(text)
+        else:
+            group = ref if ref is not None else num
+            pieces.append((int(group) if group.isdigit() else group,))
+    return pieces
