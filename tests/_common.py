@@ -5,10 +5,12 @@
     r = cli("inspect", path)                 # python -m ckptbridge, stdout and stderr captured
     one_line_error(r, path, "not a checkpoint")
     assert same_bits(a.read(), b.read())
+    recs = core_loss([ckpt_dir, f"dist:{d}:tp=1,pp=1"], "--train-step")   # megatron-core on 2 gloo ranks
 """
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -18,6 +20,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 import ckptbridge
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CORE_LOSS = os.path.join(ROOT, "tools", "megatron", "core_loss.py")
 
 if TYPE_CHECKING:
     import torch
@@ -70,3 +75,15 @@ def small_model(seed: int = 0) -> torch.nn.Module:
 
     torch.manual_seed(seed)
     return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+
+
+def core_loss(items: list[str], *flags: str, world: int = 2, env: dict[str, str] | None = None,
+              timeout: float = 900) -> list[dict[str, Any]]:
+    """``tools/megatron/core_loss.py`` on ``world`` gloo ranks (megatron-core loads each item, one
+    record per item, in order); a failed run or a missing record fails with the run's output."""
+    out = subprocess.run([sys.executable, CORE_LOSS, "--world", str(world), *flags, *items], capture_output=True,
+                         text=True, cwd=ROOT, timeout=timeout,
+                         env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **(env or {})})
+    recs = [json.loads(line[len("CORE_LOSS "):]) for line in out.stdout.splitlines() if line.startswith("CORE_LOSS ")]
+    assert out.returncode == 0 and len(recs) == len(items), out.stdout[-3000:] + out.stderr[-5000:]
+    return recs

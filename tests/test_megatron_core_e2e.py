@@ -36,18 +36,14 @@ dataset) is tests/test_megatron_e2e.py, opt-in: ``make test-megatron-lm`` (needs
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
+from _common import core_loss
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
 FIX = os.path.join(HERE, "fixtures", "megatron")
-CORE_LOSS = os.path.join(ROOT, "tools", "megatron", "core_loss.py")
 RTOL = 1e-5
 
 # written checkpoint: (source fixture, tp, pp, reference fixture, "source" item at the same layout)
@@ -118,11 +114,7 @@ def losses(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
         _corrupt(items["A_tp1pp2"], str(work / how), how)
         items[how] = str(work / how)
     labels = list(items)
-    out = subprocess.run([sys.executable, CORE_LOSS, "--world", "2", "--train-step", *items.values()], capture_output=True,
-                         text=True, cwd=ROOT, timeout=600,
-                         env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"))
-    recs = [json.loads(line[len("CORE_LOSS "):]) for line in out.stdout.splitlines() if line.startswith("CORE_LOSS ")]
-    assert out.returncode == 0 and len(recs) == len(labels), out.stdout[-3000:] + out.stderr[-5000:]
+    recs = core_loss(list(items.values()), "--train-step")
     return dict(zip(labels, recs))
 
 

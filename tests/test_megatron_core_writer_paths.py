@@ -45,21 +45,17 @@ from __future__ import annotations
 import glob
 import hashlib
 import itertools
-import json
 import os
 import shutil
-import subprocess
-import sys
 
 import numpy as np
 import pytest
+from _common import core_loss
 
 import ckptbridge
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
 FIX = os.path.join(HERE, "fixtures", "megatron")
-CORE_LOSS = os.path.join(ROOT, "tools", "megatron", "core_loss.py")
 RTOL, ATOL = 1e-5, 1e-7
 
 # written: source fixture, tp, pp, extra reshard args, reference label, "exact" (same-layout
@@ -115,11 +111,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
         _corrupt(items[base], str(work / how), how)
         items[how] = str(work / how)
     dump = str(work / "dump")
-    out = subprocess.run([sys.executable, CORE_LOSS, "--world", "2", "--train-step", "--dump", dump, *items.values()],
-                         capture_output=True, text=True, cwd=ROOT, timeout=900,
-                         env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"))
-    recs = [json.loads(line[len("CORE_LOSS "):]) for line in out.stdout.splitlines() if line.startswith("CORE_LOSS ")]
-    assert out.returncode == 0 and len(recs) == len(items), out.stdout[-3000:] + out.stderr[-5000:]
+    recs = core_loss(list(items.values()), "--train-step", "--dump", dump)
     result = {}
     for i, (label, rec) in enumerate(zip(items, recs)):
         assert "error" not in rec, (label, rec["error"])

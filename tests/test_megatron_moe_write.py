@@ -37,24 +37,20 @@ moved by 1.1e-2 each, the per-token losses by 3.8e-4 and 3.5e-4.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
-import subprocess
-import sys
 from typing import Any
 
 import numpy as np
 import pytest
+from _common import core_loss
 
 import ckptbridge
 from ckptbridge.adapters.megatron import _write_moe, _writer
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
 SRC = os.path.join(HERE, "fixtures", "megatron_moe", "M", "tp2ep2etp1")
 G_SRC = os.path.join(HERE, "fixtures", "megatron_moe", "G", "tp2ep2etp1")
-CORE_LOSS = os.path.join(ROOT, "tools", "megatron", "core_loss.py")
 RTOL = 1e-6  # measured 0.0 (bitwise equal); the negative controls move the logits by > 1e-3
 
 
@@ -131,12 +127,8 @@ def losses(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]
              "g_local_as_global": str(work / "g_local_as_global"),
              "g_weight1_untransposed": str(work / "g_weight1_untransposed")}
     dump = str(work / "dump")
-    out = subprocess.run([sys.executable, CORE_LOSS, "--world", "2", "--microbatches", "1", "--train-step",
-                          "--dump", dump, *items.values()],
-                         capture_output=True, text=True, cwd=ROOT, timeout=600,
-                         env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", MEGATRON_CPU_SHIM_GG="1"))
-    recs = [json.loads(line[len("CORE_LOSS "):]) for line in out.stdout.splitlines() if line.startswith("CORE_LOSS ")]
-    assert out.returncode == 0 and len(recs) == len(items), out.stdout[-3000:] + out.stderr[-5000:]
+    recs = core_loss(list(items.values()), "--microbatches", "1", "--train-step", "--dump", dump,
+                     env={"MEGATRON_CPU_SHIM_GG": "1"})
     result = dict(zip(items, recs))
     for i, label in enumerate(items):
         with np.load(os.path.join(dump, f"{i}.npz")) as z:

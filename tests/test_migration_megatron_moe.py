@@ -46,12 +46,12 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
 import sys
 from typing import Any
 
 import numpy as np
 import pytest
+from _common import core_loss
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -62,9 +62,7 @@ import ckptbridge
 from ckptbridge import OptionError, Rename, recipes
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
 D = os.path.join(HERE, "fixtures", "megatron_moe", "D", "tp1ep2dp4", "torch_dist")
-CORE_LOSS = os.path.join(ROOT, "tools", "megatron", "core_loss.py")
 TOL = 1e-4  # logits
 LOSS_TOL = 1e-5  # losses (~4.2): fp32 sums in two orders, measured <= 5e-7
 MICRO, MBS = 2, 2  # megatron-core's 2 micro-batches of 2 sequences: MaxText's batch of 4
@@ -118,13 +116,8 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     hf_model, hf_dir = _hf_to_megatron(work, args)
     # megatron-core: D at its EP 2 with its distributed optimizer + one train step; the HF export evaluated
     items = [f"dist:{D}:tp=1,pp=1,ep={EP},optim=1", f"eval:{work / 'mg_ep2'}"]
-    out = subprocess.run([sys.executable, CORE_LOSS, "--world", "2", "--microbatches", str(MICRO),
-                          "--micro-batch-size", str(MBS), "--train-step", "--set", "moe_aux_loss_coeff=0",
-                          "--dump", str(work / "dump"), *items],
-                         capture_output=True, text=True, cwd=ROOT, timeout=600,
-                         env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"))
-    recs = [json.loads(line[len("CORE_LOSS "):]) for line in out.stdout.splitlines() if line.startswith("CORE_LOSS ")]
-    assert out.returncode == 0 and len(recs) == len(items), out.stdout[-3000:] + out.stderr[-5000:]
+    recs = core_loss(items, "--microbatches", str(MICRO), "--micro-batch-size", str(MBS), "--train-step",
+                     "--set", "moe_aux_loss_coeff=0", "--dump", str(work / "dump"))
     for rec in recs:
         assert "error" not in rec, rec
     dumps = [dict(np.load(r["dump"])) for r in recs]

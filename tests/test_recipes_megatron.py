@@ -26,11 +26,11 @@ import dataclasses
 import json
 import math
 import os
-import subprocess
 import sys
 
 import numpy as np
 import pytest
+from _common import core_loss
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -43,11 +43,9 @@ from ckptbridge import Pad, Split, recipes
 pytestmark = pytest.mark.heavy
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
 A = os.path.join(HERE, "fixtures", "megatron", "A")
 SOURCE = os.path.join(A, "tp2pp2", "torch")  # TP/PP shards and the Adam state, merged by the reader
 REFERENCE = os.path.join(A, "tp1pp1", "torch")  # Megatron's own reshard of the same run: megatron-core's logits
-CORE_LOSS = os.path.join(ROOT, "tools", "megatron", "core_loss.py")
 CFG = {"n_heads": 4, "n_kv_heads": 2, "head_dim": 16}
 VOCAB, PADDED = 251, 256
 TOL = 1e-4
@@ -65,11 +63,7 @@ def _cli(*argv: str) -> None:
 
 
 def _core_loss(items: list[str], dump) -> list[dict]:
-    out = subprocess.run([sys.executable, CORE_LOSS, "--world", "2", "--dump", str(dump), *items],
-                         capture_output=True, text=True, cwd=ROOT, timeout=900,
-                         env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"))
-    recs = [json.loads(line[len("CORE_LOSS "):]) for line in out.stdout.splitlines() if line.startswith("CORE_LOSS ")]
-    assert out.returncode == 0 and len(recs) == len(items), out.stdout[-3000:] + out.stderr[-5000:]
+    recs = core_loss(items, "--dump", str(dump))
     for rec in recs:
         assert "error" not in rec, rec
     return recs

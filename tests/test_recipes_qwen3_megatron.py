@@ -34,6 +34,7 @@ import sys
 
 import numpy as np
 import pytest
+from _common import core_loss
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -47,7 +48,6 @@ pytestmark = pytest.mark.heavy
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 TEMPLATE = os.path.join(HERE, "fixtures", "megatron", "A", "tp1pp1", "torch")  # a real run's args
-CORE_LOSS = os.path.join(ROOT, "tools", "megatron", "core_loss.py")
 TOL = 1e-4
 SHAPE = {"heads": 4, "kv_heads": 2, "head_dim": 24}
 MODELS = {
@@ -85,11 +85,7 @@ def run(tmp_path_factory):
         _cli("reshard", str(dirs[name]), str(work / label), "--to", "megatron", "--tp", str(tp), "--pp", "1",
              "--rules", str(work / f"rules_{name}.json"), "-o", f"args={work / f'args_{name}.json'}",
              *(["-o", f"ep={ep}"] if ep > 1 else []))
-    out = subprocess.run([sys.executable, CORE_LOSS, "--world", "2", "--dump", str(work / "dump"),
-                          *(str(work / label) for label in CASES)], capture_output=True, text=True, cwd=ROOT,
-                         timeout=900, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"))
-    recs = [json.loads(line[len("CORE_LOSS "):]) for line in out.stdout.splitlines() if line.startswith("CORE_LOSS ")]
-    assert out.returncode == 0 and len(recs) == len(CASES), out.stdout[-3000:] + out.stderr[-5000:]
+    recs = core_loss([str(work / label) for label in CASES], "--dump", str(work / "dump"))
     return {"work": work, "models": models, "dirs": dirs, "recs": dict(zip(CASES, recs)),
             "dumps": {label: np.load(r["dump"]) for label, r in zip(CASES, recs)}}
 
