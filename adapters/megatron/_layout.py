@@ -36,6 +36,9 @@ Multi-latent attention (megatron/core/transformer/multi_latent_attention.py, ``M
 * ``q_layernorm`` / ``kv_layernorm`` (or the ``layer_norm_weight`` TE fuses into the up
   projections) are replicated; ``linear_proj`` is row-parallel.
 
+A multi-token-prediction layer (multi_token_prediction.py) adds ``eh_proj``, column-parallel
+(``gather_output=False``, its output gathered over TP), and replicated norms.
+
 Pipeline stages number their layers from 0; the global number adds the
 stage's offset (``Renumber`` with ``axis="pp=<stage>"`` or
 ``"pp=<stage>,vpp=<chunk>"``).
@@ -72,7 +75,8 @@ LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 LOCAL_TO_DIST = (("input_layernorm.", "self_attention.linear_qkv.layer_norm_"),
                  ("pre_mlp_layernorm.", "mlp.linear_fc1.layer_norm_"))
 
-_COLUMN = ("linear_qkv", "linear_fc1", "linear_q", "linear_kv", "linear_q_proj", "linear_q_up_proj", "linear_kv_up_proj")
+_COLUMN = ("linear_qkv", "linear_fc1", "linear_q", "linear_kv", "linear_q_proj", "linear_q_up_proj", "linear_kv_up_proj",
+           "eh_proj")  # the multi-token-prediction layer's projection: ColumnParallelLinear, output gathered
 _MLA_DOWN = ("linear_q_down_proj", "linear_kv_down_proj")  # column-parallel in the local spec, else duplicated
 _ROW = ("linear_proj", "linear_fc2")
 _VOCAB = ("embedding.word_embeddings.weight", "output_layer.weight")
@@ -284,7 +288,7 @@ def layout_rules(cfg: MegatronConfig, offsets: Mapping[tuple[int, int], int],
     if cfg.swiglu:
         rules.append(Fuse(r"mlp\.linear_fc1\.(weight|bias)$", dim=0, parts=("gate", "up"),
                           widths=(cfg.ffn, cfg.ffn), groups=1))
-    column = r"linear_qkv|linear_fc1|linear_q_proj|linear_q_up_proj|linear_kv_up_proj"
+    column = r"linear_qkv|linear_fc1|linear_q_proj|linear_q_up_proj|linear_kv_up_proj|eh_proj"
     mla_down = r"\.(linear_q_down_proj|linear_kv_down_proj)\.weight$"
     if cfg.transformer_impl == "local":
         column += "|linear_q_down_proj|linear_kv_down_proj"
