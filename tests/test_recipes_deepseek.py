@@ -486,7 +486,7 @@ def megatron(tmp_path_factory, no_q_lora):
     recs = [json.loads(line[len("CORE_LOSS "):]) for line in out.stdout.splitlines() if line.startswith("CORE_LOSS ")]
     assert out.returncode == 0 and len(recs) == len(items), out.stdout[-3000:] + out.stderr[-5000:]
     return {"work": work, "dir": d, "model": model, "qwen": qwen, "recs": dict(zip([os.path.basename(i) for i in items], recs)),
-            "dumps": {os.path.basename(i): np.load(r["dump"]) for i, r in zip(items, recs)},
+            "dumps": {os.path.basename(i): np.load(r["dump"]) for i, r in zip(items, recs) if "dump" in r},
             "rules": rules, "mtp": mtp, "noq": no_q_lora}
 
 
@@ -558,8 +558,9 @@ def test_mla_at_tp2_loads_strictly_with_hfs_logits_and_reads_back(megatron):
 
     work = megatron["work"]
     for label, model in (("mla_tp2", megatron["model"]), ("mla_tp2_noq", hf.build_deepseek(NO_Q_SPEC))):
-        rec, dump = megatron["recs"][label], megatron["dumps"][label]
+        rec = megatron["recs"][label]
         assert "error" not in rec and (rec["tp"], rec["pp"], rec["ep"], rec["etp"]) == (2, 1, 1, 2), rec
+        dump = megatron["dumps"][label]
         got = hf.logits(model, dump["tokens"])
         assert _err(got, dump["logits"]) < TOL, label  # measured 1.5e-7 (LoRA), 1.2e-7 (no LoRA)
         assert abs(hf.cross_entropy(got, dump["labels"]) - rec["loss"]) <= 1e-5 * rec["loss"], label
