@@ -41,7 +41,9 @@ files, every MoE layer's experts and the MTP layer's split 8 + 8 under local ids
 megatron-core's own ``torch_dist`` save of them (``savemodel:``; one key per layer, as megatron-core keys a
 block of mixed dense and MoE layers) read back to HF bitwise; the grouped recipe through
 ``reshard --to megatron -o ep=2`` (bf16, GroupedMLP files) gives bitwise the logits of the SequentialMLP
-files. In the same call, dense layers between MoE layers at TP > 1 (MLA is laid out at TP 1 only): a tiny
+files. In the same call, MLA at TP 2 (``reshard --to megatron --tp 2``, with and without a query LoRA, the
+MTP layer's ``eh_proj`` too): each TP rank loads its file strictly with HF's logits, the files and
+megatron-core's ``torch_dist`` save read back bitwise; and dense layers between MoE layers at TP > 1: a tiny
 ``Qwen3MoeForCausalLM`` with ``decoder_sparse_step=2`` written at TP 2 x EP 2 and at PP 2 loads strictly in
 megatron-core with HF's logits and reads back bitwise. ``recipes.megatron_args`` given a checkpoint directory
 counts the MTP layers its tensors have
