@@ -41,7 +41,9 @@ files, every MoE layer's experts and the MTP layer's split 8 + 8 under local ids
 megatron-core's own ``torch_dist`` save of them (``savemodel:``; one key per layer, as megatron-core keys a
 block of mixed dense and MoE layers) read back to HF bitwise; the grouped recipe through
 ``reshard --to megatron -o ep=2`` (bf16, GroupedMLP files) gives bitwise the logits of the SequentialMLP
-files. In the same call, dense layers between MoE layers at TP > 1 (MLA is laid out at TP 1 only): a tiny
+files. In the same call, MLA at TP 2 (``reshard --to megatron --tp 2``, with and without a query LoRA, the
+MTP layer's ``eh_proj`` too): each TP rank loads its file strictly with HF's logits, the files and
+megatron-core's ``torch_dist`` save read back bitwise; and dense layers between MoE layers at TP > 1: a tiny
 ``Qwen3MoeForCausalLM`` with ``decoder_sparse_step=2`` written at TP 2 x EP 2 and at PP 2 loads strictly in
 megatron-core with HF's logits and reads back bitwise. ``recipes.megatron_args`` given a checkpoint directory
 counts the MTP layers its tensors have
@@ -75,6 +77,7 @@ import maxtext_client as mx
 
 import ckptbridge
 from ckptbridge import (
+    CorruptionError,
     Drop,
     DroppedTensorsWarning,
     FormatError,
@@ -89,6 +92,7 @@ TOL = 1e-4
 BATCH, SEQ = 4, 12
 MESH = {"fsdp": 2, "tensor": 2}
 SPEC = hf.DeepseekSpec()
+NO_Q_SPEC = dataclasses.replace(SPEC, q_lora=None, dense=0, layers=2)  # DeepSeek-V2-Lite style ``q_proj``
 MTP = {  # the release's MTP layer leaves (layer num_hidden_layers) besides its decoder layer, shapes for the tiny model
     "enorm.weight": (48,), "hnorm.weight": (48,), "eh_proj.weight": (48, 96), "shared_head.norm.weight": (48,),
     "embed_tokens.weight": (256, 48), "shared_head.head.weight": (256, 48),
@@ -306,8 +310,7 @@ def test_fp8_release_into_maxtext_gives_the_dequantized_models_logits(run):
 @pytest.fixture(scope="module")
 def no_q_lora(tmp_path_factory):
     """A tiny DeepSeek without a query LoRA (DeepSeek-V2-Lite style ``q_proj``), no dense layer."""
-    return hf.save(hf.build_deepseek(dataclasses.replace(SPEC, q_lora=None, dense=0, layers=2)),
-                   tmp_path_factory.mktemp("hf") / "ds_no_q_lora")
+    return hf.save(hf.build_deepseek(NO_Q_SPEC), tmp_path_factory.mktemp("hf") / "ds_no_q_lora")
 
 
 def test_config_from_hf_and_family(no_q_lora):
@@ -432,14 +435,15 @@ def _qwen_dense_layers(work, template: dict) -> dict:
 
 
 @pytest.fixture(scope="module")
-def megatron(tmp_path_factory):
+def megatron(tmp_path_factory, no_q_lora):
     """HF -> Megatron with the CLI (``reshard --to megatron --rules R.json -o args=ARGS.json``, args from
     ``recipes.megatron_args``), loaded strictly by megatron-core's ``GPTModel`` (MLA + MoE layer
     specs, the core attention of ``tools/megatron/mla_cpu.py``) on 2 gloo ranks (``core_loss.py``), in one
     call: TP 1 / EP 1 (``mg``; the negative control ``mg_bias_zero``), EP 2 (``mg_ep2``: each rank one EP rank),
     and in bf16 at EP 2 the grouped recipe (``megatron_experts="grouped"``: whole-layer ``experts.weight1/2``)
     into legacy GroupedMLP files (``grouped_ep2``, ``moe_grouped_gemm``) beside the sequential recipe's
-    SequentialMLP files (``sequential_ep2``)."""
+    SequentialMLP files (``sequential_ep2``); MLA at TP 2 (``reshard --tp 2``: ``mla_tp2``, the MTP layer too, its
+    megatron-core ``torch_dist`` save ``mla_tp2_dist``, and ``mla_tp2_noq`` without a query LoRA)."""
     import subprocess
 
     from ckptbridge._cli import main
@@ -467,6 +471,15 @@ def megatron(tmp_path_factory):
                      str(work / f"{label}.rules.json"), "-o", f"args={work / f'{a}.json'}", "-o", f"ep={ep}"]) == 0
         items.append(str(work / label))
     items.insert(3, f"savemodel:{work / 'mg_ep2'}={work / 'dist_ep2'}")  # megatron-core's own torch_dist save of it
+    noq_cfg = recipes.config_from_hf(no_q_lora / "config.json")
+    (work / "noq.json").write_text(json.dumps(recipes.megatron_args(no_q_lora, template=template)))
+    (work / "noq.rules.json").write_text(json.dumps(ckptbridge.rules_to_json(
+        recipes.rules("deepseek_v3", src="hf", dst="megatron", **noq_cfg))))
+    for label, src, rr, a in (("mla_tp2", d, "mg", "args"), ("mla_tp2_noq", no_q_lora, "noq", "noq")):
+        assert main(["reshard", str(src), str(work / label), "--to", "megatron", "--tp", "2", "--pp", "1", "--rules",
+                     str(work / f"{rr}.rules.json"), "-o", f"args={work / f'{a}.json'}"]) == 0
+        items.append(str(work / label))
+    items.append(f"savemodel:{work / 'mla_tp2'}={work / 'mla_tp2_dist'}")
     qwen = _qwen_dense_layers(work, template)  # dense layers between MoE layers at TP 2 x EP 2 and PP 2 (no MLA)
     items += [str(work / label) for label in QWEN_CASES]
     out = subprocess.run([sys.executable, CORE_LOSS, "--world", "2", "--dump", str(work / "dump"), *items],
@@ -475,8 +488,8 @@ def megatron(tmp_path_factory):
     recs = [json.loads(line[len("CORE_LOSS "):]) for line in out.stdout.splitlines() if line.startswith("CORE_LOSS ")]
     assert out.returncode == 0 and len(recs) == len(items), out.stdout[-3000:] + out.stderr[-5000:]
     return {"work": work, "dir": d, "model": model, "qwen": qwen, "recs": dict(zip([os.path.basename(i) for i in items], recs)),
-            "dumps": {os.path.basename(i): np.load(r["dump"]) for i, r in zip(items, recs)},
-            "rules": rules, "mtp": mtp}
+            "dumps": {os.path.basename(i): np.load(r["dump"]) for i, r in zip(items, recs) if "dump" in r},
+            "rules": rules, "mtp": mtp, "noq": no_q_lora}
 
 
 @pytest.mark.heavy
@@ -492,17 +505,22 @@ def test_hf_to_megatron_loads_strictly_in_megatron_core_with_hfs_logits(megatron
 
 
 @pytest.mark.heavy
-@pytest.mark.parametrize("label", ["mg", "mg_ep2", "dist_ep2"], ids=["ep1", "ep2", "ep2_torch_dist"])
+@pytest.mark.parametrize("label", ["mg", "mg_ep2", "dist_ep2", "mla_tp2", "mla_tp2_dist"],
+                         ids=["ep1", "ep2", "ep2_torch_dist", "tp2", "tp2_torch_dist"])
 def test_megatron_to_hf_gives_the_same_tensors_back(megatron, label):
     """The MTP layer too (megatron-core's ``mtp.layers.0``, which GPTModel with ``mtp_num_layers=1`` loaded
     strictly above), but for its copies of the embedding and output layer, dropped with one line; from the
     EP 2 files too (each expert under its global id), and from megatron-core's own ``torch_dist`` save of them
-    (``dist_checkpointing.save`` of its ``sharded_state_dict``: with the dense first layer, one key per layer)."""
+    (``dist_checkpointing.save`` of its ``sharded_state_dict``: with the dense first layer, one key per layer);
+    from the TP 2 files (replicated tensors read on both ranks and checked equal) and megatron-core's
+    ``torch_dist`` save of them (its ShardedTensor offsets of the MLA projections)."""
     cfg = recipes.config_from_hf(megatron["dir"] / "config.json")
-    mg = ckptbridge.open(megatron["work"] / label)
-    assert mg.extra["megatron"]["args"]["expert_model_parallel_size"] == (1 if label == "mg" else 2)
-    assert mg.extra["megatron"]["format"] == ("torch_dist" if label.startswith("dist") else "torch")
-    if label.startswith("dist"):  # megatron-core keyed the mixed dense / MoE block per layer, no layer axis
+    dist = "dist" in label
+    mg = ckptbridge.open(megatron["work"] / label, check_replicas=not dist)
+    assert mg.extra["megatron"]["args"]["expert_model_parallel_size"] == (2 if "ep2" in label else 1)
+    assert mg.extra["megatron"]["args"]["tensor_model_parallel_size"] == (2 if "tp2" in label else 1)
+    assert mg.extra["megatron"]["format"] == ("torch_dist" if dist else "torch")
+    if dist:  # megatron-core keyed the mixed dense / MoE block per layer, no layer axis
         from ckptbridge.adapters.dcp import read_metadata
 
         keys = read_metadata(str(next((megatron["work"] / label).glob("iter_*")))).tensors
@@ -525,6 +543,62 @@ def test_megatron_to_hf_gives_the_same_tensors_back(megatron, label):
         ckptbridge.open(megatron["dir"], rules=megatron["rules"])
     lines = [str(w.message) for w in caught if issubclass(w.category, DroppedTensorsWarning)]
     assert len(lines) == 1 and all(n in lines[0] for n in copies) and "\n" not in lines[0]
+
+
+@pytest.mark.heavy
+def test_mla_at_tp2_loads_strictly_with_hfs_logits_and_reads_back(megatron):
+    """``reshard --to megatron --tp 2`` (2 gloo ranks = TP 2; ETP 2: the experts split too), with and without a
+    query LoRA: megatron-core's ``GPTModel`` (the local spec, as ``transformer_impl="local"`` says) loads each
+    rank's file strictly with HF's logits. Its local spec builds ``linear_q_down_proj`` / ``linear_kv_down_proj``
+    as ``ColumnParallelLinear`` (rows split over TP, output gathered), the up projections and ``linear_q_proj``
+    column-parallel by heads, ``linear_proj`` row-parallel, the q/kv norms whole on each rank: the rank files
+    hold exactly those boxes of the full tensors. Megatron -> HF bitwise without a query LoRA (the LoRA model:
+    ``test_megatron_to_hf_gives_the_same_tensors_back``); a replicated norm that differs on rank 1 is refused."""
+    import shutil
+
+    import torch
+
+    work = megatron["work"]
+    for label, model in (("mla_tp2", megatron["model"]), ("mla_tp2_noq", hf.build_deepseek(NO_Q_SPEC))):
+        rec = megatron["recs"][label]
+        assert "error" not in rec and (rec["tp"], rec["pp"], rec["ep"], rec["etp"]) == (2, 1, 1, 2), rec
+        dump = megatron["dumps"][label]
+        got = hf.logits(model, dump["tokens"])
+        assert _err(got, dump["logits"]) < TOL, label  # measured 1.5e-7 (LoRA), 1.2e-7 (no LoRA)
+        assert abs(hf.cross_entropy(got, dump["labels"]) - rec["loss"]) <= 1e-5 * rec["loss"], label
+    att = "decoder.layers.0.self_attention."
+    halves = {"linear_q_down_proj.weight": 0, "linear_q_up_proj.weight": 0, "linear_kv_down_proj.weight": 0,
+              "linear_kv_up_proj.weight": 0, "linear_proj.weight": 1}
+    whole = ("q_layernorm.weight", "kv_layernorm.weight")
+    it = next((work / "mla_tp2").glob("iter_*"))
+    with pytest.warns(DroppedTensorsWarning):
+        view = ckptbridge.open(megatron["dir"], rules=megatron["rules"])  # the full tensors under megatron names
+    for t in range(2):
+        sd = torch.load(it / f"mp_rank_0{t}" / "model_optim_rng.pt", weights_only=False)["model"]
+        for leaf, dim in halves.items():
+            full = view[att + leaf].read()
+            n = full.shape[dim] // 2
+            want = full[t * n:(t + 1) * n] if dim == 0 else full[:, t * n:(t + 1) * n]
+            assert sd[att + leaf].numpy().tobytes() == np.ascontiguousarray(want).tobytes(), (t, leaf)
+        for leaf in whole:
+            assert sd[att + leaf].numpy().tobytes() == view[att + leaf].read().tobytes(), (t, leaf)
+    noq = ckptbridge.open(work / "mla_tp2_noq", check_replicas=True)
+    assert noq[att + "linear_q_proj.weight"].shape == (NO_Q_SPEC.heads * (NO_Q_SPEC.qk_nope + NO_Q_SPEC.qk_rope),
+                                                        NO_Q_SPEC.emb)
+    back = noq.with_rules(recipes.rules("deepseek_v3", src="megatron", dst="hf",
+                                        **recipes.config_from_hf(megatron["noq"] / "config.json")))
+    raw = ckptbridge.open(megatron["noq"])
+    assert sorted(back) == sorted(raw)
+    for name in raw:
+        assert back[name].read().tobytes() == raw[name].read().tobytes(), name
+    bad = work / "mla_tp2_noq_bad"  # negative control: rank 1's kv norm differs
+    shutil.copytree(work / "mla_tp2_noq", bad)
+    f = next(bad.glob("iter_*")) / "mp_rank_01" / "model_optim_rng.pt"
+    ck = torch.load(f, weights_only=False)
+    ck["model"][att + "kv_layernorm.weight"] += 1.0
+    torch.save(ck, f)
+    with pytest.raises(CorruptionError, match=r"kv_layernorm\.weight.*rank 1 differs"):
+        ckptbridge.open(bad, check_replicas=True)
 
 
 @pytest.mark.heavy

@@ -23,6 +23,22 @@ Tensor parallelism (megatron/core/tensor_parallel/layers.py, ``partition_dim``):
 * vocabulary rows are padded to a multiple of ``make_vocab_size_divisible_by x TP``
   (``Pad``; stripped on read, re-padded on write).
 
+Multi-latent attention (megatron/core/transformer/multi_latent_attention.py, ``MLASelfAttention``):
+
+* ``linear_q_proj`` (no query LoRA), ``linear_q_up_proj`` and ``linear_kv_up_proj`` are
+  column-parallel (``gather_output=False``): rows are heads x per-head width, split by heads,
+  the full tensor is the plain concatenation;
+* ``linear_q_down_proj`` / ``linear_kv_down_proj`` depend on the layer spec: Transformer
+  Engine's ``TELinear`` with ``parallel_mode="duplicated"`` (its ``sharded_state_dict`` passes
+  no TP axis map: replicated on every TP rank), but the local spec
+  (``get_gpt_layer_local_spec``, ``transformer_impl="local"``) builds them as
+  ``ColumnParallelLinear``: split along dim 0, the output gathered over TP in ``forward``;
+* ``q_layernorm`` / ``kv_layernorm`` (or the ``layer_norm_weight`` TE fuses into the up
+  projections) are replicated; ``linear_proj`` is row-parallel.
+
+A multi-token-prediction layer (multi_token_prediction.py) adds ``eh_proj``, column-parallel
+(``gather_output=False``, its output gathered over TP), and replicated norms.
+
 Pipeline stages number their layers from 0; the global number adds the
 stage's offset (``Renumber`` with ``axis="pp=<stage>"`` or
 ``"pp=<stage>,vpp=<chunk>"``).
@@ -59,7 +75,9 @@ LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 LOCAL_TO_DIST = (("input_layernorm.", "self_attention.linear_qkv.layer_norm_"),
                  ("pre_mlp_layernorm.", "mlp.linear_fc1.layer_norm_"))
 
-_COLUMN = ("linear_qkv", "linear_fc1", "linear_q", "linear_kv", "linear_q_proj", "linear_kv_up_proj")
+_COLUMN = ("linear_qkv", "linear_fc1", "linear_q", "linear_kv", "linear_q_proj", "linear_q_up_proj", "linear_kv_up_proj",
+           "eh_proj")  # the multi-token-prediction layer's projection: ColumnParallelLinear, output gathered
+_MLA_DOWN = ("linear_q_down_proj", "linear_kv_down_proj")  # column-parallel in the local spec, else duplicated
 _ROW = ("linear_proj", "linear_fc2")
 _VOCAB = ("embedding.word_embeddings.weight", "output_layer.weight")
 
@@ -105,8 +123,6 @@ class MegatronConfig:
         hidden = int(need("hidden_size"))
         groups = int(args.get("num_query_groups") or heads) if args.get("group_query_attention") else heads
         moe = moe_fields(args, where)
-        if args.get("multi_latent_attention") and int(args.get("tensor_model_parallel_size") or 1) != 1:
-            raise FormatError(f"{where}: multi-latent attention checkpoints are supported at TP 1 only")
         if args.get("pipeline_model_parallel_layout"):
             raise FormatError(f"{where}: --pipeline-model-parallel-layout is not supported yet")
         return MegatronConfig(
@@ -173,6 +189,8 @@ def tp_layout(name: str, cfg: MegatronConfig, ndim: int) -> TpLayout:
     module, attr = (leaf[-2], leaf[-1]) if len(leaf) >= 2 else ("", name)
     if attr.startswith("layer_norm_") or "norm" in module or module.endswith("layernorm") or module == "router":
         return TpLayout("replicated")  # the MoE router too (megatron-core's TopKRouter is not TP-split)
+    if module in _MLA_DOWN and attr == "weight":
+        return TpLayout("column", 0) if cfg.transformer_impl == "local" else TpLayout("replicated")
     if module in _COLUMN and attr in ("weight", "bias"):
         if module == "linear_fc1" and cfg.swiglu:
             return TpLayout("glu", 0)
@@ -270,9 +288,15 @@ def layout_rules(cfg: MegatronConfig, offsets: Mapping[tuple[int, int], int],
     if cfg.swiglu:
         rules.append(Fuse(r"mlp\.linear_fc1\.(weight|bias)$", dim=0, parts=("gate", "up"),
                           widths=(cfg.ffn, cfg.ffn), groups=1))
+    column = r"linear_qkv|linear_fc1|linear_q_proj|linear_q_up_proj|linear_kv_up_proj|eh_proj"
+    mla_down = r"\.(linear_q_down_proj|linear_kv_down_proj)\.weight$"
+    if cfg.transformer_impl == "local":
+        column += "|linear_q_down_proj|linear_kv_down_proj"
+    else:
+        rules.append(Replicate(mla_down, axis="tp", check="equal"))
     rules += [
         Shard(r"^(embedding\.word_embeddings|output_layer)\.weight$", axis="tp", dim=0),
-        Shard(r"\.(linear_qkv|linear_fc1)\.(weight|bias)$", axis="tp", dim=0),
+        Shard(rf"\.({column})\.(weight|bias)$", axis="tp", dim=0),
         Shard(r"\.(linear_proj|linear_fc2)\.weight$", axis="tp", dim=1),
         Replicate(r"(norm[^.]*\.(weight|bias)|layer_norm_(weight|bias)|\.(linear_proj|linear_fc2)\.bias"
                   r"|position_embeddings\.weight)$", axis="tp", check="equal"),

@@ -31,8 +31,8 @@ model's (``megatron_args`` gives ``mtp_num_layers``). Megatron MTP layers beyond
 dropped with a warning. ``megatron_experts="grouped"`` names the routed experts as megatron-core's
 legacy ``GroupedMLP`` module holds them (``mlp.experts.weight1`` / ``weight2``, as in the ``qwen3_moe``
 recipe; it needs ``n_experts`` and ``moe_mlp``, which ``config_from_hf`` gives). The Megatron
-checkpoint adapter lays out MLA at TP 1 only (``reshard --to megatron --tp 1``; TP > 1 fails naming the
-reason) and the experts at any EP / ETP (``-o ep=2``: the dense first layers' MLP in every EP rank's file);
+checkpoint adapter lays out MLA at any TP (``reshard --to megatron --tp 2``: the down projections split
+over TP under megatron-core's local spec, replicated under Transformer Engine's) and the experts at any EP / ETP (``-o ep=2``: the dense first layers' MLP in every EP rank's file);
 :func:`megatron_args` gives the args (``-o args=...``; given the checkpoint directory, ``mtp_num_layers``
 counts the MTP layers its tensors have).
 """
