@@ -69,6 +69,7 @@ import sys
 
 import numpy as np
 import pytest
+from _common import core_loss
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -380,7 +381,6 @@ def test_a_config_that_does_not_fit_fails_before_reading(no_q_lora):
 MEGATRON_A = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "megatron", "A", "tp2pp2", "torch")
 CORE_MODULE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "megatron",
                            "core_module.py")
-CORE_LOSS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "megatron", "core_loss.py")
 
 
 def test_megatron_args_follow_the_mtp_tensors_and_the_writer_checks_the_layers(no_q_lora, tmp_path):
@@ -444,7 +444,6 @@ def megatron(tmp_path_factory, no_q_lora):
     into legacy GroupedMLP files (``grouped_ep2``, ``moe_grouped_gemm``) beside the sequential recipe's
     SequentialMLP files (``sequential_ep2``); MLA at TP 2 (``reshard --tp 2``: ``mla_tp2``, the MTP layer too, its
     megatron-core ``torch_dist`` save ``mla_tp2_dist``, and ``mla_tp2_noq`` without a query LoRA)."""
-    import subprocess
 
     from ckptbridge._cli import main
 
@@ -482,11 +481,7 @@ def megatron(tmp_path_factory, no_q_lora):
     items.append(f"savemodel:{work / 'mla_tp2'}={work / 'mla_tp2_dist'}")
     qwen = _qwen_dense_layers(work, template)  # dense layers between MoE layers at TP 2 x EP 2 and PP 2 (no MLA)
     items += [str(work / label) for label in QWEN_CASES]
-    out = subprocess.run([sys.executable, CORE_LOSS, "--world", "2", "--dump", str(work / "dump"), *items],
-                         capture_output=True, text=True, timeout=900,
-                         env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", MEGATRON_CPU_SHIM_GG="1"))
-    recs = [json.loads(line[len("CORE_LOSS "):]) for line in out.stdout.splitlines() if line.startswith("CORE_LOSS ")]
-    assert out.returncode == 0 and len(recs) == len(items), out.stdout[-3000:] + out.stderr[-5000:]
+    recs = core_loss(list(items), "--dump", str(work / "dump"), env={"MEGATRON_CPU_SHIM_GG": "1"})
     return {"work": work, "dir": d, "model": model, "qwen": qwen, "recs": dict(zip([os.path.basename(i) for i in items], recs)),
             "dumps": {os.path.basename(i): np.load(r["dump"]) for i, r in zip(items, recs) if "dump" in r},
             "rules": rules, "mtp": mtp, "noq": no_q_lora}
