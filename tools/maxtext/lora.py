@@ -16,7 +16,10 @@ writes MaxText's abstract LoRA tree and the given leaves (path -> shape) to ``re
 given leaves with MaxText's function and writes the forward's fp32 logits; ``{"cmd": "lora-tree", "spec", "adapter_config", "report"}`` writes the tree only
 (scanned layers too, which MaxText's 2-D ``einsum`` merge cannot take); ``lora-grad`` (``spec``,
 ``params``, ``lora``, ``adapter_config``, ``tokens [b, s+1]``, ``out``) writes the loss's gradient
-with respect to each adapter leaf through MaxText's merge and forward. Every other job goes to ``harness.py`` (``convert-hf`` ...), in the same process::
+with respect to each adapter leaf through MaxText's merge and forward. ``qwix-forward`` is the
+LoRA MaxText 0.2.5 TRAINS with (``train_sft.py``: ``lora_utils.apply_lora_to_model``, qwix's
+``LoraProvider`` on the NNX decoder, ``nnx.LoRAParam`` leaves ``<module>/kernel_lora_a`` /
+``kernel_lora_b`` beside each kernel); see :func:`qwix_forward`. Every other job goes to ``harness.py`` (``convert-hf`` ...), in the same process::
 
     .maxtext/venv/bin/python tools/maxtext/lora.py jobs --jobs jobs.json --out results.json
 """
@@ -24,10 +27,12 @@ with respect to each adapter leaf through MaxText's merge and forward. Every oth
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -93,18 +98,89 @@ def lora_grad(job: dict[str, Any], built: harness.Built) -> dict[str, Any]:
     return {"cmd": job["cmd"], "loss": float(loss)}
 
 
+@contextlib.contextmanager
+def _restoring(cfg: Any, lora: Any) -> Iterator[None]:
+    """``cfg.lora`` put back to ``lora`` on leaving."""
+    try:
+        yield
+    finally:
+        for key, value in lora:  # pydantic fields (the config itself is read-only)
+            setattr(cfg.lora, key, value)
+
+
+def qwix_forward(job: dict[str, Any], built: harness.Built) -> dict[str, Any]:
+    """``qwix-forward`` (``spec``, ``params``, ``rank``, ``alpha``, ``seed``, ``tokens``, ``out``,
+    ``ckpt``, ``report``): MaxText's NNX decoder with the base ``params``, LoRA put on it by MaxText's
+    own ``lora_utils.apply_lora_to_model`` (``lora.enable_lora``, ``lora_rank``, ``lora_alpha``, the
+    default ``lora_module_path``), every ``kernel_lora_b`` drawn non-zero (``seed``); writes
+    ``nnx.state(model, nnx.LoRAParam)`` as an Orbax PyTree at ``ckpt`` (leaves ``{"value": array}``,
+    the tree MaxText's ``restore_lora_from_path`` restores), the forward's fp32 logits (``out``), and
+    to ``report`` the LoRA leaves (path -> shape) and the largest logit difference after
+    ``restore_lora_from_path`` put ``ckpt`` into a fresh LoRA model (0.0: MaxText reads it back)."""
+    import flax.linen as nn
+    import jax
+    import numpy as np
+    import orbax.checkpoint as ocp
+    from flax import nnx
+    from maxtext.layers import quantizations
+    from maxtext.models import models
+    from maxtext.utils import lora_utils
+
+    cfg = built.config
+    before = cfg.lora.model_copy()  # the cached build's config is shared by later jobs: put back after
+    cfg.lora.enable_lora, cfg.lora.lora_rank, cfg.lora.lora_alpha = True, int(job["rank"]), float(job["alpha"])
+    base = harness._read_safetensors(Path(job["params"]))
+    tokens = np.load(job["tokens"], allow_pickle=False)
+
+    def lora_model() -> Any:
+        model = models.Transformer(cfg, built.mesh, quantizations.configure_quantization(cfg), rngs=nnx.Rngs(0),
+                                   model_mode="train")
+        model = lora_utils.apply_lora_to_model(model, built.mesh, cfg)
+        params = nnx.state(model, nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam)))
+        flat = {harness._path_name(p).removesuffix("/value"): p for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]}
+        if set(flat) != set(base):
+            raise SystemExit(f"{job['params']}: NNX params differ: {sorted(set(flat) ^ set(base))[:6]}")
+        nnx.update(model, jax.tree_util.tree_map_with_path(lambda p, v: base[harness._path_name(p).removesuffix("/value")],
+                                                           params))
+        return model
+
+    def logits(model: Any) -> Any:
+        out = model(tokens, harness._positions(tokens), enable_dropout=False, model_mode="train")
+        return np.asarray(jax.device_get(out), dtype=np.float32)
+
+    with built.mesh, nn.logical_axis_rules(cfg.logical_axis_rules), _restoring(cfg, before):
+        model = lora_model()
+        lora = nnx.state(model, nnx.LoRAParam)
+        rng = np.random.default_rng(int(job["seed"]))
+        drawn = jax.tree_util.tree_map_with_path(
+            lambda p, v: rng.normal(0, 0.2, v.shape).astype(v.dtype) if "kernel_lora_b" in harness._path_name(p)
+            else np.asarray(v), lora)
+        nnx.update(model, drawn)
+        got = logits(model)
+        tree = {harness._path_name(p): np.asarray(v) for p, v in jax.tree_util.tree_flatten_with_path(drawn)[0]}
+        ocp.PyTreeCheckpointer().save(Path(job["ckpt"]).absolute(), harness._nest(tree))
+        cfg.lora.lora_restore_path = str(Path(job["ckpt"]).absolute())
+        again = logits(lora_utils.restore_lora_from_path(lora_model(), cfg))
+    np.save(job["out"], got)
+    harness._write_json(Path(job["report"]), {"leaves": {n: list(a.shape) for n, a in tree.items()},
+                                              "restored_max_diff": float(np.abs(again - got).max())})
+    return {"cmd": job["cmd"], "leaves": len(tree)}
+
+
 def run_batch(jobs: list[dict[str, Any]], cache: dict[str, harness.Built]) -> list[dict[str, Any]]:
     """Every job in order: the LoRA jobs here, every other one by ``harness.run_job``."""
     results = []
     for job in jobs:
-        if job["cmd"] not in ("lora-forward", "lora-tree", "lora-grad"):
+        if job["cmd"] not in ("lora-forward", "lora-tree", "lora-grad", "qwix-forward"):
             results.append(harness.run_job(job, cache))
             continue
         t0, spec = time.time(), harness.Spec.from_json(job["spec"])
         key = json.dumps(dataclasses.asdict(spec), sort_keys=True)  # harness.run_job's cache key
         if key not in cache:
             cache[key] = harness.build(spec)
-        if job["cmd"] == "lora-tree":
+        if job["cmd"] == "qwix-forward":
+            result = qwix_forward(job, cache[key])
+        elif job["cmd"] == "lora-tree":
             harness._write_json(Path(job["report"]), {"lora_tree": lora_tree(cache[key], job["adapter_config"])})
             result = {"cmd": "lora-tree"}
         else:
