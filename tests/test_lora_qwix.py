@@ -32,6 +32,7 @@ LORA_TOOL = mx.ROOT / "tools" / "maxtext" / "lora.py"
 SPEC = hf.HFSpec("llama", rope="llama3")
 RANK, ALPHA = 4, 8.0
 BATCH, SEQ = 4, 16  # the batch divides the harness's fsdp axis (MaxText's NNX decoder shards it)
+SPEC_BATCH = 2  # the harness spec of tests/test_lora_maxtext.py: one MaxText build for both in a session
 MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -52,7 +53,7 @@ def made(tmp_path_factory) -> dict:
     cfg = json.loads((base / "config.json").read_text())
     tokens = hf.tokens(BATCH, SEQ, cfg["vocab_size"], seed=5)
     np.save(root / "tokens.npy", tokens)
-    spec = mx.spec_from_hf(cfg, scan=False, batch=BATCH, seq=SEQ)
+    spec = mx.spec_from_hf(cfg, scan=False, batch=SPEC_BATCH, seq=SEQ)
     mx.run_jobs([mx.convert_job(spec, base, root / "base_mt.safetensors"),
                  {"cmd": "qwix-forward", "spec": spec, "params": str(root / "base_mt.safetensors"), "rank": RANK,
                   "alpha": ALPHA, "seed": 7, "tokens": str(root / "tokens.npy"), "out": str(root / "qwix.logits.npy"),

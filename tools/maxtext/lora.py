@@ -108,6 +108,14 @@ def _restoring(cfg: Any, lora: Any) -> Iterator[None]:
             setattr(cfg.lora, key, value)
 
 
+def _leaves(state: Any) -> dict[str, Any]:
+    """``{path: ndarray}`` of an ``nnx.State`` (paths end in ``/value``)."""
+    import jax
+    import numpy as np
+
+    return {harness._path_name(p): np.asarray(jax.device_get(v)) for p, v in jax.tree_util.tree_flatten_with_path(state)[0]}
+
+
 def qwix_forward(job: dict[str, Any], built: harness.Built) -> dict[str, Any]:
     """``qwix-forward`` (``spec``, ``params``, ``rank``, ``alpha``, ``seed``, ``tokens``, ``out``,
     ``ckpt``, ``report``): MaxText's NNX decoder with the base ``params``, LoRA put on it by MaxText's
@@ -115,8 +123,9 @@ def qwix_forward(job: dict[str, Any], built: harness.Built) -> dict[str, Any]:
     default ``lora_module_path``), every ``kernel_lora_b`` drawn non-zero (``seed``); writes
     ``nnx.state(model, nnx.LoRAParam)`` as an Orbax PyTree at ``ckpt`` (leaves ``{"value": array}``,
     the tree MaxText's ``restore_lora_from_path`` restores), the forward's fp32 logits (``out``), and
-    to ``report`` the LoRA leaves (path -> shape) and the largest logit difference after
-    ``restore_lora_from_path`` put ``ckpt`` into a fresh LoRA model (0.0: MaxText reads it back)."""
+    to ``report`` the LoRA leaves (path -> shape) and their largest difference after
+    ``restore_lora_from_path`` put ``ckpt`` back into the model, its LoRA leaves zeroed first (0.0:
+    MaxText reads it back)."""
     import flax.linen as nn
     import jax
     import numpy as np
@@ -132,38 +141,35 @@ def qwix_forward(job: dict[str, Any], built: harness.Built) -> dict[str, Any]:
     base = harness._read_safetensors(Path(job["params"]))
     tokens = np.load(job["tokens"], allow_pickle=False)
 
-    def lora_model() -> Any:
+    @nnx.jit
+    def forward(model: Any, x: Any, positions: Any) -> Any:
+        return model(x, positions, enable_dropout=False, model_mode="train")
+
+    with built.mesh, nn.logical_axis_rules(cfg.logical_axis_rules), _restoring(cfg, before):
         model = models.Transformer(cfg, built.mesh, quantizations.configure_quantization(cfg), rngs=nnx.Rngs(0),
                                    model_mode="train")
         model = lora_utils.apply_lora_to_model(model, built.mesh, cfg)
         params = nnx.state(model, nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam)))
-        flat = {harness._path_name(p).removesuffix("/value"): p for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]}
-        if set(flat) != set(base):
-            raise SystemExit(f"{job['params']}: NNX params differ: {sorted(set(flat) ^ set(base))[:6]}")
+        names = {harness._path_name(p).removesuffix("/value") for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]}
+        if names != set(base):
+            raise SystemExit(f"{job['params']}: NNX params differ: {sorted(names ^ set(base))[:6]}")
         nnx.update(model, jax.tree_util.tree_map_with_path(lambda p, v: base[harness._path_name(p).removesuffix("/value")],
                                                            params))
-        return model
-
-    def logits(model: Any) -> Any:
-        out = model(tokens, harness._positions(tokens), enable_dropout=False, model_mode="train")
-        return np.asarray(jax.device_get(out), dtype=np.float32)
-
-    with built.mesh, nn.logical_axis_rules(cfg.logical_axis_rules), _restoring(cfg, before):
-        model = lora_model()
         lora = nnx.state(model, nnx.LoRAParam)
         rng = np.random.default_rng(int(job["seed"]))
         drawn = jax.tree_util.tree_map_with_path(
             lambda p, v: rng.normal(0, 0.2, v.shape).astype(v.dtype) if "kernel_lora_b" in harness._path_name(p)
             else np.asarray(v), lora)
         nnx.update(model, drawn)
-        got = logits(model)
-        tree = {harness._path_name(p): np.asarray(v) for p, v in jax.tree_util.tree_flatten_with_path(drawn)[0]}
+        got = np.asarray(jax.device_get(forward(model, tokens, harness._positions(tokens))), dtype=np.float32)
+        tree = _leaves(drawn)
         ocp.PyTreeCheckpointer().save(Path(job["ckpt"]).absolute(), harness._nest(tree))
+        nnx.update(model, jax.tree_util.tree_map(np.zeros_like, drawn))  # then MaxText's restore puts them back
         cfg.lora.lora_restore_path = str(Path(job["ckpt"]).absolute())
-        again = logits(lora_utils.restore_lora_from_path(lora_model(), cfg))
+        again = _leaves(nnx.state(lora_utils.restore_lora_from_path(model, cfg), nnx.LoRAParam))
     np.save(job["out"], got)
     harness._write_json(Path(job["report"]), {"leaves": {n: list(a.shape) for n, a in tree.items()},
-                                              "restored_max_diff": float(np.abs(again - got).max())})
+                                              "restored_max_diff": max(float(np.abs(again[n] - a).max()) for n, a in tree.items())})
     return {"cmd": job["cmd"], "leaves": len(tree)}
 
 
