@@ -33,6 +33,7 @@ SPEC = hf.HFSpec("llama", rope="llama3")
 RANK, ALPHA = 4, 8.0
 BATCH, SEQ = 4, 16  # the batch divides the harness's fsdp axis (MaxText's NNX decoder shards it)
 SPEC_BATCH = 2  # the harness spec of tests/test_lora_maxtext.py: one MaxText build for both in a session
+BETAS = (0.9, 0.999)
 MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -53,11 +54,13 @@ def made(tmp_path_factory) -> dict:
     cfg = json.loads((base / "config.json").read_text())
     tokens = hf.tokens(BATCH, SEQ, cfg["vocab_size"], seed=5)
     np.save(root / "tokens.npy", tokens)
+    np.save(root / "train.npy", hf.tokens(BATCH, SEQ + 1, cfg["vocab_size"], seed=6))
     spec = mx.spec_from_hf(cfg, scan=False, batch=SPEC_BATCH, seq=SEQ)
     mx.run_jobs([mx.convert_job(spec, base, root / "base_mt.safetensors"),
                  {"cmd": "qwix-forward", "spec": spec, "params": str(root / "base_mt.safetensors"), "rank": RANK,
                   "alpha": ALPHA, "seed": 7, "tokens": str(root / "tokens.npy"), "out": str(root / "qwix.logits.npy"),
-                  "ckpt": str(root / "qwix_ckpt"), "report": str(root / "qwix.json")}], script=LORA_TOOL)
+                  "ckpt": str(root / "qwix_ckpt"), "report": str(root / "qwix.json"),
+                  "train": str(root / "train.npy"), "betas": BETAS, "train_ckpt": str(root / "train_ckpt")}], script=LORA_TOOL)
     ckpt = ckptbridge.open(root / "qwix_ckpt")
     rules = _rules(cfg)
     no_scale = tuple(r for r in rules if not isinstance(r, Scale))  # negative control: B without the query scale
@@ -87,6 +90,27 @@ def test_qwix_lora_from_maxtexts_checkpoint_gives_maxtexts_logits_in_peft(made: 
     got = _peft_logits(made["base"], root / "peft", made["tokens"])
     assert np.abs(want - _peft_logits(made["base"], root / "noscale", made["tokens"])).max() > 100 * 1e-4
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+
+
+def test_qwix_adam_moments_carry_to_peft_with_their_meaning(made: dict) -> None:
+    """One Adam step in MaxText (qwix's LoRA leaves, ``nnx.Optimizer(..., wrt=nnx.LoRAParam)``,
+    saved as Tunix's ``PeftTrainer`` checkpoint: ``model_params`` + ``optimizer_state``): carried to
+    PEFT, ``mu`` / ``nu`` equal torch Adam's ``exp_avg`` / ``exp_avg_sq`` after one step on the
+    carried adapter with the same batch (``(1 - b1) g``, ``(1 - b2) g^2``: the query scale divides
+    ``B``'s gradient, squared in the second moment)."""
+    from test_lora_maxtext import _adam_step
+
+    root = made["root"]
+    lora = carry.carry(ckptbridge.open(root / "train_ckpt"), _rules(made["cfg"]), alpha=ALPHA)
+    _adam_step(made["base"], root / "peft", np.load(root / "train.npy"), root)  # torch Adam, betas BETAS
+    want = {k: ckptbridge.open(root / f"{k}.safetensors") for k in ("exp_avg", "exp_avg_sq")}
+    assert set(lora) == set(want["exp_avg"]) and len(lora.tensors) == len(made["report"]["leaves"])
+    for name in lora:
+        t, g1, g2 = lora[name], want["exp_avg"][name][...], want["exp_avg_sq"][name][...]
+        np.testing.assert_array_equal(t[...], ckptbridge.open(root / "peft")[name][...], err_msg=name)
+        np.testing.assert_allclose(t.state("exp_avg").read(), g1, rtol=1e-3, atol=1e-3 * np.abs(g1).max(), err_msg=name)
+        np.testing.assert_allclose(t.state("exp_avg_sq").read(), g2, rtol=2e-3, atol=1e-3 * np.abs(g2).max(),
+                                   err_msg=name)
 
 
 def test_qwix_factors_that_do_not_fit_the_recipe_are_refused(made: dict) -> None:

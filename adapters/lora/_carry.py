@@ -53,6 +53,7 @@ _PEFT = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<part>[AB])\.we
 _MAXTEXT = re.compile(r"^(?P<module>.+)/lora_(?P<part>[ab])\.kernel$")
 _QWIX = re.compile(r"^(?P<module>.+)/(?P<param>[^/]+)_lora_(?P<part>[ab])(?:/value)?$")  # qwix (MaxText training)
 _MEGATRON = re.compile(r"^(?P<module>.+)\.adapter\.linear_(?P<part>in|out)\.weight$")  # Megatron-Bridge's LoRA
+_COUNTER = re.compile(r"(^|/)(count|step)(/value)?$")
 _MEGATRON_BASE = re.compile(r"^(decoder|embedding|output_layer)\.")
 
 
@@ -142,10 +143,14 @@ def carry(adapter: Checkpoint, rules: Sequence[Rule], *, alpha: float | None = N
 
 
 def _pairs(adapter: Checkpoint) -> tuple[dict[str, dict[str, LogicalTensor]], str]:
-    """``adapter``'s factors by base weight (``{"A": ..., "B": ...}``) and their naming style."""
+    """``adapter``'s factors by base weight (``{"A": ..., "B": ...}``) and their naming style; an
+    optimizer's step counters (0-d ``.../count``, ``.../step``: a Tunix checkpoint's
+    ``optimizer_state``) are not factors and are left out."""
     pairs: dict[str, dict[str, LogicalTensor]] = {}
     styles = set()
     for name, t in adapter.tensors.items():
+        if not t.shape and _COUNTER.search(name):
+            continue
         found = factor_of(name)
         if found is None:
             raise FormatError(f"{adapter.path}: tensor {name!r} is not a LoRA factor (lora_A/lora_B)")

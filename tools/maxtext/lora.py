@@ -116,6 +116,36 @@ def _leaves(state: Any) -> dict[str, Any]:
     return {harness._path_name(p): np.asarray(jax.device_get(v)) for p, v in jax.tree_util.tree_flatten_with_path(state)[0]}
 
 
+def _adam_checkpoint(job: dict[str, Any], model: Any) -> None:
+    """One Adam step (optax ``adam``, ``betas``) on ``model``'s LoRA leaves, the mean next-token
+    cross-entropy of ``train`` ``[b, s+1]``: a Tunix ``PeftTrainer``-like checkpoint at
+    ``train_ckpt/1`` with items ``model_params`` (the LoRA leaves the gradient was taken at) and
+    ``optimizer_state`` (``nnx.state(nnx.Optimizer(model, tx, wrt=nnx.LoRAParam), OptState)``)."""
+    import numpy as np
+    import optax
+    import orbax.checkpoint as ocp
+    from flax import nnx
+
+    tokens = np.load(job["train"], allow_pickle=False)
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    params = _leaves(nnx.state(model, nnx.LoRAParam))
+
+    @nnx.jit
+    def grad(model: Any) -> Any:
+        def loss(model: Any) -> Any:
+            out = model(x, harness._positions(x), enable_dropout=False, model_mode="train")
+            return harness._cross_entropy(out, y)
+        return nnx.grad(loss, argnums=nnx.DiffState(0, nnx.LoRAParam))(model)
+
+    grads = grad(model)
+    optimizer = nnx.Optimizer(model, optax.adam(1e-3, *job["betas"]), wrt=nnx.LoRAParam)
+    optimizer.update(model, grads)
+    state = _leaves(nnx.state(optimizer, nnx.optimizer.OptState))
+    with ocp.CheckpointManager(Path(job["train_ckpt"]).absolute(), item_names=("model_params", "optimizer_state")) as mgr:
+        mgr.save(1, args=ocp.args.Composite(model_params=ocp.args.PyTreeSave(harness._nest(params)),
+                                            optimizer_state=ocp.args.PyTreeSave(harness._nest(state))))
+
+
 def qwix_forward(job: dict[str, Any], built: harness.Built) -> dict[str, Any]:
     """``qwix-forward`` (``spec``, ``params``, ``rank``, ``alpha``, ``seed``, ``tokens``, ``out``,
     ``ckpt``, ``report``): MaxText's NNX decoder with the base ``params``, LoRA put on it by MaxText's
@@ -164,6 +194,8 @@ def qwix_forward(job: dict[str, Any], built: harness.Built) -> dict[str, Any]:
         got = np.asarray(jax.device_get(forward(model, tokens, harness._positions(tokens))), dtype=np.float32)
         tree = _leaves(drawn)
         ocp.PyTreeCheckpointer().save(Path(job["ckpt"]).absolute(), harness._nest(tree))
+        if "train" in job:
+            _adam_checkpoint(job, model)
         nnx.update(model, jax.tree_util.tree_map(np.zeros_like, drawn))  # then MaxText's restore puts them back
         cfg.lora.lora_restore_path = str(Path(job["ckpt"]).absolute())
         again = _leaves(nnx.state(lora_utils.restore_lora_from_path(model, cfg), nnx.LoRAParam))
