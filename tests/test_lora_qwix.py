@@ -52,21 +52,20 @@ def made(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("lora_qwix")
     base = hf.save(hf.build(SPEC), root / "base")
     cfg = json.loads((base / "config.json").read_text())
-    tokens = hf.tokens(BATCH, SEQ, cfg["vocab_size"], seed=5)
-    np.save(root / "tokens.npy", tokens)
-    np.save(root / "train.npy", hf.tokens(BATCH, SEQ + 1, cfg["vocab_size"], seed=6))
+    train = hf.tokens(BATCH, SEQ + 1, cfg["vocab_size"], seed=5)  # MaxText's logits of [:, :-1], its loss's targets [:, 1:]
+    np.save(root / "train.npy", train)
     spec = mx.spec_from_hf(cfg, scan=False, batch=SPEC_BATCH, seq=SEQ)
     mx.run_jobs([mx.convert_job(spec, base, root / "base_mt.safetensors"),
                  {"cmd": "qwix-forward", "spec": spec, "params": str(root / "base_mt.safetensors"), "rank": RANK,
-                  "alpha": ALPHA, "seed": 7, "tokens": str(root / "tokens.npy"), "out": str(root / "qwix.logits.npy"),
-                  "ckpt": str(root / "qwix_ckpt"), "report": str(root / "qwix.json"),
-                  "train": str(root / "train.npy"), "betas": BETAS, "train_ckpt": str(root / "train_ckpt")}], script=LORA_TOOL)
+                  "alpha": ALPHA, "seed": 7, "tokens": str(root / "train.npy"), "betas": BETAS,
+                  "out": str(root / "qwix.logits.npy"), "ckpt": str(root / "qwix_ckpt"),
+                  "train_ckpt": str(root / "train_ckpt"), "report": str(root / "qwix.json")}], script=LORA_TOOL)
     ckpt = ckptbridge.open(root / "qwix_ckpt")
     rules = _rules(cfg)
     no_scale = tuple(r for r in rules if not isinstance(r, Scale))  # negative control: B without the query scale
     for label, rs in (("peft", rules), ("noscale", no_scale)):
         carry.save_peft(carry.carry(ckpt, rs, alpha=ALPHA), root / label)
-    return {"root": root, "base": base, "cfg": cfg, "tokens": tokens, "ckpt": ckpt,
+    return {"root": root, "base": base, "cfg": cfg, "tokens": train[:, :-1], "ckpt": ckpt,
             "report": json.loads((root / "qwix.json").read_text())}
 
 

@@ -116,28 +116,36 @@ def _leaves(state: Any) -> dict[str, Any]:
     return {harness._path_name(p): np.asarray(jax.device_get(v)) for p, v in jax.tree_util.tree_flatten_with_path(state)[0]}
 
 
-def _adam_checkpoint(job: dict[str, Any], model: Any) -> None:
-    """One Adam step (optax ``adam``, ``betas``) on ``model``'s LoRA leaves, the mean next-token
-    cross-entropy of ``train`` ``[b, s+1]``: a Tunix ``PeftTrainer``-like checkpoint at
-    ``train_ckpt/1`` with items ``model_params`` (the LoRA leaves the gradient was taken at) and
-    ``optimizer_state`` (``nnx.state(nnx.Optimizer(model, tx, wrt=nnx.LoRAParam), OptState)``)."""
+def _logits_and_grads(model: Any, tokens: Any) -> tuple[Any, Any]:
+    """MaxText's fp32 logits of ``tokens[:, :-1]`` and the gradient of their mean next-token
+    cross-entropy (targets ``tokens[:, 1:]``) with respect to the ``nnx.LoRAParam`` leaves."""
+    import jax
     import numpy as np
+    from flax import nnx
+
+    x, y = tokens[:, :-1], tokens[:, 1:]
+
+    @nnx.jit
+    def run(model: Any) -> Any:
+        def loss(model: Any) -> Any:
+            out = model(x, harness._positions(x), enable_dropout=False, model_mode="train")
+            return harness._cross_entropy(out, y), out
+        return nnx.grad(loss, argnums=nnx.DiffState(0, nnx.LoRAParam), has_aux=True)(model)
+
+    grads, logits = run(model)
+    return np.asarray(jax.device_get(logits), dtype=np.float32), grads
+
+
+def _adam_checkpoint(job: dict[str, Any], model: Any, grads: Any) -> None:
+    """One Adam step (optax ``adam``, ``betas``) of ``grads`` on ``model``'s LoRA leaves: a Tunix
+    ``PeftTrainer``-like checkpoint at ``train_ckpt/1`` with items ``model_params`` (the LoRA leaves
+    the gradient was taken at) and ``optimizer_state`` (``nnx.state(nnx.Optimizer(model, tx,
+    wrt=nnx.LoRAParam), OptState)``)."""
     import optax
     import orbax.checkpoint as ocp
     from flax import nnx
 
-    tokens = np.load(job["train"], allow_pickle=False)
-    x, y = tokens[:, :-1], tokens[:, 1:]
     params = _leaves(nnx.state(model, nnx.LoRAParam))
-
-    @nnx.jit
-    def grad(model: Any) -> Any:
-        def loss(model: Any) -> Any:
-            out = model(x, harness._positions(x), enable_dropout=False, model_mode="train")
-            return harness._cross_entropy(out, y)
-        return nnx.grad(loss, argnums=nnx.DiffState(0, nnx.LoRAParam))(model)
-
-    grads = grad(model)
     optimizer = nnx.Optimizer(model, optax.adam(1e-3, *job["betas"]), wrt=nnx.LoRAParam)
     optimizer.update(model, grads)
     state = _leaves(nnx.state(optimizer, nnx.optimizer.OptState))
@@ -147,15 +155,16 @@ def _adam_checkpoint(job: dict[str, Any], model: Any) -> None:
 
 
 def qwix_forward(job: dict[str, Any], built: harness.Built) -> dict[str, Any]:
-    """``qwix-forward`` (``spec``, ``params``, ``rank``, ``alpha``, ``seed``, ``tokens``, ``out``,
-    ``ckpt``, ``report``): MaxText's NNX decoder with the base ``params``, LoRA put on it by MaxText's
-    own ``lora_utils.apply_lora_to_model`` (``lora.enable_lora``, ``lora_rank``, ``lora_alpha``, the
-    default ``lora_module_path``), every ``kernel_lora_b`` drawn non-zero (``seed``); writes
-    ``nnx.state(model, nnx.LoRAParam)`` as an Orbax PyTree at ``ckpt`` (leaves ``{"value": array}``,
-    the tree MaxText's ``restore_lora_from_path`` restores), the forward's fp32 logits (``out``), and
-    to ``report`` the LoRA leaves (path -> shape) and their largest difference after
-    ``restore_lora_from_path`` put ``ckpt`` back into the model, its LoRA leaves zeroed first (0.0:
-    MaxText reads it back)."""
+    """``qwix-forward`` (``spec``, ``params``, ``rank``, ``alpha``, ``seed``, ``tokens [b, s+1]``,
+    ``betas``, ``out``, ``ckpt``, ``train_ckpt``, ``report``): MaxText's NNX decoder with the base
+    ``params``, LoRA put on it by MaxText's own ``lora_utils.apply_lora_to_model``
+    (``lora.enable_lora``, ``lora_rank``, ``lora_alpha``, the default ``lora_module_path``), every
+    ``kernel_lora_b`` drawn non-zero (``seed``). Writes the fp32 logits of ``tokens[:, :-1]``
+    (``out``); ``nnx.state(model, nnx.LoRAParam)`` as an Orbax PyTree at ``ckpt`` (leaves ``{"value":
+    array}``, the tree MaxText's ``restore_lora_from_path`` restores); one Adam step's checkpoint at
+    ``train_ckpt`` (:func:`_adam_checkpoint`); and to ``report`` the LoRA leaves (path -> shape) and
+    their largest difference after ``restore_lora_from_path`` put ``ckpt`` back into the model, its
+    LoRA leaves zeroed first (0.0: MaxText reads it back)."""
     import flax.linen as nn
     import jax
     import numpy as np
@@ -170,10 +179,6 @@ def qwix_forward(job: dict[str, Any], built: harness.Built) -> dict[str, Any]:
     cfg.lora.enable_lora, cfg.lora.lora_rank, cfg.lora.lora_alpha = True, int(job["rank"]), float(job["alpha"])
     base = harness._read_safetensors(Path(job["params"]))
     tokens = np.load(job["tokens"], allow_pickle=False)
-
-    @nnx.jit
-    def forward(model: Any, x: Any, positions: Any) -> Any:
-        return model(x, positions, enable_dropout=False, model_mode="train")
 
     with built.mesh, nn.logical_axis_rules(cfg.logical_axis_rules), _restoring(cfg, before):
         model = models.Transformer(cfg, built.mesh, quantizations.configure_quantization(cfg), rngs=nnx.Rngs(0),
@@ -191,11 +196,10 @@ def qwix_forward(job: dict[str, Any], built: harness.Built) -> dict[str, Any]:
             lambda p, v: rng.normal(0, 0.2, v.shape).astype(v.dtype) if "kernel_lora_b" in harness._path_name(p)
             else np.asarray(v), lora)
         nnx.update(model, drawn)
-        got = np.asarray(jax.device_get(forward(model, tokens, harness._positions(tokens))), dtype=np.float32)
+        got, grads = _logits_and_grads(model, tokens)
         tree = _leaves(drawn)
         ocp.PyTreeCheckpointer().save(Path(job["ckpt"]).absolute(), harness._nest(tree))
-        if "train" in job:
-            _adam_checkpoint(job, model)
+        _adam_checkpoint(job, model, grads)
         nnx.update(model, jax.tree_util.tree_map(np.zeros_like, drawn))  # then MaxText's restore puts them back
         cfg.lora.lora_restore_path = str(Path(job["ckpt"]).absolute())
         again = _leaves(nnx.state(lora_utils.restore_lora_from_path(model, cfg), nnx.LoRAParam))
