@@ -4,8 +4,9 @@
   weight it adapts (``extra["lora"]``), and ``ckptbridge.open(base, adapters=[...])`` merges them per
   slice (used by the safetensors adapter);
 * ``_carry``: :func:`carry` moves an adapter alone through a family recipe (HF PEFT, MaxText,
-  Megatron-Bridge names; ``_plan`` writes each base rule for the factors) and :func:`save_peft`
-  writes one as a PEFT folder::
+  Megatron-Bridge names, and from MaxText's training-time qwix LoRA, ``<kernel>_lora_a`` /
+  ``_lora_b``; ``_plan`` writes each base rule for the factors) and :func:`save_peft` writes one as
+  a PEFT folder::
 
     from ckptbridge.adapters import lora
     mt = lora.carry(ckptbridge.open("peft_adapter/"), rules)

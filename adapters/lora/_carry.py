@@ -45,13 +45,15 @@ from ckptbridge.plugin import (
 )
 
 from . import _read
-from ._plan import Copy, Place, layout_of, plan, scan_axis
+from ._plan import Copy, Place, layout_of, plan, qwix_splits, scan_axis
 
 __all__ = ["carry", "factor_name", "factor_of", "save_peft"]
 
 _PEFT = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<part>[AB])\.weight$")
 _MAXTEXT = re.compile(r"^(?P<module>.+)/lora_(?P<part>[ab])\.kernel$")
+_QWIX = re.compile(r"^(?P<module>.+)/(?P<param>[^/]+)_lora_(?P<part>[ab])(?:/value)?$")  # qwix (MaxText training)
 _MEGATRON = re.compile(r"^(?P<module>.+)\.adapter\.linear_(?P<part>in|out)\.weight$")  # Megatron-Bridge's LoRA
+_COUNTER = re.compile(r"(^|/)(count|step)(/value)?$")
 _MEGATRON_BASE = re.compile(r"^(decoder|embedding|output_layer)\.")
 
 
@@ -64,6 +66,12 @@ def factor_of(name: str) -> tuple[str, str, str] | None:
         # ('decoder/layers_0/self_attention/query/kernel', 'A', 'maxtext')
         factor_of("decoder.layers.0.self_attention.linear_qkv.adapter.linear_out.weight")
         # ('decoder.layers.0.self_attention.linear_qkv.weight', 'B', 'megatron')
+        factor_of("decoder/layers_0/self_attention/query/kernel_lora_b/value")
+        # ('decoder/layers_0/self_attention/query/kernel', 'B', 'qwix')
+
+    qwix's names are MaxText's training-time LoRA (``lora_utils.apply_lora_to_model``: an
+    ``nnx.LoRAParam`` ``<param>_lora_a`` / ``_lora_b`` beside each adapted parameter; ``/value``
+    where an ``nnx.State`` is saved as is, as ``restore_lora_from_path`` reads it).
 
     Megatron-Bridge's ``LoRA`` (``peft/lora.py``) wraps a linear layer with an adapter whose
     ``linear_in`` is ``A [r, in]`` and ``linear_out`` is ``B [out, r]``, scaled by ``alpha / dim``.
@@ -74,6 +82,8 @@ def factor_of(name: str) -> tuple[str, str, str] | None:
         return m["module"] + "/kernel", m["part"].upper(), "maxtext"
     if m := _MEGATRON.match(name):
         return m["module"] + ".weight", "A" if m["part"] == "in" else "B", "megatron"
+    if m := _QWIX.match(name):
+        return f"{m['module']}/{m['param']}", m["part"].upper(), "qwix"
     return None
 
 
@@ -112,6 +122,8 @@ def carry(adapter: Checkpoint, rules: Sequence[Rule], *, alpha: float | None = N
     Megatron-Bridge's factors; default ``r``, a scaling of 1); a PEFT folder's is its
     ``adapter_config.json``'s. The result's ``lora_alpha`` keeps the source's scaling."""
     pairs, style = _pairs(adapter)
+    if style == "qwix":  # flattened factors: MaxText's served layout first
+        pairs, style = _unflatten(pairs, rules), "maxtext"
     lora_alpha, r, scalings = _scalings(adapter, style, pairs, alpha)
     scale = lora_alpha / r
     folded = {b: s / scale for b, s in scalings.items() if s != scale}
@@ -131,10 +143,14 @@ def carry(adapter: Checkpoint, rules: Sequence[Rule], *, alpha: float | None = N
 
 
 def _pairs(adapter: Checkpoint) -> tuple[dict[str, dict[str, LogicalTensor]], str]:
-    """``adapter``'s factors by base weight (``{"A": ..., "B": ...}``) and their naming style."""
+    """``adapter``'s factors by base weight (``{"A": ..., "B": ...}``) and their naming style; an
+    optimizer's step counters (0-d ``.../count``, ``.../step``: a Tunix checkpoint's
+    ``optimizer_state``) are not factors and are left out."""
     pairs: dict[str, dict[str, LogicalTensor]] = {}
     styles = set()
     for name, t in adapter.tensors.items():
+        if not t.shape and _COUNTER.search(name):
+            continue
         found = factor_of(name)
         if found is None:
             raise FormatError(f"{adapter.path}: tensor {name!r} is not a LoRA factor (lora_A/lora_B)")
@@ -147,6 +163,16 @@ def _pairs(adapter: Checkpoint) -> tuple[dict[str, dict[str, LogicalTensor]], st
         if set(ab) != {"A", "B"}:
             raise FormatError(f"{adapter.path}: {factor_name(base, next(iter(ab)))!r} has no partner")
     return pairs, styles.pop()
+
+
+def _unflatten(pairs: Mapping[str, Mapping[str, LogicalTensor]], rules: Sequence[Rule]
+               ) -> dict[str, dict[str, LogicalTensor]]:
+    """qwix's flattened factors reshaped to MaxText's served layout (:func:`qwix_splits`)."""
+    out: dict[str, dict[str, LogicalTensor]] = {}
+    for base, ab in pairs.items():
+        splits = qwix_splits(rules, base, ab["A"].shape, ab["B"].shape)
+        out[base] = {part: _apply({base: t}, splits[part])[base] for part, t in ab.items()}
+    return out
 
 
 def _scalings(adapter: Checkpoint, style: str, pairs: Mapping[str, Mapping[str, LogicalTensor]],

@@ -15,6 +15,7 @@ axis of both, a ``Split`` of fused rows splits ``B`` and gives every part the sa
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -44,7 +45,7 @@ from ckptbridge.plugin import (
     regex,
 )
 
-__all__ = ["Copy", "Layout", "Place", "Plan", "layout_of", "plan", "scan_axis"]
+__all__ = ["Copy", "Layout", "Place", "Plan", "layout_of", "plan", "qwix_splits", "scan_axis"]
 
 _PER_AXIS = (SplitDim, MergeDims, Interleave, Deinterleave, Pad, Crop)
 
@@ -132,6 +133,42 @@ def layout_of(shape_a: Sequence[int], shape_b: Sequence[int], style: str, scan: 
     if shape_b[lay.factor("B").index(-2)] != size:
         raise FormatError(f"stacked LoRA factors {list(shape_a)} and {list(shape_b)}: their stacked axes differ")
     return replace(lay, stacked=((-2, size),))
+
+
+def qwix_splits(rules: Sequence[Rule], base: str, shape_a: Sequence[int], shape_b: Sequence[int]
+                ) -> dict[str, tuple[Rule, ...]]:
+    """The rules (for ``"A"``, for ``"B"``) that unflatten qwix's LoRA factors of ``base`` into MaxText's served layout.
+
+    qwix 0.1.8 (``providers/lora.py``, the ``dot_general`` MaxText's ``DenseGeneral`` calls) keeps
+    ``A [prod(contracting), r]`` and ``B [r, prod(remaining)]`` for a kernel ``W [in..., out...]``;
+    the served layout is ``A [in..., r]``, ``B [r, out...]``. ``W``'s axes come from the recipe's
+    ``Expect`` of ``base`` (``[embed, n_heads, head_dim]``: ``B [r, H*D]`` becomes ``[r, H, D]``); a
+    base with no ``Expect`` of more than two axes is 2-D and needs none::
+
+        qwix_splits(rules, "decoder/layers_0/self_attention/out/kernel", (64, 4), (4, 64))
+        # {'A': (SplitDim('^decoder/layers_0/self_attention/out/kernel$', dim=0, sizes=(4, 16)),), 'B': ()}
+    """
+    if len(shape_a) != 2 or len(shape_b) != 2:
+        raise FormatError(f"qwix LoRA factors of {base!r} are {list(shape_a)} and {list(shape_b)}: only "
+                          "unstacked 2-D factors (an unscanned decoder) are read")
+    shape = next((r.shape for r in rules if isinstance(r, Expect) and len(r.shape) > 2 and r.matches(base)), None)
+    if shape is None:
+        return {"A": (), "B": ()}
+    cuts = [k for k in range(1, len(shape)) if _fits(shape[:k], shape_a[0]) and _fits(shape[k:], shape_b[1])]
+    if len(cuts) != 1:
+        raise FormatError(f"qwix LoRA factors {list(shape_a)}, {list(shape_b)} of {base!r} do not split "
+                          f"its axes {list(shape)} into contracting and remaining ones")
+    pattern, k = f"^{re.escape(base)}$", cuts[0]
+    sizes = tuple(-1 if n is None else n for n in shape)
+    return {part: (SplitDim(pattern, dim, cut),) if len(cut) > 1 else ()
+            for part, dim, cut in (("A", 0, sizes[:k]), ("B", 1, sizes[k:]))}
+
+
+def _fits(dims: Sequence[int | None], size: int) -> bool:
+    """``dims`` (``None``: unknown, at most one) can flatten to ``size``."""
+    known = math.prod(n for n in dims if n is not None)
+    unknown = sum(n is None for n in dims)
+    return size == known if unknown == 0 else unknown == 1 and size % known == 0
 
 
 def scan_axis(rules: Sequence[Rule], base: str) -> int | None:

@@ -16,7 +16,10 @@ writes MaxText's abstract LoRA tree and the given leaves (path -> shape) to ``re
 given leaves with MaxText's function and writes the forward's fp32 logits; ``{"cmd": "lora-tree", "spec", "adapter_config", "report"}`` writes the tree only
 (scanned layers too, which MaxText's 2-D ``einsum`` merge cannot take); ``lora-grad`` (``spec``,
 ``params``, ``lora``, ``adapter_config``, ``tokens [b, s+1]``, ``out``) writes the loss's gradient
-with respect to each adapter leaf through MaxText's merge and forward. Every other job goes to ``harness.py`` (``convert-hf`` ...), in the same process::
+with respect to each adapter leaf through MaxText's merge and forward. ``qwix-forward`` is the
+LoRA MaxText 0.2.5 TRAINS with (``train_sft.py``: ``lora_utils.apply_lora_to_model``, qwix's
+``LoraProvider`` on the NNX decoder, ``nnx.LoRAParam`` leaves ``<module>/kernel_lora_a`` /
+``kernel_lora_b`` beside each kernel); see :func:`qwix_forward`. Every other job goes to ``harness.py`` (``convert-hf`` ...), in the same process::
 
     .maxtext/venv/bin/python tools/maxtext/lora.py jobs --jobs jobs.json --out results.json
 """
@@ -24,10 +27,12 @@ with respect to each adapter leaf through MaxText's merge and forward. Every oth
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -93,18 +98,131 @@ def lora_grad(job: dict[str, Any], built: harness.Built) -> dict[str, Any]:
     return {"cmd": job["cmd"], "loss": float(loss)}
 
 
+@contextlib.contextmanager
+def _restoring(cfg: Any, lora: Any) -> Iterator[None]:
+    """``cfg.lora`` put back to ``lora`` on leaving."""
+    try:
+        yield
+    finally:
+        for key, value in lora:  # pydantic fields (the config itself is read-only)
+            setattr(cfg.lora, key, value)
+
+
+def _leaves(state: Any) -> dict[str, Any]:
+    """``{path: ndarray}`` of an ``nnx.State`` (paths end in ``/value``)."""
+    import jax
+    import numpy as np
+
+    return {harness._path_name(p): np.asarray(jax.device_get(v)) for p, v in jax.tree_util.tree_flatten_with_path(state)[0]}
+
+
+def _logits_and_grads(model: Any, tokens: Any) -> tuple[Any, Any]:
+    """MaxText's fp32 logits of ``tokens[:, :-1]`` and the gradient of their mean next-token
+    cross-entropy (targets ``tokens[:, 1:]``) with respect to the ``nnx.LoRAParam`` leaves."""
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    x, y = tokens[:, :-1], tokens[:, 1:]
+
+    @nnx.jit
+    def run(model: Any) -> Any:
+        def loss(model: Any) -> Any:
+            out = model(x, harness._positions(x), enable_dropout=False, model_mode="train")
+            return harness._cross_entropy(out, y), out
+        return nnx.grad(loss, argnums=nnx.DiffState(0, nnx.LoRAParam), has_aux=True)(model)
+
+    grads, logits = run(model)
+    return np.asarray(jax.device_get(logits), dtype=np.float32), grads
+
+
+def _adam_checkpoint(job: dict[str, Any], model: Any, grads: Any) -> None:
+    """One Adam step (optax ``adam``, ``betas``) of ``grads`` on ``model``'s LoRA leaves: a Tunix
+    ``PeftTrainer``-like checkpoint at ``train_ckpt/1`` with items ``model_params`` (the LoRA leaves
+    the gradient was taken at) and ``optimizer_state`` (``nnx.state(nnx.Optimizer(model, tx,
+    wrt=nnx.LoRAParam), OptState)``)."""
+    import optax
+    import orbax.checkpoint as ocp
+    from flax import nnx
+
+    params = _leaves(nnx.state(model, nnx.LoRAParam))
+    optimizer = nnx.Optimizer(model, optax.adam(1e-3, *job["betas"]), wrt=nnx.LoRAParam)
+    optimizer.update(model, grads)
+    state = _leaves(nnx.state(optimizer, nnx.optimizer.OptState))
+    with ocp.CheckpointManager(Path(job["train_ckpt"]).absolute(), item_names=("model_params", "optimizer_state")) as mgr:
+        mgr.save(1, args=ocp.args.Composite(model_params=ocp.args.PyTreeSave(harness._nest(params)),
+                                            optimizer_state=ocp.args.PyTreeSave(harness._nest(state))))
+
+
+def qwix_forward(job: dict[str, Any], built: harness.Built) -> dict[str, Any]:
+    """``qwix-forward`` (``spec``, ``params``, ``rank``, ``alpha``, ``seed``, ``tokens [b, s+1]``,
+    ``betas``, ``out``, ``ckpt``, ``train_ckpt``, ``report``): MaxText's NNX decoder with the base
+    ``params``, LoRA put on it by MaxText's own ``lora_utils.apply_lora_to_model``
+    (``lora.enable_lora``, ``lora_rank``, ``lora_alpha``, the default ``lora_module_path``), every
+    ``kernel_lora_b`` drawn non-zero (``seed``). Writes the fp32 logits of ``tokens[:, :-1]``
+    (``out``); ``nnx.state(model, nnx.LoRAParam)`` as an Orbax PyTree at ``ckpt`` (leaves ``{"value":
+    array}``, the tree MaxText's ``restore_lora_from_path`` restores); one Adam step's checkpoint at
+    ``train_ckpt`` (:func:`_adam_checkpoint`); and to ``report`` the LoRA leaves (path -> shape) and
+    their largest difference after ``restore_lora_from_path`` put ``ckpt`` back into the model, its
+    LoRA leaves zeroed first (0.0: MaxText reads it back)."""
+    import flax.linen as nn
+    import jax
+    import numpy as np
+    import orbax.checkpoint as ocp
+    from flax import nnx
+    from maxtext.layers import quantizations
+    from maxtext.models import models
+    from maxtext.utils import lora_utils
+
+    cfg = built.config
+    before = cfg.lora.model_copy()  # the cached build's config is shared by later jobs: put back after
+    cfg.lora.enable_lora, cfg.lora.lora_rank, cfg.lora.lora_alpha = True, int(job["rank"]), float(job["alpha"])
+    base = harness._read_safetensors(Path(job["params"]))
+    tokens = np.load(job["tokens"], allow_pickle=False)
+
+    with built.mesh, nn.logical_axis_rules(cfg.logical_axis_rules), _restoring(cfg, before):
+        model = models.Transformer(cfg, built.mesh, quantizations.configure_quantization(cfg), rngs=nnx.Rngs(0),
+                                   model_mode="train")
+        model = lora_utils.apply_lora_to_model(model, built.mesh, cfg)
+        params = nnx.state(model, nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam)))
+        names = {harness._path_name(p).removesuffix("/value") for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]}
+        if names != set(base):
+            raise SystemExit(f"{job['params']}: NNX params differ: {sorted(names ^ set(base))[:6]}")
+        nnx.update(model, jax.tree_util.tree_map_with_path(lambda p, v: base[harness._path_name(p).removesuffix("/value")],
+                                                           params))
+        lora = nnx.state(model, nnx.LoRAParam)
+        rng = np.random.default_rng(int(job["seed"]))
+        drawn = jax.tree_util.tree_map_with_path(
+            lambda p, v: rng.normal(0, 0.2, v.shape).astype(v.dtype) if "kernel_lora_b" in harness._path_name(p)
+            else np.asarray(v), lora)
+        nnx.update(model, drawn)
+        got, grads = _logits_and_grads(model, tokens)
+        tree = _leaves(drawn)
+        ocp.PyTreeCheckpointer().save(Path(job["ckpt"]).absolute(), harness._nest(tree))
+        _adam_checkpoint(job, model, grads)
+        nnx.update(model, jax.tree_util.tree_map(np.zeros_like, drawn))  # then MaxText's restore puts them back
+        cfg.lora.lora_restore_path = str(Path(job["ckpt"]).absolute())
+        again = _leaves(nnx.state(lora_utils.restore_lora_from_path(model, cfg), nnx.LoRAParam))
+    np.save(job["out"], got)
+    harness._write_json(Path(job["report"]), {"leaves": {n: list(a.shape) for n, a in tree.items()},
+                                              "restored_max_diff": max(float(np.abs(again[n] - a).max()) for n, a in tree.items())})
+    return {"cmd": job["cmd"], "leaves": len(tree)}
+
+
 def run_batch(jobs: list[dict[str, Any]], cache: dict[str, harness.Built]) -> list[dict[str, Any]]:
     """Every job in order: the LoRA jobs here, every other one by ``harness.run_job``."""
     results = []
     for job in jobs:
-        if job["cmd"] not in ("lora-forward", "lora-tree", "lora-grad"):
+        if job["cmd"] not in ("lora-forward", "lora-tree", "lora-grad", "qwix-forward"):
             results.append(harness.run_job(job, cache))
             continue
         t0, spec = time.time(), harness.Spec.from_json(job["spec"])
         key = json.dumps(dataclasses.asdict(spec), sort_keys=True)  # harness.run_job's cache key
         if key not in cache:
             cache[key] = harness.build(spec)
-        if job["cmd"] == "lora-tree":
+        if job["cmd"] == "qwix-forward":
+            result = qwix_forward(job, cache[key])
+        elif job["cmd"] == "lora-tree":
             harness._write_json(Path(job["report"]), {"lora_tree": lora_tree(cache[key], job["adapter_config"])})
             result = {"cmd": "lora-tree"}
         else:
