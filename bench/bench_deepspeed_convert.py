@@ -14,8 +14,11 @@ and subtracted ("net"), so that the ratio at small sizes is not mostly imports.
 * ``ckptbridge convert`` (all four states), ``--states fp32,exp_avg,exp_avg_sq`` (the
   content ``ds_to_universal`` writes: the reference) and ``reshard --to deepspeed-universal``
   (DeepSpeed's own universal layout, which DeepSpeed resumes from);
-* floors: a process that imports numpy and writes as many bytes as ``convert`` does, with
-  ``O_DIRECT`` and through the page cache: no converter can beat the faster one here.
+* floors: a process that imports numpy and writes as many bytes as ``convert`` does into one
+  file (3 threads of 16 MiB ``pwrite``), with ``O_DIRECT`` and through the page cache: the rate of
+  one writer of one file, a reference rather than a bound. The converters write many files, and
+  the disk's rate varies between runs (the same O_DIRECT floor at 8 GiB: 5.6 s median of two runs
+  and 7.5 s in the third, on a quiet machine), so a converter can come out slightly under it.
 """
 
 from __future__ import annotations
