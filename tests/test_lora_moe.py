@@ -213,3 +213,31 @@ def test_bfloat16_merge_is_within_one_ulp_of_peft(made: dict, tmp_path: Path) ->
         assert (np.abs(got.astype(np.float32) - want) <= bound).all(), name
         rounded_twice += int((_bits(got) != _bits(t)).sum())
     assert rounded_twice > 0  # the two roundings do show
+
+
+def test_square_experts_follow_the_base_model_type(tmp_path) -> None:
+    """gpt-oss stores its experts ``[E, in, out]`` (transformers' ``is_transposed``), and its real
+    ``down_proj`` is square (hidden = intermediate = 2880), so the shape cannot tell: the merge follows
+    the base's ``model_type``, bitwise PEFT's ``merge_and_unload()``; without a config.json it refuses."""
+    import transformers
+    from hf_models import gpt_oss
+
+    save(gpt_oss(mlp=64, layers=2), tmp_path / "base")  # down_proj [4, 64, 64]
+
+    def model():
+        return transformers.GptOssForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32).eval()
+
+    cfg = peft.LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, target_parameters=["mlp.experts.down_proj"])
+    torch.manual_seed(5)
+    peft.get_peft_model(model(), cfg).save_pretrained(tmp_path / "adapter")
+    want = peft.PeftModel.from_pretrained(model(), tmp_path / "adapter").merge_and_unload().state_dict()
+    got = ckptbridge.open(tmp_path / "base", adapters=[tmp_path / "adapter"])
+    base = ckptbridge.open(tmp_path / "base")
+    for layer in range(2):
+        name = f"{EXPERTS.format(layer)}.down_proj"
+        assert got[name].shape == (4, 64, 64)
+        assert (_bits(got[name].read()) == _bits(want[name])).all(), name
+        assert not np.array_equal(base[name].read(), want[name].numpy())  # the adapter moved it
+    (tmp_path / "base" / "config.json").unlink()
+    with pytest.raises(FormatError, match=r"down_proj: square experts \(4, 64, 64\)"):
+        ckptbridge.open(tmp_path / "base", adapters=[tmp_path / "adapter"])

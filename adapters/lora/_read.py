@@ -39,9 +39,10 @@ DoRA, LoRA biases and ``fan_in_fan_out`` adapters fail when opened, naming the o
 
 from __future__ import annotations
 
+import functools
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,6 +71,9 @@ _PREFIX = "base_model.model."
 _REFUSED = (("use_dora", "DoRA"), ("fan_in_fan_out", "fan_in_fan_out"), ("lora_bias", "LoRA biases"))
 # the order transformers' fused experts register their parameters (PEFT nests the wrappers in it)
 _PARAM_ORDER = ("gate_up_proj", "gate_proj", "up_proj", "down_proj")
+# models whose 3-D experts transformers stores [E, in, out] (``@use_experts_implementation(is_transposed=True)``
+# in transformers 5.23); PEFT's ParamWrapper follows the same flag. Others store [E, out, in].
+TRANSPOSED_EXPERTS = frozenset({"gpt_oss", "aria", "openai_privacy_filter"})
 # a fused parameter's parts as transformers saves them per expert (rows concatenated)
 _PER_EXPERT = {"gate_up_proj": ("gate_proj", "up_proj")}
 
@@ -262,7 +266,9 @@ def merge(tensors: Mapping[str, LogicalTensor], adapters: Sequence[Adapter], wei
         else:  # views: the base's own per-expert tensors, where it stores the experts so
             w, views = _experts_of(tensors, base, first, adapter, path)
         flip = len(w.shape) == 3 and _transposed(w.shape, adapter.tensors[first.b].shape[0],
-                                                 adapter.tensors[first.a].shape[1])
+                                                 adapter.tensors[first.a].shape[1],
+                                                 None if views else functools.partial(_model_type, path),
+                                                 f"{path}: {base}")
         w = transpose(w, (0, 2, 1)) if flip else w
         sources, names = [w], [f"{path}: {base}"]
         for p, adapter, _ in applied:
@@ -284,11 +290,34 @@ def merge(tensors: Mapping[str, LogicalTensor], adapters: Sequence[Adapter], wei
     return out, notes
 
 
-def _transposed(shape: Sequence[int], out: int, inp: int) -> bool:
+def _transposed(shape: Sequence[int], out: int, inp: int, model_type: Callable[[], str | None] | None,
+                where: str) -> bool:
     """Whether a 3-D ``[E, d1, d2]`` weight adapted by ``B [out, .]`` and ``A [., in]`` stores
-    ``[E, in, out]`` (PEFT's ``is_transposed`` experts); a square one is read ``[E, out, in]``, as
-    PEFT reads experts that do not say ``is_transposed``."""
-    return (out, inp) != tuple(shape[1:]) and (inp, out) == tuple(shape[1:])
+    ``[E, in, out]`` (PEFT's ``is_transposed`` experts). The shape says so unless the weight is
+    square (gpt-oss: hidden = intermediate = 2880); then the base's ``model_type`` does
+    (``model_type`` None: the base's own per-expert tensors, ``[E, out, in]`` by construction), and
+    without one it is refused rather than guessed."""
+    if out != inp:
+        return tuple(shape[1:]) == (inp, out)
+    if model_type is None:
+        return False
+    kind = model_type()
+    if kind is None:
+        raise FormatError(f"{where}: square experts {tuple(shape)}: whether they are stored [E, out, in] or "
+                          "[E, in, out] is not in the files (no config.json with a model_type beside the base)")
+    return kind in TRANSPOSED_EXPERTS
+
+
+def _model_type(path: str) -> str | None:
+    """The ``model_type`` of the HF ``config.json`` beside the checkpoint at ``path``, if any."""
+    root = path if storage.isdir(path) else storage.dirname(path)
+    cfg = storage.join(root, "config.json")
+    try:
+        config = json.loads(storage.read_text(cfg)) if storage.isfile(cfg) else None
+    except ValueError as err:
+        raise FormatError(f"{cfg}: not valid JSON ({err})") from None
+    kind = config.get("model_type") if isinstance(config, dict) else None
+    return kind if isinstance(kind, str) else None
 
 
 def _factors(p: LoraPair, adapter: Adapter, shape: Sequence[int], path: str, base: str) -> list[TensorState]:
