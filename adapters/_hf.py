@@ -1,4 +1,5 @@
-"""Hugging Face shard indexes (``*.safetensors.index.json``, ``pytorch_model.bin.index.json``)."""
+"""Hugging Face shard indexes (``*.safetensors.index.json``, ``pytorch_model.bin.index.json``) and the
+``config.json`` beside a checkpoint."""
 
 from __future__ import annotations
 
@@ -70,3 +71,17 @@ def check_weight_map(index_json: str | None, found: Mapping[str, str], weight_ma
     if unlisted:
         raise FormatError(f"{found[unlisted[0]]}: tensor {unlisted[0]!r} is not in {index_json}'s weight_map "
                           f"({len(unlisted)} such)")
+
+
+def hf_config(path: str) -> tuple[str, Mapping[str, Any]] | None:
+    """``(its path, the parsed object)`` of the ``config.json`` beside the HF checkpoint at ``path`` (a
+    folder, or a file in one); None when there is none or it is not an object."""
+    root = path if storage.isdir(path) else storage.dirname(path)
+    cfg = storage.join(root, "config.json")
+    if not storage.isfile(cfg):
+        return None
+    try:
+        config = json.loads(storage.read_text(cfg))
+    except ValueError as err:
+        raise FormatError(f"{cfg}: not valid JSON ({err})") from None
+    return (cfg, config) if isinstance(config, dict) else None

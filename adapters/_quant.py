@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -44,8 +43,9 @@ from ckptbridge.plugin import (
     TensorSpec,
     derived_state,
     spec_of,
-    storage,
 )
+
+from ._hf import hf_config
 
 __all__ = ["OUTPUT_DTYPES", "BlockFp8", "Mxfp4", "dequantize", "derivation_of", "quantization_config"]
 
@@ -127,15 +127,11 @@ class Mxfp4:
 def quantization_config(path: str) -> tuple[str, Mapping[str, Any]] | None:
     """``(config.json path, its quantization_config)`` of the HF checkpoint at ``path`` (a folder, or a
     file in one), or None when it has none."""
-    root = path if storage.isdir(path) else storage.dirname(path)
-    cfg = storage.join(root, "config.json")
-    if not storage.isfile(cfg):
+    found = hf_config(path)
+    if found is None:
         return None
-    try:
-        config = json.loads(storage.read_text(cfg))
-    except ValueError as err:
-        raise FormatError(f"{cfg}: not valid JSON ({err})") from None
-    qc = config.get("quantization_config") if isinstance(config, dict) else None
+    cfg, config = found
+    qc = config.get("quantization_config")
     if qc is None:
         return None
     if not isinstance(qc, dict):

@@ -63,6 +63,8 @@ from ckptbridge.plugin import (
     transpose,
 )
 
+from .._hf import hf_config
+
 __all__ = ["CONFIG", "WEIGHTS", "Adapter", "LoraMerge", "LoraPair", "adapter_notes", "is_adapter", "merge", "read"]
 
 CONFIG = "adapter_config.json"
@@ -310,13 +312,8 @@ def _transposed(shape: Sequence[int], out: int, inp: int, model_type: Callable[[
 
 def _model_type(path: str) -> str | None:
     """The ``model_type`` of the HF ``config.json`` beside the checkpoint at ``path``, if any."""
-    root = path if storage.isdir(path) else storage.dirname(path)
-    cfg = storage.join(root, "config.json")
-    try:
-        config = json.loads(storage.read_text(cfg)) if storage.isfile(cfg) else None
-    except ValueError as err:
-        raise FormatError(f"{cfg}: not valid JSON ({err})") from None
-    kind = config.get("model_type") if isinstance(config, dict) else None
+    found = hf_config(path)
+    kind = found[1].get("model_type") if found else None
     return kind if isinstance(kind, str) else None
 
 
