@@ -758,6 +758,16 @@ def _write_json(path: Path, data: Any) -> None:
     path.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
 
 
+def built_model(spec: Spec, cache: dict[str, Built]) -> Built:
+    """The model of ``spec``, built once per ``cache`` (keyed by the spec's fields)."""
+    import dataclasses
+
+    key = json.dumps(dataclasses.asdict(spec), sort_keys=True)
+    if key not in cache:
+        cache[key] = build(spec)
+    return cache[key]
+
+
 def run_job(job: dict[str, Any], cache: dict[str, Built]) -> dict[str, Any]:
     """Run one subcommand given as a dict of its CLI options (``{"cmd": "forward", ...}``)."""
     import dataclasses
@@ -769,10 +779,7 @@ def run_job(job: dict[str, Any], cache: dict[str, Built]) -> dict[str, Any]:
     spec = Spec.from_json(job["spec"]) if isinstance(job["spec"], dict) else _load_spec(job["spec"])
 
     def get(s: Spec) -> Built:
-        k = json.dumps(dataclasses.asdict(s), sort_keys=True)
-        if k not in cache:
-            cache[k] = build(s)
-        return cache[k]
+        return built_model(s, cache)
 
     result: dict[str, Any] = {"cmd": cmd}
     if cmd == "tree":

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import json
 import sys
 import time
@@ -216,17 +215,15 @@ def run_batch(jobs: list[dict[str, Any]], cache: dict[str, harness.Built]) -> li
         if job["cmd"] not in ("lora-forward", "lora-tree", "lora-grad", "qwix-forward"):
             results.append(harness.run_job(job, cache))
             continue
-        t0, spec = time.time(), harness.Spec.from_json(job["spec"])
-        key = json.dumps(dataclasses.asdict(spec), sort_keys=True)  # harness.run_job's cache key
-        if key not in cache:
-            cache[key] = harness.build(spec)
+        t0 = time.time()
+        model = harness.built_model(harness.Spec.from_json(job["spec"]), cache)
         if job["cmd"] == "qwix-forward":
-            result = qwix_forward(job, cache[key])
+            result = qwix_forward(job, model)
         elif job["cmd"] == "lora-tree":
-            harness._write_json(Path(job["report"]), {"lora_tree": lora_tree(cache[key], job["adapter_config"])})
+            harness._write_json(Path(job["report"]), {"lora_tree": lora_tree(model, job["adapter_config"])})
             result = {"cmd": "lora-tree"}
         else:
-            result = (lora_forward if job["cmd"] == "lora-forward" else lora_grad)(job, cache[key])
+            result = (lora_forward if job["cmd"] == "lora-forward" else lora_grad)(job, model)
         results.append({**result, "seconds": round(time.time() - t0, 2)})
     return results
 
