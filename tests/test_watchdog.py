@@ -28,6 +28,7 @@ from ckptbridge.health import (
     stragglers,
 )
 
+pytestmark = pytest.mark.serial  # detection latencies: run alone (Makefile `test`)
 POLICY = ckptbridge.WatchdogPolicy()
 
 
@@ -48,7 +49,7 @@ def test_beat_round_trips_and_rejects_garbage() -> None:
 
 def test_a_silent_rank_is_named_after_hang_periods_while_the_observer_beats() -> None:
     peers = {r: Peer(r, "h", 100 + r) for r in range(3)}
-    hang = POLICY.hang_periods * POLICY.min_period  # 0.5 s (no step history: P = startup 1 s -> 2 s)
+    hang = POLICY.hang_periods * POLICY.min_period  # 0.5 s (no step history: P = startup 5 s -> 10 s)
     seen = {r: PeerSeen(Beat(50, 10, 0.07), 100.0, 0) for r in range(3)}
     seen[1] = PeerSeen(Beat(20, 9, 0.07), 100.0 - hang, 0)
     found = assess(seen, peers, now=100.0, wall=0.0, my_beats=10, me=0, policy=POLICY, procs={})

@@ -143,7 +143,10 @@ class Verdict:
 class WatchdogPolicy:
     """Thresholds. ``min_period`` floors the step period used for timing (beats every
     ``min_period / beats_per_period`` seconds); ``startup_period`` stands in for it until
-    the job has ``history`` steps. A straggler spends ``straggler_factor`` times the other
+    the job has ``history`` steps. It is long (5 s: a silent rank is named after 10 s) because a
+    starting rank imports and compiles, and a C extension's import or init can hold the GIL for
+    seconds, silencing its beat thread without any fault; a same-host rank whose process is gone
+    or stopped is still named after two beat intervals. A straggler spends ``straggler_factor`` times the other
     ranks' median compute time per step (and at least ``straggler_floor`` of a period more)
     for ``straggler_beats`` consecutive beats. A rank that still beats but whose main thread
     has been outside collectives for ``hung_periods`` periods while all the others have been
@@ -151,7 +154,7 @@ class WatchdogPolicy:
     rank legitimately works alone, e.g. an evaluation on rank 0)."""
 
     min_period: float = 0.25
-    startup_period: float = 1.0
+    startup_period: float = 5.0
     beats_per_period: int = 5
     hang_periods: float = 2.0
     hung_periods: float = 20.0
