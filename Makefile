@@ -38,11 +38,17 @@ lint: venv
 	$(PY) tools/typecheck.py
 	$(PY) bench/readme.py --check
 
+# The suite runs on TEST_WORKERS processes (pytest-xdist, a test file per worker at a time), then
+# the `serial` tests alone: the fault detector's, whose claims are latencies of a few step periods
+# that a second test file loading the same cores would stretch.
+TEST_WORKERS ?= 2
 test: venv maxtext-venv lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not serial and not megatron_lm"
+	$(PY) -m pytest -q -m "serial and not megatron_lm"
 
 test-fast: venv maxtext-venv
-	$(PY) -m pytest -q -m "not heavy"
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not heavy and not serial and not megatron_lm"
+	$(PY) -m pytest -q -m "not heavy and serial and not megatron_lm"
 
 demo: venv
 	$(PY) examples/demo.py demo_out

@@ -1,9 +1,9 @@
 """Real DeepSpeed resumes from ``ckptbridge reshard --to deepspeed-universal`` output.
 
-The first test trains a ZeRO-2 bf16 model at world size 2 with real DeepSpeed
-(``tools/ds_train.py``, the ``s2_bf16_w2`` fixture's recipe) and saves it; we
-convert it twice, with DeepSpeed's own ``ds_to_universal`` and with
-ckptbridge, and resume real engines (torchrun, CPU/gloo) from both:
+The first test takes the ``s2_bf16_w2`` fixture (ZeRO-2 bf16 at world size 2, trained by real
+DeepSpeed, with DeepSpeed's own ``ds_to_universal`` output beside it; that a live run still
+reproduces the fixture is ``test_migration.py``'s proof), converts it with ckptbridge, and resumes
+real engines (torchrun, CPU/gloo) from both universal checkpoints:
 
 * world size 1, ZeRO-1: the losses of the next two steps are identical;
 * world size 2, ZeRO-3 (a stage change DeepSpeed's own output cannot load): the
@@ -37,16 +37,7 @@ def _resume(tmp: str, label: str, ckpt_root: str, ws: int, stage: int, steps: in
 @pytest.mark.heavy
 def test_resume_other_world_size_and_stage(runs_dir: str, tmp_path: object) -> None:  # noqa: F811
     tmp = str(tmp_path)
-    # save: ZeRO-2 bf16 at world size 2 (the s2_bf16_w2 fixture's recipe)
-    tools.launch(2, ["--stage", "2", "--dtype", "bf16", "--steps", "3", "--out", os.path.join(tmp, "src")],
-                 os.path.join(tmp, "train.log"), timeout=600)
-    src = os.path.join(tmp, "src", "ckpt")
-
-    # DeepSpeed's own path
-    tools.ds_to_universal(os.path.join(src, "global_step3"), os.path.join(src, "global_step3_universal_ds"))
-    with open(os.path.join(src, "latest_universal"), "w") as fh:
-        fh.write("global_step3_universal_ds")
-    # ours
+    src = os.path.join(runs_dir, "s2_bf16_w2", "ckpt")  # latest_universal: ds_to_universal's output
     ours = os.path.join(tmp, "ours")
     reshard(src, ours, to="deepspeed-universal")
 
