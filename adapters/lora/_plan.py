@@ -32,6 +32,7 @@ from ckptbridge.plugin import (
     MergeDims,
     Pad,
     Rename,
+    Reshape,
     Rule,
     Scale,
     Split,
@@ -349,5 +350,10 @@ def _for_factor(rule: Rule, lay: Layout, part: str, next_id: int) -> Rule | None
         if side == "b":
             raise FormatError(f"{type(rule).__name__}({rule.pattern!r}) moves a stacked axis: not supported for LoRA")
         return replace(rule, dim=before.index(lay.axes[d][0])) if side == own else None
+    if isinstance(rule, Reshape):
+        raise FormatError(f"Reshape({rule.pattern!r}) reinterprets the weight's bytes (megatron-core's legacy GroupedMLP "
+                          "buffers mlp.experts.weight1 / weight2): no LoRA factor has that layout (Megatron-Bridge's LoRA "
+                          "wraps linear modules: SequentialMLP's local_experts.N.linear_fc1 / linear_fc2, "
+                          "megatron_experts='sequential')")
     raise FormatError(f"{type(rule).__name__}({rule.pattern!r}) has no LoRA counterpart (a LoRA factor "
                       "cannot be offset, split or joined like its base weight)")
