@@ -1,7 +1,7 @@
 """The outside references the LoRA tests compare against: PEFT's ``merge_and_unload``,
 Megatron-Bridge's merge formula and megatron-core's own ``GPTModel`` filled with merged weights::
 
-    from lora_refs import bits, bridge_merge, core_module, peft_merged
+    from lora_refs import adam_step, bits, bridge_merge, core_module, peft_merged, with_moments
     merged = bridge_merge(megatron_weights, carried.state_dict(), alpha, dim)
     got = core_module(tmp_path, hf_dir / "config.json", merged_file, ["good", "bad"], tokens)
 """
@@ -21,6 +21,36 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 CORE_MODULE = HERE.parent / "tools" / "megatron" / "core_module.py"
 MEGATRON_A = HERE / "fixtures" / "megatron" / "A" / "tp2pp2" / "torch"  # its Megatron args: the template
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def adam_step(model: Any, batch: np.ndarray, root: Path, betas: tuple[float, float] = (0.9, 0.999)) -> None:
+    """One torch Adam step on a trainable PEFT model (mean next-token cross-entropy of ``batch``
+    ``[b, s+1]``); its ``exp_avg`` / ``exp_avg_sq`` saved under the adapter's tensor names as
+    ``root/<moment>.safetensors`` (what :func:`with_moments` opens)."""
+    import torch
+    from safetensors.torch import save_file
+
+    params = {n.replace(".default.", "."): p for n, p in model.named_parameters() if p.requires_grad}
+    opt = torch.optim.Adam(params.values(), lr=1e-3, betas=betas)
+    x, y = (torch.as_tensor(batch[:, :-1], dtype=torch.long), torch.as_tensor(batch[:, 1:], dtype=torch.long))
+    logits = model(input_ids=x, use_cache=False).logits
+    torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1)).backward()
+    opt.step()
+    for kind in MOMENTS:
+        save_file({n: opt.state[p][kind].contiguous() for n, p in params.items()}, root / f"{kind}.safetensors")
+
+
+def with_moments(adapter: Path, root: Path) -> Any:
+    """PEFT's adapter opened with its Adam moments (:func:`adam_step`'s files) as states of each factor."""
+    import ckptbridge
+    from ckptbridge.plugin import Checkpoint, CheckpointIndex, LogicalTensor
+
+    weights = ckptbridge.open(adapter)
+    moments = {k: ckptbridge.open(root / f"{k}.safetensors") for k in MOMENTS}
+    tensors = {n: LogicalTensor(n, {"param": t.state(), **{k: m.tensors[n].state() for k, m in moments.items()}})
+               for n, t in weights.tensors.items()}
+    return Checkpoint(CheckpointIndex("lora", weights.path, tensors), weights.files)
 
 
 def bits(a: Any) -> np.ndarray:

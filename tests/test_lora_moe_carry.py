@@ -31,19 +31,18 @@ import pytest
 import ckptbridge
 from ckptbridge import recipes
 from ckptbridge.adapters import lora
-from ckptbridge.plugin import Checkpoint, CheckpointIndex, FormatError, LogicalTensor
+from ckptbridge.plugin import FormatError
 
 torch = pytest.importorskip("torch")
 peft = pytest.importorskip("peft")
 import hf_models as hf  # noqa: E402
-from lora_refs import bridge_merge, core_module, peft_merged  # noqa: E402
+from lora_refs import MOMENTS, adam_step, bridge_merge, core_module, peft_merged, with_moments  # noqa: E402
 from safetensors.numpy import save_file as save_numpy  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:The following (rank|alpha)_pattern keys did not match")
 SPEC = hf.HFSpec("qwen3_moe", mlp=24)  # 2 layers, 4 experts of width 24 (top 2), hidden 64
 E, R, ALPHA = 4, 4, 8.0
-MOMENTS = ("exp_avg", "exp_avg_sq")
 EXPERTS = "base_model.model.model.layers.{}.mlp.experts."
 LOCAL = "decoder.layers.{}.mlp.experts.local_experts.{}.linear_fc{}.adapter.linear_{}.weight"
 
@@ -56,15 +55,6 @@ def _rules(cfg: dict, src: str, dst: str, **extra) -> tuple:
     return recipes.rules("qwen3_moe", src=src, dst=dst, **cfg, **extra)
 
 
-def _with_moments(adapter: Path, root: Path) -> Checkpoint:
-    """The adapter opened with its Adam moments (``<moment>.safetensors`` beside it) as states."""
-    opened = ckptbridge.open(adapter)
-    moments = {k: ckptbridge.open(root / f"{k}.safetensors") for k in MOMENTS}
-    states = {n: LogicalTensor(n, {"param": t.state(), **{k: moments[k].tensors[n].state() for k in MOMENTS}})
-              for n, t in opened.tensors.items()}
-    return Checkpoint(CheckpointIndex("lora", opened.path, states), opened.files)
-
-
 @pytest.fixture(scope="module")
 def made(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("lora_moe_carry")
@@ -75,14 +65,10 @@ def made(tmp_path_factory) -> dict:
                              rank_pattern={"layers.1.mlp.experts.gate_up_proj": 2})
     torch.manual_seed(3)
     model = peft.get_peft_model(hf.build(SPEC), config)
-    trained = [p for p in model.parameters() if p.requires_grad]
-    _, opt = hf.train_adamw(model, hf.tokens(2, 13, 256, seed=4), 1, optimizer=torch.optim.Adam(trained, lr=1e-3))
+    adam_step(model, hf.tokens(2, 13, 256, seed=4), root)
     model.save_pretrained(root / "adapter")
-    for k in MOMENTS:  # PEFT's stored names are its parameters' without the adapter name
-        save_file({n.replace(".default.", "."): opt.state[p][k].contiguous() for n, p in model.named_parameters()
-                   if p.requires_grad}, str(root / f"{k}.safetensors"))
     cfg = recipes.config_from_hf(base / "config.json")
-    carried = lora.carry(_with_moments(root / "adapter", root), _rules(cfg, "hf", "megatron", hf_experts="fused"))
+    carried = lora.carry(with_moments(root / "adapter", root), _rules(cfg, "hf", "megatron", hf_experts="fused"))
     return {"root": root, "base": base, "cfg": cfg, "carried": carried,
             "peft": load_file(str(root / "adapter" / "adapter_model.safetensors")),
             "moments": {k: load_file(str(root / f"{k}.safetensors")) for k in MOMENTS}}
