@@ -142,6 +142,9 @@ def test_expert_adapters_carry_to_megatron_per_expert_and_back(made: dict, tmp_p
 
 def test_grouped_megatron_experts_and_maxtext_expert_kernels_are_refused_by_name(made: dict) -> None:
     adapter = ckptbridge.open(made["root"] / "adapter")
+    with pytest.raises(FormatError, match=r"expert parameter 'model\.layers\.0\.mlp\.experts\.down_proj'.*"
+                                          r"hf_experts='fused'"):  # the recipe for save_pretrained's per-expert names
+        lora.carry(adapter, _rules(made["cfg"], "hf", "megatron"))
     grouped = _rules(made["cfg"], "hf", "megatron", hf_experts="fused", megatron_experts="grouped")
     with pytest.raises(FormatError, match=r"experts\\\\.weight[12].*legacy GroupedMLP.*megatron_experts='sequential'"):
         lora.carry(adapter, grouped)

@@ -123,6 +123,13 @@ def carry(adapter: Checkpoint, rules: Sequence[Rule], *, alpha: float | None = N
     fused pair trains as one adapter of the summed rank): their zero moments are a fresh start, not a
     history, so training on is not the parts' training continued.
 
+    PEFT's pairs on 3-D expert parameters (``target_parameters``: ``A [E*r, in]``, ``B [out, r*E]``)
+    move as a weight ``[E, out, in]`` whose experts both factors stack (``_experts``): a recipe that
+    unstacks the experts (``qwen3_moe`` with ``hf_experts="fused"`` to Megatron's
+    ``local_experts.N``) gives each expert its own pair, exactly (its zero padding to the carried rank
+    gets no gradient: its moments stay exact); carried back to HF they are PEFT's layout and nesting
+    again, listed in ``extra["lora"]["target_parameters"]`` for :func:`save_peft`.
+
     ``alpha``: the source's ``lora_alpha`` where its files record none (MaxText's and
     Megatron-Bridge's factors; default ``r``, a scaling of 1); a PEFT folder's is its
     ``adapter_config.json``'s. The result's ``lora_alpha`` keeps the source's scaling."""
@@ -154,6 +161,11 @@ def carry(adapter: Checkpoint, rules: Sequence[Rule], *, alpha: float | None = N
         for name, t in moved.items():
             new = f"{wrappers[name]}.lora_{part}.weight" if name in wrappers else factor_name(name, part)
             out[new] = _renamed(t, new)
+    mixed = sorted(n for n in out if (factor_of(n) or ("", "", ""))[2] != "hf")
+    if params and mixed:
+        raise FormatError(f"{adapter.path}: the rules leave PEFT's expert parameter {sorted(params)[0]!r} in its HF "
+                          f"form while they map other weights (e.g. to {mixed[0]!r}): rules for transformers' "
+                          "fused experts are needed (qwen3_moe: hf_experts='fused')")
     extra: dict[str, Any] = {"lora": {"r": steps.rank, "lora_alpha": scale * steps.rank, "from": adapter.path}}
     if params:  # PEFT's target_parameters (save_peft writes them)
         extra["lora"]["target_parameters"] = sorted({_experts.target_parameter(n) for n in params})
