@@ -11,8 +11,8 @@ scanned tree on axis 1 (``[X, L, ...]``), as MaxText's converter stacks them
 (``QWEN_MAXTEXT_TO_HF_PARAM_MAPPING``: experts outer, layers inner). megatron-core: the router
 ``mlp.router.weight`` ``[X, E]``, experts ``mlp.experts.local_experts.N.linear_fc1`` (``[gate; up]``)
 and ``linear_fc2`` (the local spec's ``SequentialMLP``; from either HF layout: ``hf_experts="fused"``
-stacks them into ``gate_up_proj`` / ``down_proj``, the layout PEFT's expert LoRA adapts), or with ``megatron_experts="grouped"`` the
-legacy ``GroupedMLP`` module's two buffers per layer (``moe_grouped_gemm=True``, local spec):
+stacks them into ``gate_up_proj`` / ``down_proj``, the layout PEFT's expert LoRA adapts), or with
+``megatron_experts="grouped"`` the legacy ``GroupedMLP`` module's two buffers per layer (``moe_grouped_gemm=True``, local spec):
 ``mlp.experts.weight1`` ``[E, X * 2F]`` and ``mlp.experts.weight2`` ``[X * F, E]``, which megatron-core
 reads as ``weight1.view(X, E, 2F)`` and ``weight2.view(X, F, E)`` (expert N's ``linear_fc1`` is
 ``[N].T``); it needs ``n_experts`` and ``moe_mlp`` (F, ``config_from_hf`` reads both). That is the
