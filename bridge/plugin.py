@@ -138,6 +138,7 @@ from .rules import Pad as Pad
 from .rules import Rename as Rename
 from .rules import Renumber as Renumber
 from .rules import Replicate as Replicate
+from .rules import Reshape as Reshape
 from .rules import Rule as Rule
 from .rules import Scale as Scale
 from .rules import Shard as Shard

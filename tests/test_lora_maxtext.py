@@ -25,6 +25,7 @@ torch = pytest.importorskip("torch")
 peft = pytest.importorskip("peft")
 import hf_models as hf  # noqa: E402
 import maxtext_client as mx  # noqa: E402
+from lora_refs import adam_step, with_moments  # noqa: E402
 
 LORA_TOOL = mx.ROOT / "tools" / "maxtext" / "lora.py"
 SPEC = hf.HFSpec("llama", rope="llama3")
@@ -83,30 +84,8 @@ def _write(lora: ckptbridge.Checkpoint, path: Path) -> Path:
 
 
 def _adam_step(base: Path, adapter: Path, batch: np.ndarray, root: Path) -> None:
-    """One torch Adam step on PEFT's adapter (mean next-token cross-entropy of ``batch``); its
-    ``exp_avg`` / ``exp_avg_sq`` saved under the adapter's tensor names."""
-    from safetensors.torch import save_file
-
-    pm = peft.PeftModel.from_pretrained(_model(base), adapter, is_trainable=True)
-    params = {n.replace(".default.", "."): p for n, p in pm.named_parameters() if p.requires_grad}
-    opt = torch.optim.Adam(params.values(), lr=1e-3, betas=BETAS)
-    x, y = (torch.as_tensor(batch[:, :-1], dtype=torch.long), torch.as_tensor(batch[:, 1:], dtype=torch.long))
-    logits = pm(input_ids=x, use_cache=False).logits
-    torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1)).backward()
-    opt.step()
-    for kind in ("exp_avg", "exp_avg_sq"):
-        save_file({n: opt.state[p][kind].contiguous() for n, p in params.items()}, root / f"{kind}.safetensors")
-
-
-def _with_moments(adapter: Path, root: Path) -> ckptbridge.Checkpoint:
-    """PEFT's adapter with its Adam moments as states of each factor."""
-    from ckptbridge.plugin import Checkpoint, CheckpointIndex, LogicalTensor
-
-    weights = ckptbridge.open(adapter)
-    moments = {k: ckptbridge.open(root / f"{k}.safetensors") for k in ("exp_avg", "exp_avg_sq")}
-    tensors = {n: LogicalTensor(n, {"param": t.state(), **{k: m.tensors[n].state() for k, m in moments.items()}})
-               for n, t in weights.tensors.items()}
-    return Checkpoint(CheckpointIndex("lora", weights.path, tensors), weights.files)
+    """One torch Adam step on PEFT's adapter; its moments saved under the adapter's tensor names."""
+    adam_step(peft.PeftModel.from_pretrained(_model(base), adapter, is_trainable=True), batch, root, BETAS)
 
 
 @pytest.fixture(scope="module")
@@ -232,7 +211,7 @@ def test_adam_moments_of_the_adapter_carry_with_their_meaning(made: dict) -> Non
     MaxText they equal those of MaxText's own gradient with respect to its adapter leaves (the
     query scale divides B's first moment and, squared, its second; rsLoRA's fold likewise)."""
     root = made["root"]
-    lora = carry.carry(_with_moments(made["attn"], root), _rules(made["cfg"], "hf", "maxtext", scan=False))
+    lora = carry.carry(with_moments(made["attn"], root), _rules(made["cfg"], "hf", "maxtext", scan=False))
     grads = mx.read_params(root / "attn.grad.safetensors")
     assert set(grads) == set(lora)
     for name, g in grads.items():

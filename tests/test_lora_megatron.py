@@ -16,10 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -33,11 +30,9 @@ from ckptbridge.plugin import Checkpoint, CheckpointIndex, FormatError, Join, Lo
 torch = pytest.importorskip("torch")
 peft = pytest.importorskip("peft")
 import hf_models as hf  # noqa: E402
+from lora_refs import bridge_merge, core_module, peft_merged  # noqa: E402
 from safetensors.numpy import save_file  # noqa: E402
 
-HERE = Path(__file__).resolve().parent
-CORE_MODULE = HERE.parent / "tools" / "megatron" / "core_module.py"
-MEGATRON_A = HERE / "fixtures" / "megatron" / "A" / "tp2pp2" / "torch"  # its Megatron args: the template
 SPEC = hf.HFSpec("llama")  # GQA: 4 query heads in 2 groups
 R, ALPHA = 4, 8.0
 MODULES = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
@@ -63,47 +58,6 @@ def _model(model_dir: Path):
 def _logits(model_dir: Path, tokens: np.ndarray, adapter: Path | None = None) -> np.ndarray:
     model = _model(model_dir)
     return hf.logits(peft.PeftModel.from_pretrained(model, adapter).eval() if adapter else model, tokens)
-
-
-def _merged(model_dir: Path, adapter: Path) -> dict[str, np.ndarray]:
-    """PEFT's own ``merge_and_unload`` of ``adapter`` onto the base: its state dict."""
-    model = peft.PeftModel.from_pretrained(_model(model_dir), adapter).merge_and_unload()
-    return {n: t.detach().numpy() for n, t in model.state_dict().items()}
-
-
-def _bridge_merge(weights: dict, factors: dict, alpha: float, dim: int) -> dict:
-    """Megatron-Bridge's merge (``LoRAMerge.merge`` at TP 1: ``base_weight + alpha / dim *
-    (linear_out @ linear_in)``, torch fp32) of every adapted weight."""
-    out = dict(weights)
-    for name, b in factors.items():
-        if name.endswith(".adapter.linear_out.weight"):
-            w = name.replace(".adapter.linear_out.weight", ".weight")
-            a = torch.as_tensor(factors[name.replace("linear_out", "linear_in")])
-            out[w] = (torch.as_tensor(weights[w]) + alpha / dim * (torch.as_tensor(b) @ a)).numpy()
-    return out
-
-
-def _core_module(work: Path, cfg_file: Path, source: Path, labels: list[str], tokens: np.ndarray) -> dict:
-    """megatron-core's GPTModel (``tools/megatron/core_module.py``, one process) filled strictly from
-    ``source``'s ``<label>.`` tensors, per label: its logits and the tensors it had no place for."""
-    from ckptbridge.rules import Rename
-
-    template = {**ckptbridge.open(MEGATRON_A).extra["megatron"]["args"], "tensor_model_parallel_size": 1,
-                "pipeline_model_parallel_size": 1}
-    (work / "args.json").write_text(json.dumps(recipes.megatron_args(cfg_file, template=template)))
-    np.save(work / "tokens.npy", tokens)
-    items = []
-    for label in labels:
-        rules = ckptbridge.rules_to_json([Rename(rf"^{label}\.(?P<rest>.*)$", r"\g<rest>")])
-        (work / f"{label}.rules.json").write_text(json.dumps(rules))
-        items.append(f"{work / 'args.json'},{work / f'{label}.rules.json'}={work / f'{label}.npy'}")
-    out = subprocess.run([sys.executable, str(CORE_MODULE), "--source", str(source), "--tokens",
-                          str(work / "tokens.npy"), *items], capture_output=True, text=True, timeout=600,
-                         env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"))
-    recs = [json.loads(line[len("CORE_MODULE "):]) for line in out.stdout.splitlines()
-            if line.startswith("CORE_MODULE ")]
-    assert out.returncode == 0 and len(recs) == len(labels), out.stdout[-3000:] + out.stderr[-5000:]
-    return {label: {**rec, "logits": np.load(work / f"{label}.npy")} for label, rec in zip(labels, recs)}
 
 
 @pytest.fixture(scope="module")
@@ -138,7 +92,7 @@ def test_megatron_bridge_adapter_to_peft_gives_the_megatron_merge(base: dict, tm
     save_file(adapter, str(tmp_path / "meg_lora.safetensors"))
 
     # Megatron-Bridge's merge on the Megatron base, seen as HF through the base recipe
-    save_file(_bridge_merge(weights, adapter, ALPHA, R), str(tmp_path / "meg_merged.safetensors"))
+    save_file(bridge_merge(weights, adapter, ALPHA, R), str(tmp_path / "meg_merged.safetensors"))
     ref = ckptbridge.open(tmp_path / "meg_merged.safetensors", rules=_rules(cfg, "megatron", "hf"))
     tokens = hf.tokens(2, 12, cfg["vocab_size"], seed=6)
     want = _logits(_hf_dir(ref, base["base"] / "config.json", tmp_path / "ref"), tokens)
@@ -179,10 +133,10 @@ def test_peft_adapter_into_fused_megatron_weights_gives_peft_logits_in_megatron_
                       and "linear_qkv" in r.to else r for r in fused["to_meg"])
     bad = lora.carry(ckptbridge.open(fused["peft"]), ungrouped).state_dict()
     source = {f"{label}.{n}": v for label, f in (("good", factors), ("bad", bad))
-              for n, v in _bridge_merge(fused["weights"], f, alpha, dim).items()}
+              for n, v in bridge_merge(fused["weights"], f, alpha, dim).items()}
     save_file(source, str(tmp_path / "merged.safetensors"))
     tokens = hf.tokens(2, 12, cfg["vocab_size"], seed=6)
-    got = _core_module(tmp_path, fused["base"] / "config.json", tmp_path / "merged.safetensors", ["good", "bad"], tokens)
+    got = core_module(tmp_path, fused["base"] / "config.json", tmp_path / "merged.safetensors", ["good", "bad"], tokens)
     want = _logits(fused["base"], tokens, fused["peft"])
     assert "error" not in got["good"] and sorted(got["good"]["unplaced"]) == sorted(n for n in source if n[:4] == "bad.")
     np.testing.assert_allclose(got["good"]["logits"][..., :cfg["vocab_size"]], want, atol=1e-4, rtol=0)
@@ -190,7 +144,7 @@ def test_peft_adapter_into_fused_megatron_weights_gives_peft_logits_in_megatron_
     assert np.abs(want - _logits(fused["base"], tokens)).max() > 1e-2  # the adapter moves the logits
     # back to PEFT (the fused pair splits: each part the whole A, its rows of B): PEFT's merge is the original's
     lora.save_peft(lora.carry(carried, _rules(cfg, "megatron", "hf")), tmp_path / "back")
-    merged = {k: _merged(fused["base"], p) for k, p in (("peft", fused["peft"]), ("back", tmp_path / "back"))}
+    merged = {k: peft_merged(lambda: _model(fused["base"]), p) for k, p in (("peft", fused["peft"]), ("back", tmp_path / "back"))}
     assert merged["back"].keys() == merged["peft"].keys()
     for name, w in merged["peft"].items():
         np.testing.assert_array_equal(merged["back"][name], w, err_msg=name)

@@ -24,6 +24,7 @@ from ckptbridge.plugin import FormatError
 torch = pytest.importorskip("torch")
 peft = pytest.importorskip("peft")
 from hf_models import HFSpec, build, logits, save, tokens  # noqa: E402
+from lora_refs import bits as _bits  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 # PEFT 0.21 checks rank_pattern / alpha_pattern keys against the targeted modules only and warns that
@@ -32,14 +33,6 @@ pytestmark = pytest.mark.filterwarnings("ignore:The following (rank|alpha)_patte
 SPEC = HFSpec("qwen3_moe", mlp=24)  # 2 layers, 4 experts of width 24, hidden 64
 EXPERTS = "model.layers.{}.mlp.experts"
 TOKENS = tokens(2, 12, 256)
-
-
-def _bits(a) -> np.ndarray:
-    if hasattr(a, "detach"):
-        a = a.detach().contiguous()
-        return a.view(torch.int16 if a.dtype == torch.bfloat16 else torch.int32).numpy()
-    a = np.ascontiguousarray(a)
-    return a.view(np.int16 if a.dtype.itemsize == 2 else np.int32)
 
 
 def _model(base: Path):

@@ -5,8 +5,9 @@
   slice (used by the safetensors adapter);
 * ``_carry``: :func:`carry` moves an adapter alone through a family recipe (HF PEFT, MaxText,
   Megatron-Bridge names, and from MaxText's training-time qwix LoRA, ``<kernel>_lora_a`` /
-  ``_lora_b``; ``_plan`` writes each base rule for the factors) and :func:`save_peft` writes one as
-  a PEFT folder::
+  ``_lora_b``; ``_plan`` writes each base rule for the factors; ``_experts`` stacks PEFT's 3-D expert
+  pairs so that a recipe's experts unstack them per expert, e.g. to Megatron's ``local_experts.N``)
+  and :func:`save_peft` writes one as a PEFT folder::
 
     from ckptbridge.adapters import lora
     mt = lora.carry(ckptbridge.open("peft_adapter/"), rules)

@@ -32,6 +32,7 @@ import os
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path, PurePosixPath
+from typing import Any
 
 from ckptbridge.plugin import (
     Checkpoint,
@@ -44,7 +45,7 @@ from ckptbridge.plugin import (
     apply_rules,
 )
 
-from . import _read
+from . import _experts, _read
 from ._plan import Copy, Place, layout_of, plan, qwix_splits, scan_axis
 
 __all__ = ["carry", "factor_name", "factor_of", "save_peft"]
@@ -95,6 +96,10 @@ def factor_name(base: str, part: str) -> str:
         return f"{base.removesuffix('.weight')}.adapter.linear_{'in' if part == 'A' else 'out'}.weight"
     if base.endswith(".weight"):
         return f"base_model.model.{base.removesuffix('.weight')}.lora_{part}.weight"
+    if "/moe_block/" in base:
+        raise FormatError(f"{base!r}: MaxText 0.2.5 has no LoRA form for its MoE expert kernels (its adapter tree, "
+                          "utils/lora_utils.py, has LoRA kernels beside DenseGeneral kernels only; qwix's LoRA on "
+                          "the experts' einsum shares one A across experts, and none on the sparse_matmul path)")
     raise FormatError(f"{base!r}: no LoRA naming for a weight that ends neither in '.weight' nor '/kernel'")
 
 
@@ -118,28 +123,58 @@ def carry(adapter: Checkpoint, rules: Sequence[Rule], *, alpha: float | None = N
     fused pair trains as one adapter of the summed rank): their zero moments are a fresh start, not a
     history, so training on is not the parts' training continued.
 
+    PEFT's pairs on 3-D expert parameters (``target_parameters``: ``A [E*r, in]``, ``B [out, r*E]``)
+    move as a weight ``[E, out, in]`` whose experts both factors stack (``_experts``): a recipe that
+    unstacks the experts (``qwen3_moe`` with ``hf_experts="fused"`` to Megatron's
+    ``local_experts.N``) gives each expert its own pair, exactly (its zero padding to the carried rank
+    gets no gradient: its moments stay exact); carried back to HF they are PEFT's layout and nesting
+    again, listed in ``extra["lora"]["target_parameters"]`` for :func:`save_peft`.
+
     ``alpha``: the source's ``lora_alpha`` where its files record none (MaxText's and
     Megatron-Bridge's factors; default ``r``, a scaling of 1); a PEFT folder's is its
     ``adapter_config.json``'s. The result's ``lora_alpha`` keeps the source's scaling."""
     pairs, style = _pairs(adapter)
     if style == "qwix":  # flattened factors: MaxText's served layout first
         pairs, style = _unflatten(pairs, rules), "maxtext"
-    lora_alpha, r, scalings = _scalings(adapter, style, pairs, alpha)
+    peft = _read.read(adapter.path, adapter.tensors) if style == "hf" else None
+    experts = {}
+    if peft is not None:  # PEFT's own pairing: a target_parameters pair adapts the parameter its nesting names
+        pairs = {p.base: {"A": _renamed(adapter.tensors[p.a], p.base), "B": _renamed(adapter.tensors[p.b], p.base)}
+                 for p in peft.pairs}
+        experts = {p.base: _experts.to_stacked(p.base, p.experts, p.rank) for p in peft.pairs if p.experts > 1}
+    lora_alpha, r, scalings = _scalings(adapter, style, peft, pairs, alpha)
     scale = lora_alpha / r
     folded = {b: s / scale for b, s in scalings.items() if s != scale}
     layouts = {b: layout_of(p["A"].shape, p["B"].shape, style, scan_axis(rules, b) if style == "maxtext" else None)
                for b, p in pairs.items()}
+    layouts |= {p.base: _experts.layout(p.experts, p.rank) for p in (peft.pairs if peft else ()) if p.experts > 1}
     steps = plan(rules, layouts)
     out: dict[str, LogicalTensor] = {}
+    params: set[str] = set()
     for part, part_rules in (("A", steps.a), ("B", steps.b)):
-        prefix = [Scale(f"^{re.escape(b)}$", f) for b, f in folded.items()] if part == "B" else []
+        prefix: list[Rule] = [Scale(f"^{re.escape(b)}$", f) for b, f in folded.items()] if part == "B" else []
+        prefix += [rule for stacked in experts.values() for rule in stacked[part]]
         moved = _apply({b: p[part] for b, p in pairs.items()}, [*prefix, *part_rules])
+        params |= {n for n, t in moved.items() if _experts.is_expert_param(n, len(t.shape))}
+        moved = _apply(moved, [rule for n in params for rule in _experts.to_peft(n)[part]])
+        wrappers = _experts.peft_names(params)
         for name, t in moved.items():
-            new = factor_name(name, part)
-            out[new] = LogicalTensor(new, dict(t.states), dict(t.scalars))
-    extra = {"lora": {"r": steps.rank, "lora_alpha": scale * steps.rank, "from": adapter.path}}
+            new = f"{wrappers[name]}.lora_{part}.weight" if name in wrappers else factor_name(name, part)
+            out[new] = _renamed(t, new)
+    mixed = sorted(n for n in out if (factor_of(n) or ("", "", ""))[2] != "hf")
+    if params and mixed:
+        raise FormatError(f"{adapter.path}: the rules leave PEFT's expert parameter {sorted(params)[0]!r} in its HF "
+                          f"form while they map other weights (e.g. to {mixed[0]!r}): rules for transformers' "
+                          "fused experts are needed (qwen3_moe: hf_experts='fused')")
+    extra: dict[str, Any] = {"lora": {"r": steps.rank, "lora_alpha": scale * steps.rank, "from": adapter.path}}
+    if params:  # PEFT's target_parameters (save_peft writes them)
+        extra["lora"]["target_parameters"] = sorted({_experts.target_parameter(n) for n in params})
     index = CheckpointIndex("lora", path or adapter.path, out, adapter.step, extra)
     return Checkpoint(index, adapter.files)
+
+
+def _renamed(t: LogicalTensor, name: str) -> LogicalTensor:
+    return LogicalTensor(name, dict(t.states), dict(t.scalars))
 
 
 def _pairs(adapter: Checkpoint) -> tuple[dict[str, dict[str, LogicalTensor]], str]:
@@ -156,7 +191,7 @@ def _pairs(adapter: Checkpoint) -> tuple[dict[str, dict[str, LogicalTensor]], st
             raise FormatError(f"{adapter.path}: tensor {name!r} is not a LoRA factor (lora_A/lora_B)")
         base, part, style = found
         styles.add(style)
-        pairs.setdefault(base, {})[part] = LogicalTensor(base, dict(t.states), dict(t.scalars))
+        pairs.setdefault(base, {})[part] = _renamed(t, base)
     if len(styles) != 1:
         raise FormatError(f"{adapter.path}: LoRA tensors of several namings {sorted(styles)}")
     for base, ab in pairs.items():
@@ -175,18 +210,17 @@ def _unflatten(pairs: Mapping[str, Mapping[str, LogicalTensor]], rules: Sequence
     return out
 
 
-def _scalings(adapter: Checkpoint, style: str, pairs: Mapping[str, Mapping[str, LogicalTensor]],
+def _scalings(adapter: Checkpoint, style: str, peft: _read.Adapter | None, pairs: Mapping[str, Mapping[str, LogicalTensor]],
               alpha: float | None) -> tuple[float, int, dict[str, float]]:
     """The source's ``lora_alpha`` and ``r`` (its nominal scaling ``lora_alpha / r``) and each pair's
-    own scaling: PEFT's as ``adapter_config.json`` gives it (rsLoRA, patterns), others ``lora_alpha``
-    over the pair's rank (Megatron-Bridge's ``alpha / dim``)."""
-    if style == "hf":
+    own scaling: PEFT's (``peft``) as ``adapter_config.json`` gives it (rsLoRA, patterns), others
+    ``lora_alpha`` over the pair's rank (Megatron-Bridge's ``alpha / dim``)."""
+    if peft is not None:
         if alpha is not None:
             raise OptionError(f"{adapter.path}: a PEFT adapter's lora_alpha is its {_read.CONFIG}'s; "
                               "alpha= is for factors that record none (MaxText's, Megatron-Bridge's)")
         config = _read._config(_read.weights_file(adapter.path))
-        read = _read.read(adapter.path, adapter.tensors)
-        return float(config.get("lora_alpha", 8)), int(config.get("r", 8)), {p.base: p.scaling for p in read.pairs}
+        return float(config.get("lora_alpha", 8)), int(config.get("r", 8)), {p.base: p.scaling for p in peft.pairs}
     ranks = {b: p["A"].shape[-1 if style == "maxtext" else 0] for b, p in pairs.items()}
     given = adapter.extra.get("lora")
     config = dict(given) if isinstance(given, Mapping) else {}
@@ -209,12 +243,16 @@ def _apply(tensors: dict[str, LogicalTensor], rules: Sequence[Rule]) -> dict[str
     return tensors
 
 
-def save_peft(lora: Checkpoint, out: str | os.PathLike[str], *, task_type: str = "CAUSAL_LM") -> str:
+def save_peft(lora: Checkpoint, out: str | os.PathLike[str], *, task_type: str = "CAUSAL_LM",
+              target_parameters: Sequence[str] = ()) -> str:
     """Write ``lora`` (HF-named factors, e.g. :func:`carry` to HF) as a PEFT adapter folder
-    (``adapter_model.safetensors`` + ``adapter_config.json`` with its ``r``, ``lora_alpha`` and the
-    modules it targets), which ``peft.PeftModel.from_pretrained`` loads::
+    (``adapter_model.safetensors`` + ``adapter_config.json`` with its ``r``, ``lora_alpha``, the
+    modules it targets and the parameters: 3-D experts, as :func:`carry` records them, and
+    ``target_parameters``, those of 2-D parameters that are no ``nn.Linear``'s weight, e.g. Qwen3-MoE's
+    router ``mlp.gate.weight``), which ``peft.PeftModel.from_pretrained`` loads::
 
         save_peft(carry(ckptbridge.open("mt_read.safetensors"), back_rules, alpha=8.0), "adapter/")
+        save_peft(carry(megatron_lora, to_hf_fused), "adapter/", target_parameters=["mlp.gate.weight"])
     """
     import ckptbridge
 
@@ -224,10 +262,13 @@ def save_peft(lora: Checkpoint, out: str | os.PathLike[str], *, task_type: str =
     cfg = lora.extra.get("lora") or {}
     if "r" not in cfg or "lora_alpha" not in cfg:
         raise FormatError(f"{lora.path}: no r / lora_alpha in extra['lora'] (carry() records them)")
-    modules = sorted({PurePosixPath(f[0].replace(".", "/")).parent.name for f in names if f})
+    params = sorted({*cfg.get("target_parameters", ()), *target_parameters})
+    modules = sorted({PurePosixPath(f[0].replace(".", "/")).parent.name for f in names
+                      if f and not _read.adapted(f[0].removesuffix(".weight"), params, lora.path, f[0])[1]})
     Path(out).mkdir(parents=True, exist_ok=True)
     ckptbridge.reshard(lora, str(Path(out) / _read.WEIGHTS), to="safetensors")
     config = {"peft_type": "LORA", "task_type": task_type, "r": int(cfg["r"]), "lora_alpha": cfg["lora_alpha"],
-              "target_modules": modules, "bias": "none", "lora_dropout": 0.0, "use_rslora": False}
+              "target_modules": modules or None, "bias": "none", "lora_dropout": 0.0, "use_rslora": False,
+              **({"target_parameters": params} if params else {})}
     (Path(out) / _read.CONFIG).write_text(json.dumps(config, indent=1) + "\n")
     return str(out)

@@ -32,6 +32,7 @@ from ckptbridge.plugin import (
     MergeDims,
     Pad,
     Rename,
+    Reshape,
     Rule,
     Scale,
     Split,
@@ -48,6 +49,10 @@ from ckptbridge.plugin import (
 __all__ = ["Copy", "Layout", "Place", "Plan", "layout_of", "plan", "qwix_splits", "scan_axis"]
 
 _PER_AXIS = (SplitDim, MergeDims, Interleave, Deinterleave, Pad, Crop)
+# the layout such a refusal meets first: megatron-core's legacy GroupedMLP (the qwen3_moe recipe's grouped form)
+_GROUPED = (" (megatron-core's legacy GroupedMLP buffers, mlp.experts.weight1 / weight2, are such: Megatron-Bridge's "
+            "LoRA wraps linear modules, SequentialMLP's local_experts.N.linear_fc1 / linear_fc2: "
+            "megatron_experts='sequential')")
 
 
 @dataclass(frozen=True)
@@ -343,11 +348,15 @@ def _for_factor(rule: Rule, lay: Layout, part: str, next_id: int) -> Rule | None
         return replace(rule, dim=before.index(lay.axis(d)))
     if isinstance(rule, _PER_AXIS):
         d = rule.dim % len(lay.axes)
-        if isinstance(rule, MergeDims) and len({s for _, s in lay.axes[d:d + rule.count]}) != 1:
+        sides = {s for _, s in lay.axes[d:d + (rule.count if isinstance(rule, MergeDims) else 1)]}
+        if "b" in sides:
+            raise FormatError(f"{type(rule).__name__}({rule.pattern!r}) moves a stacked axis: no LoRA factor has that "
+                              f"layout{_GROUPED}")
+        if len(sides) != 1:
             raise FormatError(f"MergeDims({rule.pattern!r}) merges input and output axes: not a LoRA factor's")
-        side = lay.side(d)
-        if side == "b":
-            raise FormatError(f"{type(rule).__name__}({rule.pattern!r}) moves a stacked axis: not supported for LoRA")
-        return replace(rule, dim=before.index(lay.axes[d][0])) if side == own else None
+        return replace(rule, dim=before.index(lay.axes[d][0])) if sides == {own} else None
+    if isinstance(rule, Reshape):
+        raise FormatError(f"Reshape({rule.pattern!r}) reinterprets the weight's bytes: no LoRA factor has that layout"
+                          f"{_GROUPED}")
     raise FormatError(f"{type(rule).__name__}({rule.pattern!r}) has no LoRA counterpart (a LoRA factor "
                       "cannot be offset, split or joined like its base weight)")

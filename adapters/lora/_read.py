@@ -65,14 +65,15 @@ from ckptbridge.plugin import (
 
 from .._hf import hf_config
 
-__all__ = ["CONFIG", "WEIGHTS", "Adapter", "LoraMerge", "LoraPair", "adapter_notes", "is_adapter", "merge", "read"]
+__all__ = ["CONFIG", "PARAM_ORDER", "WEIGHTS", "Adapter", "LoraMerge", "LoraPair", "adapted", "adapter_notes", "is_adapter",
+           "merge", "read"]
 
 CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"
 _PREFIX = "base_model.model."
 _REFUSED = (("use_dora", "DoRA"), ("fan_in_fan_out", "fan_in_fan_out"), ("lora_bias", "LoRA biases"))
 # the order transformers' fused experts register their parameters (PEFT nests the wrappers in it)
-_PARAM_ORDER = ("gate_up_proj", "gate_proj", "up_proj", "down_proj")
+PARAM_ORDER = ("gate_up_proj", "gate_proj", "up_proj", "down_proj")
 # models whose 3-D experts transformers stores [E, in, out] (``@use_experts_implementation(is_transposed=True)``
 # in transformers 5.23); PEFT's ParamWrapper follows the same flag. Others store [E, out, in].
 TRANSPOSED_EXPERTS = frozenset({"gpt_oss", "aria", "openai_privacy_filter"})
@@ -172,7 +173,7 @@ def _pattern(patterns: Mapping[str, Any], key: str, default: Any) -> Any:
     return default
 
 
-def _adapted(module: str, targets: Sequence[str], file: str, name: str) -> tuple[str, bool]:
+def adapted(module: str, targets: Sequence[str], file: str, name: str) -> tuple[str, bool]:
     """The weight a pair on ``module`` adapts and whether it is a ``target_parameters`` parameter:
     ``module.weight``, or (PEFT's ``lora.ParamWrapper``, nested once per targeted parameter of the
     module, the last registered outermost) the parameter its ``.base_layer`` depth names."""
@@ -187,10 +188,10 @@ def _adapted(module: str, targets: Sequence[str], file: str, name: str) -> tuple
             params.append(short)
     if not params and not depth:
         return module + ".weight", False
-    if len(params) > 1 and not set(params) <= set(_PARAM_ORDER):
+    if len(params) > 1 and not set(params) <= set(PARAM_ORDER):
         raise FormatError(f"{file}: {name!r}: cannot tell which of the parameters {params} of {module!r} it adapts "
-                          f"(known nesting order: {', '.join(_PARAM_ORDER)})")
-    params.sort(key=lambda p: _PARAM_ORDER.index(p) if p in _PARAM_ORDER else 0)
+                          f"(known nesting order: {', '.join(PARAM_ORDER)})")
+    params.sort(key=lambda p: PARAM_ORDER.index(p) if p in PARAM_ORDER else 0)
     if depth >= len(params):
         raise FormatError(f"{file}: {name!r} is nested {depth} deep, but target_parameters name "
                           f"{len(params)} parameters of {module!r}")
@@ -213,7 +214,7 @@ def read(path: str, tensors: Mapping[str, LogicalTensor]) -> Adapter:
                 replaces[module] = name
                 continue
             raise FormatError(f"{file}: tensor {name!r} is neither a lora_A/lora_B weight nor in modules_to_save")
-        base, param = _adapted(module.removesuffix(".lora_A.weight"), targets, file, name)
+        base, param = adapted(module.removesuffix(".lora_A.weight"), targets, file, name)
         key = base if param else base.removesuffix(".weight")  # what PEFT matches the patterns against
         b = name.removesuffix(".lora_A.weight") + ".lora_B.weight"
         if b not in tensors:

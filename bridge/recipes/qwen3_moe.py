@@ -10,8 +10,9 @@ MaxText (``decoder_block=qwen3_moe``, ``moe_block`` in every layer): the router 
 scanned tree on axis 1 (``[X, L, ...]``), as MaxText's converter stacks them
 (``QWEN_MAXTEXT_TO_HF_PARAM_MAPPING``: experts outer, layers inner). megatron-core: the router
 ``mlp.router.weight`` ``[X, E]``, experts ``mlp.experts.local_experts.N.linear_fc1`` (``[gate; up]``)
-and ``linear_fc2`` (the local spec's ``SequentialMLP``), or with ``megatron_experts="grouped"`` the
-legacy ``GroupedMLP`` module's two buffers per layer (``moe_grouped_gemm=True``, local spec):
+and ``linear_fc2`` (the local spec's ``SequentialMLP``; from either HF layout: ``hf_experts="fused"``
+stacks them into ``gate_up_proj`` / ``down_proj``, the layout PEFT's expert LoRA adapts), or with
+``megatron_experts="grouped"`` the legacy ``GroupedMLP`` module's two buffers per layer (``moe_grouped_gemm=True``, local spec):
 ``mlp.experts.weight1`` ``[E, X * 2F]`` and ``mlp.experts.weight2`` ``[X * F, E]``, which megatron-core
 reads as ``weight1.view(X, E, 2F)`` and ``weight2.view(X, F, E)`` (expert N's ``linear_fc1`` is
 ``[N].T``); it needs ``n_experts`` and ``moe_mlp`` (F, ``config_from_hf`` reads both). That is the
@@ -126,24 +127,29 @@ def grouped_experts(x: int, f: int) -> list[Rule]:
 
 def megatron_to_hf(c: MoeConfig) -> list[Rule]:
     """megatron-core -> HF: Qwen3's rules, the router renamed, each local expert's ``linear_fc1``
-    split into gate and up (``megatron_experts="grouped"``: first out of GroupedMLP's buffers)."""
-    if c.hf_experts != "split":
-        raise OptionError("recipe 'qwen3_moe': megatron <-> hf maps save_pretrained's experts (hf_experts='split')")
+    split into gate and up (``megatron_experts="grouped"``: first out of GroupedMLP's buffers), or
+    (``hf_experts="fused"``) the local experts stacked into transformers' ``gate_up_proj [X, 2F, E]``
+    (``linear_fc1`` is ``[gate; up]``, as transformers chunks it) and ``down_proj [X, E, F]``."""
     layer = r"^decoder\.layers\." + L + r"\."
     expert = layer + r"mlp\.experts\.local_experts\.(?P<expert>\d+)\."
     to = r"model.layers.\g<layer>.mlp.experts.\g<expert>."
     check = [] if c.n_experts is None else \
         [Expect(layer + r"mlp\.router\.weight$", (c.n_experts, None), f"n_experts = {c.n_experts} router rows")]
+    experts: list[Rule] = [
+        Split(expert + r"linear_fc1\.weight$",
+              r"decoder.layers.\g<layer>.mlp.experts.local_experts.\g<expert>.linear_fc1.{part}.weight", dim=0,
+              parts=("gate", "up")),
+        Rename(expert + r"linear_fc1\.(?P<w>gate|up)\.weight$", to + r"\g<w>_proj.weight"),
+        Rename(expert + r"linear_fc2\.weight$", to + "down_proj.weight")]
+    if c.hf_experts == "fused":
+        experts = [Stack(expert + rf"linear_fc{k}\.weight$", rf"model.layers.\g<layer>.mlp.experts.{hf}", dim=0,
+                         index="expert") for k, hf in ((1, "gate_up_proj"), (2, "down_proj"))]
     return [
         *check,
         *(grouped_experts(int(c.n_experts or 0), int(c.moe_mlp or 0)) if c.megatron_experts == "grouped" else ()),
         *megatron_qk_norm_names(),
         Rename(layer + r"mlp\.router\.weight$", r"model.layers.\g<layer>.mlp.gate.weight"),
-        Split(expert + r"linear_fc1\.weight$",
-              r"decoder.layers.\g<layer>.mlp.experts.local_experts.\g<expert>.linear_fc1.{part}.weight", dim=0,
-              parts=("gate", "up")),
-        Rename(expert + r"linear_fc1\.(?P<w>gate|up)\.weight$", to + r"\g<w>_proj.weight"),
-        Rename(expert + r"linear_fc2\.weight$", to + "down_proj.weight"),
+        *experts,
         *_gpt.megatron_to_hf(c),
         *hf_moe_expects(c),
     ]
