@@ -20,7 +20,7 @@ import pytest
 import ckptbridge
 from ckptbridge import recipes
 from ckptbridge.adapters import lora as carry
-from ckptbridge.plugin import FormatError
+from ckptbridge.plugin import FormatError, OptionError
 from ckptbridge.rules import Scale
 
 torch = pytest.importorskip("torch")
@@ -47,6 +47,49 @@ def _peft_logits(base: Path, adapter: Path, tokens: np.ndarray) -> np.ndarray:
     return hf.logits(peft.PeftModel.from_pretrained(model, adapter).eval(), tokens)
 
 
+def _qwix_forward(spec: dict, root: Path, label: str, params: str) -> dict:
+    """MaxText's qwix LoRA drawn, run and saved (``lora.py qwix-forward``) as ``<label>_ckpt`` (and
+    ``<label>_train``, one Adam step), its logits ``<label>.logits.npy``, report ``<label>.json``."""
+    return {"cmd": "qwix-forward", "spec": spec, "params": str(root / params), "rank": RANK, "alpha": ALPHA,
+            "seed": 7, "tokens": str(root / "train.npy"), "betas": BETAS, "out": str(root / f"{label}.logits.npy"),
+            "ckpt": str(root / f"{label}_ckpt"), "train_ckpt": str(root / f"{label}_train"),
+            "report": str(root / f"{label}.json")}
+
+
+def _qwix_restore(spec: dict, root: Path, label: str, params: str, train: bool = False) -> dict:
+    """``<label>`` (save_qwix's directory) restored by MaxText's ``restore_lora_from_path`` and run
+    (``lora.py qwix-restore``); ``train``: Tunix's checkpoint ``<label>_tunix`` restored too."""
+    job = {"cmd": "qwix-restore", "spec": spec, "params": str(root / params), "rank": RANK, "alpha": ALPHA,
+           "lora": str(root / label / "0" / "items"), "tokens": str(root / "train.npy"), "out": str(root / f"{label}.logits.npy"),
+           "report": str(root / f"{label}.json")}
+    return job | ({"train_ckpt": str(root / f"{label}_tunix"), "betas": BETAS} if train else {})
+
+
+def _peft_to_qwix(root: Path, base: Path, cfg: dict, train: np.ndarray) -> Path:
+    """A PEFT adapter on every module (rsLoRA: its scale folds into ``B``) and one torch Adam step
+    on it, carried to qwix: unscanned with its moments (``to_qwix``, ``to_qwix_tunix``), without
+    the query scale (``to_qwix_noscale``, the negative control) and scanned (``to_qwix_scan``)."""
+    from test_lora_maxtext import _adam_step, _with_moments
+
+    torch.manual_seed(11)
+    config = peft.LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=list(MODULES), init_lora_weights=False,
+                             use_rslora=True)
+    adapter = root / "peft_full"
+    peft.get_peft_model(hf.build(SPEC), config).save_pretrained(adapter)
+    _adam_step(base, adapter, train, root)  # torch Adam: exp_avg / exp_avg_sq of PEFT's names
+    to_mx = recipes.rules(recipes.family_from_hf(cfg), src="hf", dst="maxtext",
+                          **{**recipes.config_from_hf(cfg), "scan": False})
+    no_scale = tuple(r for r in to_mx if not isinstance(r, Scale))
+    src = ckptbridge.open(adapter)
+    carry.save_qwix(carry.carry(src, to_mx, qwix=True), root / "to_qwix")
+    carry.save_qwix(carry.carry(_with_moments(adapter, root), to_mx, qwix=True), root / "to_qwix_tunix", step=1)
+    carry.save_qwix(carry.carry(src, no_scale, qwix=True), root / "to_qwix_noscale")
+    scan = recipes.rules(recipes.family_from_hf(cfg), src="hf", dst="maxtext",
+                         **{**recipes.config_from_hf(cfg), "scan": True})
+    carry.save_qwix(carry.carry(src, scan, qwix=True), root / "to_qwix_scan")
+    return adapter
+
+
 @pytest.fixture(scope="module")
 def made(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("lora_qwix")
@@ -54,18 +97,22 @@ def made(tmp_path_factory) -> dict:
     cfg = json.loads((base / "config.json").read_text())
     train = hf.tokens(BATCH, SEQ + 1, cfg["vocab_size"], seed=5)  # MaxText's logits of [:, :-1], its loss's targets [:, 1:]
     np.save(root / "train.npy", train)
+    adapter = _peft_to_qwix(root, base, cfg, train)
     spec = mx.spec_from_hf(cfg, scan=False, batch=SPEC_BATCH, seq=SEQ)
+    spec_scan = mx.spec_from_hf(cfg, scan=True, batch=SPEC_BATCH, seq=SEQ)
     mx.run_jobs([mx.convert_job(spec, base, root / "base_mt.safetensors"),
-                 {"cmd": "qwix-forward", "spec": spec, "params": str(root / "base_mt.safetensors"), "rank": RANK,
-                  "alpha": ALPHA, "seed": 7, "tokens": str(root / "train.npy"), "betas": BETAS,
-                  "out": str(root / "qwix.logits.npy"), "ckpt": str(root / "qwix_ckpt"),
-                  "train_ckpt": str(root / "train_ckpt"), "report": str(root / "qwix.json")}], script=LORA_TOOL)
+                 _qwix_forward(spec, root, "qwix", "base_mt.safetensors"),
+                 _qwix_restore(spec, root, "to_qwix", "base_mt.safetensors", train=True),
+                 _qwix_restore(spec, root, "to_qwix_noscale", "base_mt.safetensors"),
+                 mx.convert_job(spec_scan, base, root / "base_mt_scan.safetensors"),
+                 _qwix_forward(spec_scan, root, "qwix_scan", "base_mt_scan.safetensors"),
+                 _qwix_restore(spec_scan, root, "to_qwix_scan", "base_mt_scan.safetensors")], script=LORA_TOOL)
     ckpt = ckptbridge.open(root / "qwix_ckpt")
     rules = _rules(cfg)
     no_scale = tuple(r for r in rules if not isinstance(r, Scale))  # negative control: B without the query scale
     for label, rs in (("peft", rules), ("noscale", no_scale)):
         carry.save_peft(carry.carry(ckpt, rs, alpha=ALPHA), root / label)
-    return {"root": root, "base": base, "cfg": cfg, "tokens": train[:, :-1], "ckpt": ckpt,
+    return {"root": root, "base": base, "cfg": cfg, "tokens": train[:, :-1], "ckpt": ckpt, "adapter": adapter,
             "report": json.loads((root / "qwix.json").read_text())}
 
 
@@ -100,7 +147,7 @@ def test_qwix_adam_moments_carry_to_peft_with_their_meaning(made: dict) -> None:
     from test_lora_maxtext import _adam_step
 
     root = made["root"]
-    lora = carry.carry(ckptbridge.open(root / "train_ckpt"), _rules(made["cfg"]), alpha=ALPHA)
+    lora = carry.carry(ckptbridge.open(root / "qwix_train"), _rules(made["cfg"]), alpha=ALPHA)
     _adam_step(made["base"], root / "peft", np.load(root / "train.npy"), root)  # torch Adam, betas BETAS
     want = {k: ckptbridge.open(root / f"{k}.safetensors") for k in ("exp_avg", "exp_avg_sq")}
     assert set(lora) == set(want["exp_avg"]) and len(lora.tensors) == len(made["report"]["leaves"])
@@ -112,16 +159,82 @@ def test_qwix_adam_moments_carry_to_peft_with_their_meaning(made: dict) -> None:
                                    err_msg=name)
 
 
+def test_peft_adapter_carried_to_qwix_resumes_in_maxtext_with_peft_logits_and_adam(made: dict) -> None:
+    """PEFT -> qwix (``carry(..., qwix=True)``, ``save_qwix``): MaxText's ``restore_lora_from_path``
+    puts it into the LoRA model ``apply_lora_to_model`` built, which then gives PEFT's adapter-on
+    logits; Tunix's restore of the checkpoint with the moments gives MaxText's optimizer the moments
+    MaxText's own first Adam step takes from there (torch's, carried: the query scale divides ``B``'s
+    first moment, squared in the second)."""
+    root, own = made["root"], made["report"]["leaves"]
+    report = json.loads((root / "to_qwix.json").read_text())
+    assert report["leaves"] == own  # MaxText's own qwix tree: names, flattened shapes
+    assert report["metadata"]["lora"] == {"lora_rank": RANK, "lora_alpha": ALPHA}  # what sync_lora_metadata reads
+    want = _peft_logits(made["base"], made["adapter"], made["tokens"])
+    np.testing.assert_allclose(np.load(root / "to_qwix.logits.npy"), want, atol=1e-4, rtol=0)
+    assert np.abs(np.load(root / "to_qwix_noscale.logits.npy") - want).max() > 100 * 1e-4
+    tunix = report["tunix"]
+    assert tunix["step"] == 1 and tunix["params_max_diff"] == 0.0
+    assert tunix["counts"] == {"opt_state/0/count/value": 1, "step/value": 1}
+    assert len([n for n in tunix["names"] if "/mu/" in n]) == len(own)
+    assert tunix["moments_rel_diff"]["mu"] < 1e-3 and tunix["moments_rel_diff"]["nu"] < 2e-3, tunix["moments_rel_diff"]
+
+
+def _swapped(adapter: Path, out: Path) -> Path:
+    """``adapter`` with the pairs of its two layers exchanged (the negative control of a layer axis)."""
+    from ckptbridge.plugin import Checkpoint, CheckpointIndex, LogicalTensor
+
+    src = ckptbridge.open(adapter)
+    swap = {".layers.0.": ".layers.1.", ".layers.1.": ".layers.0."}
+    names = {n: next((n.replace(a, b) for a, b in swap.items() if a in n), n) for n in src.tensors}
+    tensors = {names[n]: LogicalTensor(names[n], dict(t.states)) for n, t in src.tensors.items()}
+    index = CheckpointIndex("lora", src.path, tensors, None, {"lora": {"r": RANK, "lora_alpha": ALPHA}})
+    return Path(carry.save_peft(Checkpoint(index, src.files), out))
+
+
+def test_scanned_qwix_carries_both_ways(made: dict) -> None:
+    """MaxText ``scan_layers=True``: qwix's factors stacked at ``param_scan_axis`` (``A [in, layers,
+    r]``, ``B [r, layers, out]``), read (MaxText's scanned qwix checkpoint -> PEFT gives MaxText's
+    logits) and written (PEFT -> scanned qwix, restored by MaxText, gives PEFT's logits); with the
+    two layers exchanged both are far off."""
+    root, cfg = made["root"], made["cfg"]
+    own = json.loads((root / "qwix_scan.json").read_text())
+    assert own["restored_max_diff"] == 0.0
+    assert own["leaves"]["decoder/layers/self_attention/out/kernel_lora_a/value"] == [64, SPEC.layers, RANK]
+    assert own["leaves"]["decoder/layers/self_attention/key/kernel_lora_b/value"] == [RANK, SPEC.layers, 32]
+    # read: MaxText's scanned checkpoint to PEFT
+    carry.save_peft(carry.carry(ckptbridge.open(root / "qwix_scan_ckpt"), _rules(cfg, scan=True), alpha=ALPHA),
+                    root / "from_scan")
+    want = np.load(root / "qwix_scan.logits.npy")
+    np.testing.assert_allclose(_peft_logits(made["base"], root / "from_scan", made["tokens"]), want, atol=1e-4, rtol=0)
+    swapped = _swapped(root / "from_scan", root / "from_scan_swapped")
+    assert np.abs(_peft_logits(made["base"], swapped, made["tokens"]) - want).max() > 100 * 1e-4
+    # written: PEFT to MaxText's scanned tree, restored by restore_lora_from_path
+    report = json.loads((root / "to_qwix_scan.json").read_text())
+    assert report["leaves"] == own["leaves"]
+    got = np.load(root / "to_qwix_scan.logits.npy")
+    np.testing.assert_allclose(got, _peft_logits(made["base"], made["adapter"], made["tokens"]), atol=1e-4, rtol=0)
+    swapped = _swapped(made["adapter"], root / "peft_full_swapped")
+    assert np.abs(got - _peft_logits(made["base"], swapped, made["tokens"])).max() > 100 * 1e-4
+
+
 def test_qwix_factors_that_do_not_fit_the_recipe_are_refused(made: dict) -> None:
     """A factor whose flattened size does not split the kernel's axes (here ``B`` and ``A``
-    swapped: ``A [64, r]`` read as ``B``) names the weight; scanned (3-D) qwix factors are refused."""
+    swapped: ``A [64, r]`` read as ``B``) names the weight, and so do unstacked factors of a scanned
+    kernel; a scanned ``out`` kernel's ``A [H*D, layers, r]`` splits its heads and puts the layer
+    axis where ``W [H, layers, D, E]`` has it."""
     from ckptbridge.adapters.lora._plan import qwix_splits
+    from ckptbridge.rules import SplitDim, Transpose
 
     rules = _rules(made["cfg"])
     out = "decoder/layers_0/self_attention/out/kernel"
     assert qwix_splits(rules, out, (64, RANK), (RANK, 64))["A"][0].sizes == (4, 16)
     with pytest.raises(FormatError, match="self_attention/out/kernel"):
         qwix_splits(rules, out, (RANK, 64), (64, RANK))
-    with pytest.raises(FormatError, match="unstacked 2-D"):
-        qwix_splits(_rules(made["cfg"], scan=True), "decoder/layers/self_attention/query/kernel", (64, 2, RANK),
-                    (RANK, 2, 64))
+    scan, stacked = _rules(made["cfg"], scan=True), "decoder/layers/self_attention/out/kernel"
+    with pytest.raises(FormatError, match="out/kernel.*scanned"):
+        qwix_splits(scan, stacked, (64, RANK), (RANK, 64))
+    split = qwix_splits(scan, stacked, (64, 2, RANK), (RANK, 2, 64))
+    assert split["B"] == () and [type(r) for r in split["A"]] == [SplitDim, Transpose]
+    assert (split["A"][0].sizes, split["A"][1].perm) == ((4, 16), (0, 2, 1, 3))
+    with pytest.raises(OptionError, match="qwix=True"):  # qwix=True needs rules to MaxText
+        carry.carry(ckptbridge.open(made["adapter"]), _rules(made["cfg"]), qwix=True)

@@ -45,7 +45,7 @@ from ckptbridge.plugin import (
 )
 
 from . import _read
-from ._plan import Copy, Place, layout_of, plan, qwix_splits, scan_axis
+from ._plan import Copy, Layout, Place, layout_of, plan, qwix_folds, qwix_splits, scan_axis
 
 __all__ = ["carry", "factor_name", "factor_of", "save_peft"]
 
@@ -87,8 +87,16 @@ def factor_of(name: str) -> tuple[str, str, str] | None:
     return None
 
 
-def factor_name(base: str, part: str) -> str:
-    """The adapter tensor name of factor ``part`` of base weight ``base`` (its style from the name)."""
+def factor_name(base: str, part: str, *, qwix: bool = False) -> str:
+    """The adapter tensor name of factor ``part`` of base weight ``base`` (its style from the name;
+    ``qwix``: MaxText's training-time LoRA, ``<param>_lora_a/value``, the leaf ``nnx.state`` saves)::
+
+        factor_name("decoder/layers_0/mlp/wo/kernel", "B", qwix=True)  # 'decoder/layers_0/mlp/wo/kernel_lora_b/value'
+    """
+    if qwix:
+        if "/" not in base:
+            raise FormatError(f"{base!r}: qwix LoRA factors sit beside a MaxText parameter ('.../kernel')")
+        return f"{base}_lora_{part.lower()}/value"
     if base.endswith("/kernel"):
         return f"{base.removesuffix('/kernel')}/lora_{part.lower()}.kernel"
     if base.endswith(".weight") and _MEGATRON_BASE.match(base):
@@ -99,7 +107,7 @@ def factor_name(base: str, part: str) -> str:
 
 
 def carry(adapter: Checkpoint, rules: Sequence[Rule], *, alpha: float | None = None,
-          path: str = "") -> Checkpoint:
+          path: str = "", qwix: bool = False) -> Checkpoint:
     """``adapter`` (PEFT's folder opened, MaxText's adapter leaves, unscanned or scanned, or
     Megatron-Bridge's) seen through the base model's ``rules`` (e.g.
     ``ckptbridge.recipes.rules(family, src=..., dst=...)``): a checkpoint of the destination's
@@ -120,7 +128,17 @@ def carry(adapter: Checkpoint, rules: Sequence[Rule], *, alpha: float | None = N
 
     ``alpha``: the source's ``lora_alpha`` where its files record none (MaxText's and
     Megatron-Bridge's factors; default ``r``, a scaling of 1); a PEFT folder's is its
-    ``adapter_config.json``'s. The result's ``lora_alpha`` keeps the source's scaling."""
+    ``adapter_config.json``'s. The result's ``lora_alpha`` keeps the source's scaling.
+
+    ``qwix`` (rules to MaxText): the factors as MaxText TRAINS them (``lora.enable_lora``: qwix's
+    ``<kernel>_lora_a/value [prod(in), r]``, ``_lora_b/value [r, prod(out)]``, scanned ``[prod(in),
+    layers, r]`` / ``[r, layers, prod(out)]``) instead of its served adapter tree; :func:`save_qwix`
+    writes them where ``restore_lora_from_path`` (``lora.lora_restore_path``) reads them, with their
+    Adam moments as Tunix's ``PeftTrainer`` checkpoint::
+
+        mt = carry(ckptbridge.open("peft_adapter/"), rules, qwix=True)   # rules: hf -> maxtext
+        save_qwix(mt, "lora_ckpt/")   # MaxText: lora.enable_lora=True lora.lora_restore_path=lora_ckpt/
+    """
     pairs, style = _pairs(adapter)
     if style == "qwix":  # flattened factors: MaxText's served layout first
         pairs, style = _unflatten(pairs, rules), "maxtext"
@@ -134,8 +152,10 @@ def carry(adapter: Checkpoint, rules: Sequence[Rule], *, alpha: float | None = N
     for part, part_rules in (("A", steps.a), ("B", steps.b)):
         prefix = [Scale(f"^{re.escape(b)}$", f) for b, f in folded.items()] if part == "B" else []
         moved = _apply({b: p[part] for b, p in pairs.items()}, [*prefix, *part_rules])
+        if qwix:
+            moved = _flatten(moved, steps.layouts, part)
         for name, t in moved.items():
-            new = factor_name(name, part)
+            new = factor_name(name, part, qwix=qwix)
             out[new] = LogicalTensor(new, dict(t.states), dict(t.scalars))
     extra = {"lora": {"r": steps.rank, "lora_alpha": scale * steps.rank, "from": adapter.path}}
     index = CheckpointIndex("lora", path or adapter.path, out, adapter.step, extra)
@@ -172,6 +192,16 @@ def _unflatten(pairs: Mapping[str, Mapping[str, LogicalTensor]], rules: Sequence
     for base, ab in pairs.items():
         splits = qwix_splits(rules, base, ab["A"].shape, ab["B"].shape)
         out[base] = {part: _apply({base: t}, splits[part])[base] for part, t in ab.items()}
+    return out
+
+
+def _flatten(factors: Mapping[str, LogicalTensor], layouts: Mapping[str, Layout], part: str) -> dict[str, LogicalTensor]:
+    """MaxText's served factors ``part`` flattened to qwix's (:func:`qwix_folds`), by base weight name."""
+    out: dict[str, LogicalTensor] = {}
+    for base, t in factors.items():
+        if not base.endswith("/kernel"):
+            raise OptionError(f"{base!r}: qwix=True carries to MaxText kernels (rules with dst='maxtext')")
+        out[base] = _apply({base: t}, qwix_folds(base, layouts[base], part, t.shape))[base]
     return out
 
 

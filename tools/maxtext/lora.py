@@ -135,6 +135,17 @@ def _logits_and_grads(model: Any, tokens: Any) -> tuple[Any, Any]:
     return np.asarray(jax.device_get(logits), dtype=np.float32), grads
 
 
+def _logits(model: Any, tokens: Any) -> Any:
+    """MaxText's fp32 logits of ``tokens[:, :-1]``."""
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    x = tokens[:, :-1]
+    out = nnx.jit(lambda m: m(x, harness._positions(x), enable_dropout=False, model_mode="train"))(model)
+    return np.asarray(jax.device_get(out), dtype=np.float32)
+
+
 def _adam_checkpoint(job: dict[str, Any], model: Any, grads: Any) -> None:
     """One Adam step (optax ``adam``, ``betas``) of ``grads`` on ``model``'s LoRA leaves: a Tunix
     ``PeftTrainer``-like checkpoint at ``train_ckpt/1`` with items ``model_params`` (the LoRA leaves
@@ -153,21 +164,14 @@ def _adam_checkpoint(job: dict[str, Any], model: Any, grads: Any) -> None:
                                             optimizer_state=ocp.args.PyTreeSave(harness._nest(state))))
 
 
-def qwix_forward(job: dict[str, Any], built: harness.Built) -> dict[str, Any]:
-    """``qwix-forward`` (``spec``, ``params``, ``rank``, ``alpha``, ``seed``, ``tokens [b, s+1]``,
-    ``betas``, ``out``, ``ckpt``, ``train_ckpt``, ``report``): MaxText's NNX decoder with the base
-    ``params``, LoRA put on it by MaxText's own ``lora_utils.apply_lora_to_model``
-    (``lora.enable_lora``, ``lora_rank``, ``lora_alpha``, the default ``lora_module_path``), every
-    ``kernel_lora_b`` drawn non-zero (``seed``). Writes the fp32 logits of ``tokens[:, :-1]``
-    (``out``); ``nnx.state(model, nnx.LoRAParam)`` as an Orbax PyTree at ``ckpt`` (leaves ``{"value":
-    array}``, the tree MaxText's ``restore_lora_from_path`` restores); one Adam step's checkpoint at
-    ``train_ckpt`` (:func:`_adam_checkpoint`); and to ``report`` the LoRA leaves (path -> shape) and
-    their largest difference after ``restore_lora_from_path`` put ``ckpt`` back into the model, its
-    LoRA leaves zeroed first (0.0: MaxText reads it back)."""
+@contextlib.contextmanager
+def _qwix_model(job: dict[str, Any], built: harness.Built) -> Iterator[Any]:
+    """MaxText's NNX decoder with the base ``params``, LoRA put on it by MaxText's own
+    ``lora_utils.apply_lora_to_model`` (``lora.enable_lora``, ``lora_rank`` / ``lora_alpha`` from
+    ``rank`` / ``alpha``, the default ``lora_module_path``), inside its mesh and axis rules; the
+    cached build's config is put back on leaving."""
     import flax.linen as nn
     import jax
-    import numpy as np
-    import orbax.checkpoint as ocp
     from flax import nnx
     from maxtext.layers import quantizations
     from maxtext.models import models
@@ -177,8 +181,6 @@ def qwix_forward(job: dict[str, Any], built: harness.Built) -> dict[str, Any]:
     before = cfg.lora.model_copy()  # the cached build's config is shared by later jobs: put back after
     cfg.lora.enable_lora, cfg.lora.lora_rank, cfg.lora.lora_alpha = True, int(job["rank"]), float(job["alpha"])
     base = harness._read_safetensors(Path(job["params"]))
-    tokens = np.load(job["tokens"], allow_pickle=False)
-
     with built.mesh, nn.logical_axis_rules(cfg.logical_axis_rules), _restoring(cfg, before):
         model = models.Transformer(cfg, built.mesh, quantizations.configure_quantization(cfg), rngs=nnx.Rngs(0),
                                    model_mode="train")
@@ -189,6 +191,26 @@ def qwix_forward(job: dict[str, Any], built: harness.Built) -> dict[str, Any]:
             raise SystemExit(f"{job['params']}: NNX params differ: {sorted(names ^ set(base))[:6]}")
         nnx.update(model, jax.tree_util.tree_map_with_path(lambda p, v: base[harness._path_name(p).removesuffix("/value")],
                                                            params))
+        yield model
+
+
+def qwix_forward(job: dict[str, Any], built: harness.Built) -> dict[str, Any]:
+    """``qwix-forward`` (``spec``, ``params``, ``rank``, ``alpha``, ``seed``, ``tokens [b, s+1]``,
+    ``betas``, ``out``, ``ckpt``, ``train_ckpt``, ``report``): :func:`_qwix_model`, every
+    ``kernel_lora_b`` drawn non-zero (``seed``). Writes the fp32 logits of ``tokens[:, :-1]``
+    (``out``); ``nnx.state(model, nnx.LoRAParam)`` as an Orbax PyTree at ``ckpt`` (leaves ``{"value":
+    array}``, the tree MaxText's ``restore_lora_from_path`` restores); one Adam step's checkpoint at
+    ``train_ckpt`` (:func:`_adam_checkpoint`); and to ``report`` the LoRA leaves (path -> shape) and
+    their largest difference after ``restore_lora_from_path`` put ``ckpt`` back into the model, its
+    LoRA leaves zeroed first (0.0: MaxText reads it back)."""
+    import jax
+    import numpy as np
+    import orbax.checkpoint as ocp
+    from flax import nnx
+    from maxtext.utils import lora_utils
+
+    tokens = np.load(job["tokens"], allow_pickle=False)
+    with _qwix_model(job, built) as model:
         lora = nnx.state(model, nnx.LoRAParam)
         rng = np.random.default_rng(int(job["seed"]))
         drawn = jax.tree_util.tree_map_with_path(
@@ -200,25 +222,77 @@ def qwix_forward(job: dict[str, Any], built: harness.Built) -> dict[str, Any]:
         ocp.PyTreeCheckpointer().save(Path(job["ckpt"]).absolute(), harness._nest(tree))
         _adam_checkpoint(job, model, grads)
         nnx.update(model, jax.tree_util.tree_map(np.zeros_like, drawn))  # then MaxText's restore puts them back
-        cfg.lora.lora_restore_path = str(Path(job["ckpt"]).absolute())
-        again = _leaves(nnx.state(lora_utils.restore_lora_from_path(model, cfg), nnx.LoRAParam))
+        built.config.lora.lora_restore_path = str(Path(job["ckpt"]).absolute())
+        again = _leaves(nnx.state(lora_utils.restore_lora_from_path(model, built.config), nnx.LoRAParam))
     np.save(job["out"], got)
     harness._write_json(Path(job["report"]), {"leaves": {n: list(a.shape) for n, a in tree.items()},
                                               "restored_max_diff": max(float(np.abs(again[n] - a).max()) for n, a in tree.items())})
     return {"cmd": job["cmd"], "leaves": len(tree)}
 
 
+def qwix_restore(job: dict[str, Any], built: harness.Built) -> dict[str, Any]:
+    """``qwix-restore`` (``spec``, ``params``, ``rank``, ``alpha``, ``lora``, ``tokens [b, s+1]``,
+    ``out``, ``report``; ``train_ckpt``, ``betas``): :func:`_qwix_model`, its LoRA leaves restored
+    from the Orbax directory ``lora`` by MaxText's ``restore_lora_from_path``
+    (``lora.lora_restore_path``, as ``train_sft.py`` does). Writes the fp32 logits of ``tokens[:, :-1]``
+    (``out``) and to ``report`` the restored leaves (path -> shape) and the custom metadata
+    MaxText reads from ``lora`` (``checkpointing.load_checkpoint_metadata``, what
+    ``sync_lora_metadata`` takes ``lora_rank`` / ``lora_alpha`` from). With ``train_ckpt`` (Tunix's
+    ``PeftTrainer`` checkpoint root): restored the way Tunix's ``CheckpointManager.maybe_restore``
+    does (Orbax v1 ``training.Checkpointer.load_checkpointables`` of ``model_params`` and
+    ``optimizer_state`` onto ``nnx.state(model, nnx.LoRAParam)`` and ``nnx.state(nnx.Optimizer(model,
+    optax.adam(1e-3, *betas), wrt=nnx.LoRAParam), OptState)``); the report gets the largest
+    difference of its ``model_params`` from ``lora``'s, and of its ``mu`` / ``nu`` from the moments
+    of one Adam step MaxText itself takes from the restored leaves on ``tokens`` (each over the
+    largest moment: what a carried step must equal)."""
+    import numpy as np
+    import optax
+    from flax import nnx
+    from maxtext.common import checkpointing
+    from maxtext.utils import lora_utils
+    from orbax.checkpoint import v1 as ocp
+
+    tokens = np.load(job["tokens"], allow_pickle=False)
+    lora_dir = str(Path(job["lora"]).absolute())
+    with _qwix_model(job, built) as model:
+        built.config.lora.lora_restore_path = lora_dir
+        restored = _leaves(nnx.state(lora_utils.restore_lora_from_path(model, built.config), nnx.LoRAParam))
+        got, grads = _logits_and_grads(model, tokens) if job.get("train_ckpt") else (_logits(model, tokens), None)
+        report: dict[str, Any] = {"leaves": {n: list(a.shape) for n, a in restored.items()},
+                                  "metadata": checkpointing.load_checkpoint_metadata(lora_dir)}
+        if job.get("train_ckpt"):
+            own = nnx.Optimizer(model, optax.adam(1e-3, *job["betas"]), wrt=nnx.LoRAParam)
+            own.update(model, grads)  # MaxText's own first step from the restored leaves
+            want = _leaves(nnx.state(own, nnx.optimizer.OptState))
+            carried = nnx.Optimizer(model, optax.adam(1e-3, *job["betas"]), wrt=nnx.LoRAParam)
+            with ocp.training.Checkpointer(Path(job["train_ckpt"]).absolute()) as ckpt:
+                step = ckpt.latest.step
+                back = ckpt.load_checkpointables(step, {"model_params": nnx.state(model, nnx.LoRAParam),
+                                                        "optimizer_state": nnx.state(carried, nnx.optimizer.OptState)})
+            params, opt = _leaves(back["model_params"]), _leaves(back["optimizer_state"])
+            report["tunix"] = {
+                "step": step, "names": sorted(opt),
+                "params_max_diff": max(float(np.abs(params[n] - a).max()) for n, a in restored.items()),
+                "moments_rel_diff": {k: max(float(np.abs(opt[n] - want[n]).max()) for n in want if f"/{k}/" in n)
+                                     / max(float(np.abs(want[n]).max()) for n in want if f"/{k}/" in n)
+                                     for k in ("mu", "nu")},
+                "counts": {n: int(a) for n, a in opt.items() if not a.shape}}
+    np.save(job["out"], got)
+    harness._write_json(Path(job["report"]), report)
+    return {"cmd": job["cmd"], "leaves": len(restored)}
+
+
 def run_batch(jobs: list[dict[str, Any]], cache: dict[str, harness.Built]) -> list[dict[str, Any]]:
     """Every job in order: the LoRA jobs here, every other one by ``harness.run_job``."""
     results = []
     for job in jobs:
-        if job["cmd"] not in ("lora-forward", "lora-tree", "lora-grad", "qwix-forward"):
+        if job["cmd"] not in ("lora-forward", "lora-tree", "lora-grad", "qwix-forward", "qwix-restore"):
             results.append(harness.run_job(job, cache))
             continue
         t0 = time.time()
         model = harness.built_model(harness.Spec.from_json(job["spec"]), cache)
-        if job["cmd"] == "qwix-forward":
-            result = qwix_forward(job, model)
+        if job["cmd"] in ("qwix-forward", "qwix-restore"):
+            result = (qwix_forward if job["cmd"] == "qwix-forward" else qwix_restore)(job, model)
         elif job["cmd"] == "lora-tree":
             harness._write_json(Path(job["report"]), {"lora_tree": lora_tree(model, job["adapter_config"])})
             result = {"cmd": "lora-tree"}
