@@ -47,22 +47,23 @@ def _peft_logits(base: Path, adapter: Path, tokens: np.ndarray) -> np.ndarray:
     return hf.logits(peft.PeftModel.from_pretrained(model, adapter).eval(), tokens)
 
 
-def _qwix_forward(spec: dict, root: Path, label: str, params: str) -> dict:
-    """MaxText's qwix LoRA drawn, run and saved (``lora.py qwix-forward``) as ``<label>_ckpt`` (and
-    ``<label>_train``, one Adam step), its logits ``<label>.logits.npy``, report ``<label>.json``."""
-    return {"cmd": "qwix-forward", "spec": spec, "params": str(root / params), "rank": RANK, "alpha": ALPHA,
-            "seed": 7, "tokens": str(root / "train.npy"), "betas": BETAS, "out": str(root / f"{label}.logits.npy"),
-            "ckpt": str(root / f"{label}_ckpt"), "train_ckpt": str(root / f"{label}_train"),
-            "report": str(root / f"{label}.json")}
+def _qwix_forward(spec: dict, root: Path, label: str, params: str, train: bool = False) -> dict:
+    """MaxText's qwix LoRA drawn, run and saved (``lora.py qwix-forward``) as ``<label>_ckpt`` (and,
+    ``train``, one Adam step as ``<label>_train``), its logits ``<label>.logits.npy``, report ``<label>.json``."""
+    job = {"cmd": "qwix-forward", "spec": spec, "params": str(root / params), "rank": RANK, "alpha": ALPHA,
+           "seed": 7, "tokens": str(root / "train.npy"), "out": str(root / f"{label}.logits.npy"),
+           "ckpt": str(root / f"{label}_ckpt"), "report": str(root / f"{label}.json")}
+    return job | ({"train_ckpt": str(root / f"{label}_train"), "betas": BETAS} if train else {})
 
 
-def _qwix_restore(spec: dict, root: Path, label: str, params: str, train: bool = False) -> dict:
-    """``<label>`` (save_qwix's directory) restored by MaxText's ``restore_lora_from_path`` and run
-    (``lora.py qwix-restore``); ``train``: Tunix's checkpoint ``<label>_tunix`` restored too."""
+def _qwix_restore(spec: dict, root: Path, labels: list[str], params: str, train: bool = False) -> dict:
+    """Each ``<label>`` (save_qwix's step 0) restored by MaxText's ``restore_lora_from_path`` and run
+    (``lora.py qwix-restore``); the first one's report; ``train``: Tunix's checkpoint
+    ``<first label>_tunix`` restored too."""
     job = {"cmd": "qwix-restore", "spec": spec, "params": str(root / params), "rank": RANK, "alpha": ALPHA,
-           "lora": str(root / label / "0" / "items"), "tokens": str(root / "train.npy"), "out": str(root / f"{label}.logits.npy"),
-           "report": str(root / f"{label}.json")}
-    return job | ({"train_ckpt": str(root / f"{label}_tunix"), "betas": BETAS} if train else {})
+           "lora": [str(root / label / "0" / "items") for label in labels], "tokens": str(root / "train.npy"),
+           "out": [str(root / f"{label}.logits.npy") for label in labels], "report": str(root / f"{labels[0]}.json")}
+    return job | ({"train_ckpt": str(root / f"{labels[0]}_tunix"), "betas": BETAS} if train else {})
 
 
 def _peft_to_qwix(root: Path, base: Path, cfg: dict, train: np.ndarray) -> Path:
@@ -101,12 +102,11 @@ def made(tmp_path_factory) -> dict:
     spec = mx.spec_from_hf(cfg, scan=False, batch=SPEC_BATCH, seq=SEQ)
     spec_scan = mx.spec_from_hf(cfg, scan=True, batch=SPEC_BATCH, seq=SEQ)
     mx.run_jobs([mx.convert_job(spec, base, root / "base_mt.safetensors"),
-                 _qwix_forward(spec, root, "qwix", "base_mt.safetensors"),
-                 _qwix_restore(spec, root, "to_qwix", "base_mt.safetensors", train=True),
-                 _qwix_restore(spec, root, "to_qwix_noscale", "base_mt.safetensors"),
+                 _qwix_forward(spec, root, "qwix", "base_mt.safetensors", train=True),
+                 _qwix_restore(spec, root, ["to_qwix", "to_qwix_noscale"], "base_mt.safetensors", train=True),
                  mx.convert_job(spec_scan, base, root / "base_mt_scan.safetensors"),
                  _qwix_forward(spec_scan, root, "qwix_scan", "base_mt_scan.safetensors"),
-                 _qwix_restore(spec_scan, root, "to_qwix_scan", "base_mt_scan.safetensors")], script=LORA_TOOL)
+                 _qwix_restore(spec_scan, root, ["to_qwix_scan"], "base_mt_scan.safetensors")], script=LORA_TOOL)
     ckpt = ckptbridge.open(root / "qwix_ckpt")
     rules = _rules(cfg)
     no_scale = tuple(r for r in rules if not isinstance(r, Scale))  # negative control: B without the query scale

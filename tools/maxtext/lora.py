@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import sys
 import time
@@ -117,33 +118,25 @@ def _leaves(state: Any) -> dict[str, Any]:
 
 def _logits_and_grads(model: Any, tokens: Any) -> tuple[Any, Any]:
     """MaxText's fp32 logits of ``tokens[:, :-1]`` and the gradient of their mean next-token
-    cross-entropy (targets ``tokens[:, 1:]``) with respect to the ``nnx.LoRAParam`` leaves."""
+    cross-entropy (targets ``tokens[:, 1:]``) with respect to the ``nnx.LoRAParam`` leaves (one
+    compiled function for every model of the same graph and batch)."""
     import jax
     import numpy as np
-    from flax import nnx
 
     x, y = tokens[:, :-1], tokens[:, 1:]
-
-    @nnx.jit
-    def run(model: Any) -> Any:
-        def loss(model: Any) -> Any:
-            out = model(x, harness._positions(x), enable_dropout=False, model_mode="train")
-            return harness._cross_entropy(out, y), out
-        return nnx.grad(loss, argnums=nnx.DiffState(0, nnx.LoRAParam), has_aux=True)(model)
-
-    grads, logits = run(model)
+    grads, logits = _jitted_grad()(model, x, harness._positions(x), y)
     return np.asarray(jax.device_get(logits), dtype=np.float32), grads
 
 
-def _logits(model: Any, tokens: Any) -> Any:
-    """MaxText's fp32 logits of ``tokens[:, :-1]``."""
-    import jax
-    import numpy as np
+@functools.cache
+def _jitted_grad() -> Any:
     from flax import nnx
 
-    x = tokens[:, :-1]
-    out = nnx.jit(lambda m: m(x, harness._positions(x), enable_dropout=False, model_mode="train"))(model)
-    return np.asarray(jax.device_get(out), dtype=np.float32)
+    def loss(model: Any, x: Any, positions: Any, y: Any) -> Any:
+        out = model(x, positions, enable_dropout=False, model_mode="train")
+        return harness._cross_entropy(out, y), out
+
+    return nnx.jit(nnx.grad(loss, argnums=nnx.DiffState(0, nnx.LoRAParam), has_aux=True))
 
 
 def _adam_checkpoint(job: dict[str, Any], model: Any, grads: Any) -> None:
@@ -199,8 +192,8 @@ def qwix_forward(job: dict[str, Any], built: harness.Built) -> dict[str, Any]:
     ``betas``, ``out``, ``ckpt``, ``train_ckpt``, ``report``): :func:`_qwix_model`, every
     ``kernel_lora_b`` drawn non-zero (``seed``). Writes the fp32 logits of ``tokens[:, :-1]``
     (``out``); ``nnx.state(model, nnx.LoRAParam)`` as an Orbax PyTree at ``ckpt`` (leaves ``{"value":
-    array}``, the tree MaxText's ``restore_lora_from_path`` restores); one Adam step's checkpoint at
-    ``train_ckpt`` (:func:`_adam_checkpoint`); and to ``report`` the LoRA leaves (path -> shape) and
+    array}``, the tree MaxText's ``restore_lora_from_path`` restores); with ``train_ckpt``, one Adam
+    step's checkpoint there (:func:`_adam_checkpoint`); and to ``report`` the LoRA leaves (path -> shape) and
     their largest difference after ``restore_lora_from_path`` put ``ckpt`` back into the model, its
     LoRA leaves zeroed first (0.0: MaxText reads it back)."""
     import jax
@@ -217,10 +210,11 @@ def qwix_forward(job: dict[str, Any], built: harness.Built) -> dict[str, Any]:
             lambda p, v: rng.normal(0, 0.2, v.shape).astype(v.dtype) if "kernel_lora_b" in harness._path_name(p)
             else np.asarray(v), lora)
         nnx.update(model, drawn)
-        got, grads = _logits_and_grads(model, tokens)
         tree = _leaves(drawn)
         ocp.PyTreeCheckpointer().save(Path(job["ckpt"]).absolute(), harness._nest(tree))
-        _adam_checkpoint(job, model, grads)
+        got, grads = _logits_and_grads(model, tokens)
+        if job.get("train_ckpt"):
+            _adam_checkpoint(job, model, grads)
         nnx.update(model, jax.tree_util.tree_map(np.zeros_like, drawn))  # then MaxText's restore puts them back
         built.config.lora.lora_restore_path = str(Path(job["ckpt"]).absolute())
         again = _leaves(nnx.state(lora_utils.restore_lora_from_path(model, built.config), nnx.LoRAParam))
@@ -231,55 +225,71 @@ def qwix_forward(job: dict[str, Any], built: harness.Built) -> dict[str, Any]:
 
 
 def qwix_restore(job: dict[str, Any], built: harness.Built) -> dict[str, Any]:
-    """``qwix-restore`` (``spec``, ``params``, ``rank``, ``alpha``, ``lora``, ``tokens [b, s+1]``,
-    ``out``, ``report``; ``train_ckpt``, ``betas``): :func:`_qwix_model`, its LoRA leaves restored
-    from the Orbax directory ``lora`` by MaxText's ``restore_lora_from_path``
-    (``lora.lora_restore_path``, as ``train_sft.py`` does). Writes the fp32 logits of ``tokens[:, :-1]``
-    (``out``) and to ``report`` the restored leaves (path -> shape) and the custom metadata
-    MaxText reads from ``lora`` (``checkpointing.load_checkpoint_metadata``, what
-    ``sync_lora_metadata`` takes ``lora_rank`` / ``lora_alpha`` from). With ``train_ckpt`` (Tunix's
-    ``PeftTrainer`` checkpoint root): restored the way Tunix's ``CheckpointManager.maybe_restore``
-    does (Orbax v1 ``training.Checkpointer.load_checkpointables`` of ``model_params`` and
-    ``optimizer_state`` onto ``nnx.state(model, nnx.LoRAParam)`` and ``nnx.state(nnx.Optimizer(model,
-    optax.adam(1e-3, *betas), wrt=nnx.LoRAParam), OptState)``); the report gets the largest
-    difference of its ``model_params`` from ``lora``'s, and of its ``mu`` / ``nu`` from the moments
-    of one Adam step MaxText itself takes from the restored leaves on ``tokens`` (each over the
-    largest moment: what a carried step must equal)."""
+    """``qwix-restore`` (``spec``, ``params``, ``rank``, ``alpha``, ``lora`` and ``out`` (lists),
+    ``tokens [b, s+1]``, ``report``; ``train_ckpt``, ``betas``): :func:`_qwix_model`, its LoRA
+    leaves restored from each Orbax directory in ``lora`` in turn by MaxText's
+    ``restore_lora_from_path`` (``lora.lora_restore_path``, as ``train_sft.py`` does), the fp32
+    logits of ``tokens[:, :-1]`` written to the ``out`` beside it. To ``report``: the leaves the
+    first restored (path -> shape) and the custom metadata MaxText reads from its path
+    (``checkpointing.load_checkpoint_metadata``, where ``sync_lora_metadata`` takes ``lora_rank`` /
+    ``lora_alpha``). With ``train_ckpt`` (Tunix's ``PeftTrainer`` checkpoint root), restored the way
+    Tunix's ``CheckpointManager.maybe_restore`` does (Orbax v1 ``training.Checkpointer``
+    ``load_checkpointables`` of ``model_params`` and ``optimizer_state`` onto ``nnx.state(model,
+    nnx.LoRAParam)`` and ``nnx.state(nnx.Optimizer(model, optax.adam(1e-3, *betas),
+    wrt=nnx.LoRAParam), OptState)``), the report gets its step, leaf names and counters, the
+    largest difference of its ``model_params`` from the first restored leaves, and of its ``mu`` /
+    ``nu`` from the moments of one Adam step MaxText itself takes from those leaves on ``tokens``
+    (over the largest moment)."""
     import numpy as np
-    import optax
     from flax import nnx
     from maxtext.common import checkpointing
     from maxtext.utils import lora_utils
-    from orbax.checkpoint import v1 as ocp
 
     tokens = np.load(job["tokens"], allow_pickle=False)
-    lora_dir = str(Path(job["lora"]).absolute())
+    report: dict[str, Any] = {}
     with _qwix_model(job, built) as model:
-        built.config.lora.lora_restore_path = lora_dir
-        restored = _leaves(nnx.state(lora_utils.restore_lora_from_path(model, built.config), nnx.LoRAParam))
-        got, grads = _logits_and_grads(model, tokens) if job.get("train_ckpt") else (_logits(model, tokens), None)
-        report: dict[str, Any] = {"leaves": {n: list(a.shape) for n, a in restored.items()},
-                                  "metadata": checkpointing.load_checkpoint_metadata(lora_dir)}
-        if job.get("train_ckpt"):
-            own = nnx.Optimizer(model, optax.adam(1e-3, *job["betas"]), wrt=nnx.LoRAParam)
-            own.update(model, grads)  # MaxText's own first step from the restored leaves
-            want = _leaves(nnx.state(own, nnx.optimizer.OptState))
-            carried = nnx.Optimizer(model, optax.adam(1e-3, *job["betas"]), wrt=nnx.LoRAParam)
-            with ocp.training.Checkpointer(Path(job["train_ckpt"]).absolute()) as ckpt:
-                step = ckpt.latest.step
-                back = ckpt.load_checkpointables(step, {"model_params": nnx.state(model, nnx.LoRAParam),
-                                                        "optimizer_state": nnx.state(carried, nnx.optimizer.OptState)})
-            params, opt = _leaves(back["model_params"]), _leaves(back["optimizer_state"])
-            report["tunix"] = {
-                "step": step, "names": sorted(opt),
-                "params_max_diff": max(float(np.abs(params[n] - a).max()) for n, a in restored.items()),
-                "moments_rel_diff": {k: max(float(np.abs(opt[n] - want[n]).max()) for n in want if f"/{k}/" in n)
-                                     / max(float(np.abs(want[n]).max()) for n in want if f"/{k}/" in n)
-                                     for k in ("mu", "nu")},
-                "counts": {n: int(a) for n, a in opt.items() if not a.shape}}
-    np.save(job["out"], got)
+        for k, (lora_dir, out) in enumerate(zip(job["lora"], job["out"], strict=True)):
+            built.config.lora.lora_restore_path = str(Path(lora_dir).absolute())
+            restored = _leaves(nnx.state(lora_utils.restore_lora_from_path(model, built.config), nnx.LoRAParam))
+            np.save(out, _logits_and_grads(model, tokens)[0])
+            if k == 0:
+                report = {"leaves": {n: list(a.shape) for n, a in restored.items()},
+                          "metadata": checkpointing.load_checkpoint_metadata(built.config.lora.lora_restore_path)}
+                first = restored
+        if job.get("train_ckpt"):  # the first adapter back in the model, for its Adam step
+            built.config.lora.lora_restore_path = str(Path(job["lora"][0]).absolute())
+            lora_utils.restore_lora_from_path(model, built.config)
+            report["tunix"] = _tunix_restore(job, model, first, tokens)
     harness._write_json(Path(job["report"]), report)
-    return {"cmd": job["cmd"], "leaves": len(restored)}
+    return {"cmd": job["cmd"], "restored": len(job["lora"])}
+
+
+def _tunix_restore(job: dict[str, Any], model: Any, restored: dict[str, Any], tokens: Any) -> dict[str, Any]:
+    """Tunix's restore of ``train_ckpt`` onto ``model`` compared with ``restored`` (its LoRA leaves)
+    and with MaxText's own first Adam step from them (see :func:`qwix_restore`)."""
+    import numpy as np
+    import optax
+    from flax import nnx
+    from orbax.checkpoint import v1 as ocp
+
+    _, grads = _logits_and_grads(model, tokens)
+    own = nnx.Optimizer(model, optax.adam(1e-3, *job["betas"]), wrt=nnx.LoRAParam)
+    own.update(model, grads)  # MaxText's own first step from the restored leaves
+    want = _leaves(nnx.state(own, nnx.optimizer.OptState))
+    carried = nnx.Optimizer(model, optax.adam(1e-3, *job["betas"]), wrt=nnx.LoRAParam)
+    with ocp.training.Checkpointer(Path(job["train_ckpt"]).absolute()) as ckpt:
+        step = ckpt.latest.step
+        back = ckpt.load_checkpointables(step, {"model_params": nnx.state(model, nnx.LoRAParam),
+                                                "optimizer_state": nnx.state(carried, nnx.optimizer.OptState)})
+    params, opt = _leaves(back["model_params"]), _leaves(back["optimizer_state"])
+
+    def rel(key: str) -> float:
+        names = [n for n in want if f"/{key}/" in n]
+        return max(float(np.abs(opt[n] - want[n]).max()) for n in names) / max(float(np.abs(want[n]).max()) for n in names)
+
+    return {"step": step, "names": sorted(opt), "counts": {n: int(a) for n, a in opt.items() if not a.shape},
+            "params_max_diff": max(float(np.abs(params[n] - a).max()) for n, a in restored.items()),
+            "moments_rel_diff": {key: rel(key) for key in ("mu", "nu")}}
 
 
 def run_batch(jobs: list[dict[str, Any]], cache: dict[str, harness.Built]) -> list[dict[str, Any]]:
