@@ -83,7 +83,8 @@ def _peft_to_qwix(root: Path, base: Path, cfg: dict, train: np.ndarray) -> Path:
     no_scale = tuple(r for r in to_mx if not isinstance(r, Scale))
     src = ckptbridge.open(adapter)
     carry.save_qwix(carry.carry(src, to_mx, qwix=True), root / "to_qwix")
-    carry.save_qwix(carry.carry(_with_moments(adapter, root), to_mx, qwix=True), root / "to_qwix_tunix", step=1)
+    carry.save_qwix(carry.carry(_with_moments(adapter, root), to_mx, qwix=True), root / "to_qwix_tunix", step=1,
+                    adam="opt_state/1/0", counts=("opt_state/1/2/count",))  # MaxText's SFT optimizer
     carry.save_qwix(carry.carry(src, no_scale, qwix=True), root / "to_qwix_noscale")
     scan = recipes.rules(recipes.family_from_hf(cfg), src="hf", dst="maxtext",
                          **{**recipes.config_from_hf(cfg), "scan": True})
@@ -174,7 +175,7 @@ def test_peft_adapter_carried_to_qwix_resumes_in_maxtext_with_peft_logits_and_ad
     assert np.abs(np.load(root / "to_qwix_noscale.logits.npy") - want).max() > 100 * 1e-4
     tunix = report["tunix"]
     assert tunix["step"] == 1 and tunix["params_max_diff"] == 0.0
-    assert tunix["counts"] == {"opt_state/0/count/value": 1, "step/value": 1}
+    assert tunix["counts"] == {"opt_state/1/0/count/value": 1, "opt_state/1/2/count/value": 1, "step/value": 1}
     assert len([n for n in tunix["names"] if "/mu/" in n]) == len(own)
     assert tunix["moments_rel_diff"]["mu"] < 1e-3 and tunix["moments_rel_diff"]["nu"] < 2e-3, tunix["moments_rel_diff"]
 

@@ -10,8 +10,8 @@ names ``<kernel>_lora_a/value``) as one Orbax ``CheckpointManager`` step ``<out>
   (``tunix/sft/checkpoint_manager.py``): items ``model_params`` (the same tree) and
   ``optimizer_state``, ``nnx.state(optimizer, nnx.optimizer.OptState)`` of an
   ``nnx.Optimizer(model, tx, wrt=nnx.LoRAParam)``: optax's ``ScaleByAdamState`` at ``adam``
-  (``opt_state/0`` for ``optax.adam`` / ``adamw``) with ``mu``, ``nu`` and ``count``, and the
-  optimizer's ``step``, both the checkpoint's step::
+  (``opt_state/0`` for ``optax.adam`` / ``adamw``) with ``mu``, ``nu`` and ``count``, other
+  counters (``counts``) and the optimizer's ``step``, every counter the checkpoint's step::
 
     mt = carry(ckptbridge.open("peft_adapter/"), rules, qwix=True)   # rules: hf -> maxtext
     save_qwix(mt, "lora/")                           # 'lora/0/items': lora.lora_restore_path
@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -80,13 +80,19 @@ def _scalar(name: str, dtype: str, value: int) -> LogicalTensor:
 
 
 def save_qwix(lora: Checkpoint, out: str | os.PathLike[str], *, step: int | None = None,
-              adam: str = "opt_state/0") -> str:
+              adam: str = "opt_state/0", counts: Sequence[str] = ()) -> str:
     """Write ``lora`` (qwix-named factors, ``carry(..., qwix=True)``) as MaxText's LoRA checkpoint
     step ``out/<step>`` (``step`` default: the checkpoint's, else 0; see the module doc): without
     Adam moments its one item ``items``, the path returned (``lora.lora_restore_path``); with them
-    Tunix's ``model_params`` and ``optimizer_state``, the step's path returned. ``adam``: the path
-    of optax's ``ScaleByAdamState`` in the optimizer state (``opt_state/1/0`` where a gradient clip
-    comes first in the chain)."""
+    Tunix's ``model_params`` and ``optimizer_state``, the step's path returned.
+
+    ``adam``: the path of optax's ``ScaleByAdamState`` in the optimizer state; ``counts``: the
+    optimizer's other step counters (a learning-rate schedule's ``count``), set to the step too. An
+    optimizer restores only the tree it has: MaxText's SFT optimizer (``get_optimizer``'s
+    ``adamw`` with a schedule, behind ``clip_by_global_norm`` as ``train_sft.py`` chains it) is::
+
+        save_qwix(mt, "run/ckpts", step=100, adam="opt_state/1/0", counts=("opt_state/1/2/count",))
+    """
     import ckptbridge
 
     from ._carry import factor_of
@@ -105,8 +111,9 @@ def save_qwix(lora: Checkpoint, out: str | os.PathLike[str], *, step: int | None
     if moments:
         opt = {f"{adam}/{key}/{n}": LogicalTensor(f"{adam}/{key}/{n}", {"param": t.state(s)})
                for n, t in lora.tensors.items() for key, s in zip(("mu", "nu"), _ADAM, strict=True)}
-        items["optimizer_state"] = {**opt, f"{adam}/count/value": _scalar(f"{adam}/count/value", "int32", number),
-                                    "step/value": _scalar("step/value", "uint32", number)}
+        for count in (f"{adam}/count", *counts):
+            opt[f"{count}/value"] = _scalar(f"{count}/value", "int32", number)
+        items["optimizer_state"] = {**opt, "step/value": _scalar("step/value", "uint32", number)}
     for item, tensors in items.items():
         ckptbridge.reshard(Checkpoint(CheckpointIndex("lora", lora.path, tensors, number), lora.files),
                            str(where / item), to="orbax", layout="flat")

@@ -235,8 +235,8 @@ def qwix_restore(job: dict[str, Any], built: harness.Built) -> dict[str, Any]:
     ``lora_alpha``). With ``train_ckpt`` (Tunix's ``PeftTrainer`` checkpoint root), restored the way
     Tunix's ``CheckpointManager.maybe_restore`` does (Orbax v1 ``training.Checkpointer``
     ``load_checkpointables`` of ``model_params`` and ``optimizer_state`` onto ``nnx.state(model,
-    nnx.LoRAParam)`` and ``nnx.state(nnx.Optimizer(model, optax.adam(1e-3, *betas),
-    wrt=nnx.LoRAParam), OptState)``), the report gets its step, leaf names and counters, the
+    nnx.LoRAParam)`` and ``nnx.state(nnx.Optimizer(model, tx, wrt=nnx.LoRAParam), OptState)``, ``tx``
+    MaxText's SFT optimizer, :func:`_tunix_restore`), the report gets its step, leaf names and counters, the
     largest difference of its ``model_params`` from the first restored leaves, and of its ``mu`` /
     ``nu`` from the moments of one Adam step MaxText itself takes from those leaves on ``tokens``
     (over the largest moment)."""
@@ -259,24 +259,30 @@ def qwix_restore(job: dict[str, Any], built: harness.Built) -> dict[str, Any]:
         if job.get("train_ckpt"):  # the first adapter back in the model, for its Adam step
             built.config.lora.lora_restore_path = str(Path(job["lora"][0]).absolute())
             lora_utils.restore_lora_from_path(model, built.config)
-            report["tunix"] = _tunix_restore(job, model, first, tokens)
+            report["tunix"] = _tunix_restore(job, built, model, first, tokens)
     harness._write_json(Path(job["report"]), report)
     return {"cmd": job["cmd"], "restored": len(job["lora"])}
 
 
-def _tunix_restore(job: dict[str, Any], model: Any, restored: dict[str, Any], tokens: Any) -> dict[str, Any]:
+def _tunix_restore(job: dict[str, Any], built: harness.Built, model: Any, restored: dict[str, Any],
+                   tokens: Any) -> dict[str, Any]:
     """Tunix's restore of ``train_ckpt`` onto ``model`` compared with ``restored`` (its LoRA leaves)
-    and with MaxText's own first Adam step from them (see :func:`qwix_restore`)."""
+    and with MaxText's own first Adam step from them (see :func:`qwix_restore`). The optimizer is
+    MaxText's SFT one: ``optimizers.get_optimizer``'s AdamW (``betas``, a constant schedule) behind
+    ``clip_by_global_norm`` as ``train_sft.setup_trainer_state`` chains it (a threshold that clips
+    nothing: one step's moments are then ``(1 - b1) g``, ``(1 - b2) g^2``)."""
     import numpy as np
     import optax
     from flax import nnx
     from orbax.checkpoint import v1 as ocp
 
+    b1, b2 = job["betas"]
+    tx = optax.chain(optax.clip_by_global_norm(1e9), harness._tx(built, harness.AdamW(b1=b1, b2=b2)))
     _, grads = _logits_and_grads(model, tokens)
-    own = nnx.Optimizer(model, optax.adam(1e-3, *job["betas"]), wrt=nnx.LoRAParam)
+    own = nnx.Optimizer(model, tx, wrt=nnx.LoRAParam)
     own.update(model, grads)  # MaxText's own first step from the restored leaves
     want = _leaves(nnx.state(own, nnx.optimizer.OptState))
-    carried = nnx.Optimizer(model, optax.adam(1e-3, *job["betas"]), wrt=nnx.LoRAParam)
+    carried = nnx.Optimizer(model, tx, wrt=nnx.LoRAParam)
     with ocp.training.Checkpointer(Path(job["train_ckpt"]).absolute()) as ckpt:
         step = ckpt.latest.step
         back = ckpt.load_checkpointables(step, {"model_params": nnx.state(model, nnx.LoRAParam),
