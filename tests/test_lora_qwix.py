@@ -77,13 +77,14 @@ def _peft_to_qwix(root: Path, base: Path, cfg: dict, train: np.ndarray) -> Path:
                              use_rslora=True)
     adapter = root / "peft_full"
     peft.get_peft_model(hf.build(SPEC), config).save_pretrained(adapter)
-    _adam_step(base, adapter, train, root)  # torch Adam: exp_avg / exp_avg_sq of PEFT's names
+    (root / "peft_full_adam").mkdir()
+    _adam_step(base, adapter, train, root / "peft_full_adam")  # torch Adam: exp_avg / exp_avg_sq of PEFT's names
     to_mx = recipes.rules(recipes.family_from_hf(cfg), src="hf", dst="maxtext",
                           **{**recipes.config_from_hf(cfg), "scan": False})
     no_scale = tuple(r for r in to_mx if not isinstance(r, Scale))
     src = ckptbridge.open(adapter)
     carry.save_qwix(carry.carry(src, to_mx, qwix=True), root / "to_qwix")
-    carry.save_qwix(carry.carry(_with_moments(adapter, root), to_mx, qwix=True), root / "to_qwix_tunix", step=1,
+    carry.save_qwix(carry.carry(_with_moments(adapter, root / "peft_full_adam"), to_mx, qwix=True), root / "to_qwix_tunix", step=1,
                     adam="opt_state/1/0", counts=("opt_state/1/2/count",))  # MaxText's SFT optimizer
     carry.save_qwix(carry.carry(src, no_scale, qwix=True), root / "to_qwix_noscale")
     scan = recipes.rules(recipes.family_from_hf(cfg), src="hf", dst="maxtext",
@@ -106,13 +107,15 @@ def made(tmp_path_factory) -> dict:
                  _qwix_forward(spec, root, "qwix", "base_mt.safetensors", train=True),
                  _qwix_restore(spec, root, ["to_qwix", "to_qwix_noscale"], "base_mt.safetensors", train=True),
                  mx.convert_job(spec_scan, base, root / "base_mt_scan.safetensors"),
-                 _qwix_forward(spec_scan, root, "qwix_scan", "base_mt_scan.safetensors"),
+                 _qwix_forward(spec_scan, root, "qwix_scan", "base_mt_scan.safetensors", train=True),
                  _qwix_restore(spec_scan, root, ["to_qwix_scan"], "base_mt_scan.safetensors")], script=LORA_TOOL)
     ckpt = ckptbridge.open(root / "qwix_ckpt")
     rules = _rules(cfg)
     no_scale = tuple(r for r in rules if not isinstance(r, Scale))  # negative control: B without the query scale
-    for label, rs in (("peft", rules), ("noscale", no_scale)):
+    for label, rs in (("qwix_peft", rules), ("qwix_noscale", no_scale)):
         carry.save_peft(carry.carry(ckpt, rs, alpha=ALPHA), root / label)
+    carry.save_peft(carry.carry(ckptbridge.open(root / "qwix_scan_ckpt"), _rules(cfg, scan=True), alpha=ALPHA),
+                    root / "qwix_scan_peft")
     return {"root": root, "base": base, "cfg": cfg, "tokens": train[:, :-1], "ckpt": ckpt, "adapter": adapter,
             "report": json.loads((root / "qwix.json").read_text())}
 
@@ -129,32 +132,35 @@ def test_qwix_lora_from_maxtexts_checkpoint_gives_maxtexts_logits_in_peft(made: 
     assert carry.factor_of("decoder/layers_1/self_attention/out/kernel_lora_a/value") == \
         ("decoder/layers_1/self_attention/out/kernel", "A", "qwix")
     # carried to PEFT through the Llama recipe (MaxText -> HF): PEFT's adapter-on logits are MaxText's
-    adapter = ckptbridge.open(root / "peft")
-    config = json.loads((root / "peft" / "adapter_config.json").read_text())
+    adapter = ckptbridge.open(root / "qwix_peft")
+    config = json.loads((root / "qwix_peft" / "adapter_config.json").read_text())
     assert (config["r"], config["lora_alpha"], sorted(config["target_modules"])) == (RANK, ALPHA, sorted(MODULES))
     assert len(adapter.tensors) == len(report["leaves"])
     want = np.load(root / "qwix.logits.npy")
-    got = _peft_logits(made["base"], root / "peft", made["tokens"])
-    assert np.abs(want - _peft_logits(made["base"], root / "noscale", made["tokens"])).max() > 100 * 1e-4
+    got = _peft_logits(made["base"], root / "qwix_peft", made["tokens"])
+    assert np.abs(want - _peft_logits(made["base"], root / "qwix_noscale", made["tokens"])).max() > 100 * 1e-4
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
 
 
-def test_qwix_adam_moments_carry_to_peft_with_their_meaning(made: dict) -> None:
+@pytest.mark.parametrize("label", ["qwix", "qwix_scan"])
+def test_qwix_adam_moments_carry_to_peft_with_their_meaning(made: dict, label: str) -> None:
     """One Adam step in MaxText (qwix's LoRA leaves, ``nnx.Optimizer(..., wrt=nnx.LoRAParam)``,
-    saved as Tunix's ``PeftTrainer`` checkpoint: ``model_params`` + ``optimizer_state``): carried to
-    PEFT, ``mu`` / ``nu`` equal torch Adam's ``exp_avg`` / ``exp_avg_sq`` after one step on the
-    carried adapter with the same batch (``(1 - b1) g``, ``(1 - b2) g^2``: the query scale divides
-    ``B``'s gradient, squared in the second moment)."""
+    saved as Tunix's ``PeftTrainer`` checkpoint: ``model_params`` + ``optimizer_state``; unscanned
+    and scanned): carried to PEFT, ``mu`` / ``nu`` equal torch Adam's ``exp_avg`` / ``exp_avg_sq``
+    after one step on the carried adapter with the same batch (``(1 - b1) g``, ``(1 - b2) g^2``: the
+    query scale divides ``B``'s gradient, squared in the second moment)."""
     from test_lora_maxtext import _adam_step
 
-    root = made["root"]
-    lora = carry.carry(ckptbridge.open(root / "qwix_train"), _rules(made["cfg"]), alpha=ALPHA)
-    _adam_step(made["base"], root / "peft", np.load(root / "train.npy"), root)  # torch Adam, betas BETAS
-    want = {k: ckptbridge.open(root / f"{k}.safetensors") for k in ("exp_avg", "exp_avg_sq")}
+    root, adapter, torch_adam = made["root"], made["root"] / f"{label}_peft", made["root"] / f"{label}_adam"
+    lora = carry.carry(ckptbridge.open(root / f"{label}_train"), _rules(made["cfg"], scan=label == "qwix_scan"),
+                       alpha=ALPHA)
+    torch_adam.mkdir()
+    _adam_step(made["base"], adapter, np.load(root / "train.npy"), torch_adam)  # torch Adam, betas BETAS
+    want = {k: ckptbridge.open(torch_adam / f"{k}.safetensors") for k in ("exp_avg", "exp_avg_sq")}
     assert set(lora) == set(want["exp_avg"]) and len(lora.tensors) == len(made["report"]["leaves"])
     for name in lora:
         t, g1, g2 = lora[name], want["exp_avg"][name][...], want["exp_avg_sq"][name][...]
-        np.testing.assert_array_equal(t[...], ckptbridge.open(root / "peft")[name][...], err_msg=name)
+        np.testing.assert_array_equal(t[...], ckptbridge.open(adapter)[name][...], err_msg=name)
         np.testing.assert_allclose(t.state("exp_avg").read(), g1, rtol=1e-3, atol=1e-3 * np.abs(g1).max(), err_msg=name)
         np.testing.assert_allclose(t.state("exp_avg_sq").read(), g2, rtol=2e-3, atol=1e-3 * np.abs(g2).max(),
                                    err_msg=name)
@@ -197,17 +203,16 @@ def test_scanned_qwix_carries_both_ways(made: dict) -> None:
     r]``, ``B [r, layers, out]``), read (MaxText's scanned qwix checkpoint -> PEFT gives MaxText's
     logits) and written (PEFT -> scanned qwix, restored by MaxText, gives PEFT's logits); with the
     two layers exchanged both are far off."""
-    root, cfg = made["root"], made["cfg"]
+    root = made["root"]
     own = json.loads((root / "qwix_scan.json").read_text())
     assert own["restored_max_diff"] == 0.0
     assert own["leaves"]["decoder/layers/self_attention/out/kernel_lora_a/value"] == [64, SPEC.layers, RANK]
     assert own["leaves"]["decoder/layers/self_attention/key/kernel_lora_b/value"] == [RANK, SPEC.layers, 32]
-    # read: MaxText's scanned checkpoint to PEFT
-    carry.save_peft(carry.carry(ckptbridge.open(root / "qwix_scan_ckpt"), _rules(cfg, scan=True), alpha=ALPHA),
-                    root / "from_scan")
+    # read: MaxText's scanned checkpoint to PEFT (the fixture's qwix_scan_peft)
     want = np.load(root / "qwix_scan.logits.npy")
-    np.testing.assert_allclose(_peft_logits(made["base"], root / "from_scan", made["tokens"]), want, atol=1e-4, rtol=0)
-    swapped = _swapped(root / "from_scan", root / "from_scan_swapped")
+    np.testing.assert_allclose(_peft_logits(made["base"], root / "qwix_scan_peft", made["tokens"]), want, atol=1e-4,
+                               rtol=0)
+    swapped = _swapped(root / "qwix_scan_peft", root / "qwix_scan_swapped")
     assert np.abs(_peft_logits(made["base"], swapped, made["tokens"]) - want).max() > 100 * 1e-4
     # written: PEFT to MaxText's scanned tree, restored by restore_lora_from_path
     report = json.loads((root / "to_qwix_scan.json").read_text())
