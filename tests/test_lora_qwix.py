@@ -1,12 +1,13 @@
-"""MaxText 0.2.5's training-time LoRA (qwix) read from its Orbax checkpoint and carried to HF PEFT.
+"""MaxText 0.2.5's training-time LoRA (qwix) carried both ways with HF PEFT, unscanned and scanned.
 
 Oracles, all outside ckptbridge: MaxText 0.2.5's own code run in ``.maxtext/venv``
-(``tools/maxtext/lora.py`` ``qwix-forward``): ``lora_utils.apply_lora_to_model`` (what
-``train_sft.py`` calls: qwix's ``LoraProvider`` on the NNX decoder with the default
+(``tools/maxtext/lora.py`` ``qwix-forward`` / ``qwix-restore``): ``lora_utils.apply_lora_to_model``
+(what ``train_sft.py`` calls: qwix's ``LoraProvider`` on the NNX decoder with the default
 ``lora_module_path``: attention query/key/value/out and MLP wi_0/wi_1/wo), its forward with the
-adapter on, and ``lora_utils.restore_lora_from_path`` reading the saved tree back; and PEFT 0.21
-loading the carried adapter onto the transformers tiny Llama-3 whose weights MaxText's model got
-through the harness's converter. The query scale and the head split apply to ``B``.
+adapter on, ``lora_utils.restore_lora_from_path`` reading a saved tree back, ``optimizers.get_optimizer``
+(the SFT optimizer a Tunix checkpoint restores into, with Orbax v1 as Tunix calls it); PEFT 0.21
+loading an adapter onto the transformers tiny Llama-3 whose weights MaxText's model got through the
+harness's converter; torch Adam for the moments. The query scale and the head split apply to ``B``.
 """
 
 from __future__ import annotations

@@ -13,8 +13,10 @@ both, from a scanned MaxText tree)::
     mt = carry(ckptbridge.open("peft_adapter/"), base)   # PEFT's save_pretrained folder
     sorted(mt)[:2]  # ['decoder/layers_0/mlp/wi_0/lora_a.kernel', 'decoder/layers_0/mlp/wi_0/lora_b.kernel']
 
-The MaxText names and shapes are MaxText 0.2.5's adapter tree (``utils/lora_utils.py``
-``get_lora_abstract_state_nnx``: ``<module>/lora_a.kernel [in..., r]``, ``<module>/lora_b.kernel
+MaxText's training-time LoRA (qwix, ``<kernel>_lora_a`` / ``_lora_b``, flattened) is read through
+:func:`qwix_splits` and written with ``carry(..., qwix=True)`` (:func:`qwix_folds`; ``save_qwix``
+writes it where MaxText and Tunix restore it). The MaxText names and shapes are MaxText 0.2.5's
+adapter tree (``utils/lora_utils.py`` ``get_lora_abstract_state_nnx``: ``<module>/lora_a.kernel [in..., r]``, ``<module>/lora_b.kernel
 [r, out...]``, scanned ``[in..., layers, r]`` / ``[r, layers, out...]``; its merge ``W +
 einsum("er,rnd->end", a, b) * lora_alpha / r``); HF names are PEFT's
 (``base_model.model.<module>.lora_A.weight [r, in]``, ``lora_B.weight [out, r]``); Megatron-Bridge's

@@ -19,7 +19,10 @@ given leaves with MaxText's function and writes the forward's fp32 logits; ``{"c
 with respect to each adapter leaf through MaxText's merge and forward. ``qwix-forward`` is the
 LoRA MaxText 0.2.5 TRAINS with (``train_sft.py``: ``lora_utils.apply_lora_to_model``, qwix's
 ``LoraProvider`` on the NNX decoder, ``nnx.LoRAParam`` leaves ``<module>/kernel_lora_a`` /
-``kernel_lora_b`` beside each kernel); see :func:`qwix_forward`. Every other job goes to ``harness.py`` (``convert-hf`` ...), in the same process::
+``kernel_lora_b`` beside each kernel); see :func:`qwix_forward`. ``qwix-restore`` puts saved qwix
+leaves into that model with MaxText's ``restore_lora_from_path`` and runs it, and restores Tunix's
+checkpoint onto MaxText's SFT optimizer (:func:`qwix_restore`). Every other job goes to
+``harness.py`` (``convert-hf`` ...), in the same process::
 
     .maxtext/venv/bin/python tools/maxtext/lora.py jobs --jobs jobs.json --out results.json
 """
