@@ -228,7 +228,8 @@ def test_qwix_factors_that_do_not_fit_the_recipe_are_refused(made: dict) -> None
     """A factor whose flattened size does not split the kernel's axes (here ``B`` and ``A``
     swapped: ``A [64, r]`` read as ``B``) names the weight, and so do unstacked factors of a scanned
     kernel; a scanned ``out`` kernel's ``A [H*D, layers, r]`` splits its heads and puts the layer
-    axis where ``W [H, layers, D, E]`` has it."""
+    axis where ``W [H, layers, D, E]`` has it. ``qwix=True`` without MaxText kernels at the
+    destination and ``save_qwix`` of other factors are refused."""
     from ckptbridge.adapters.lora._plan import qwix_splits
     from ckptbridge.rules import SplitDim, Transpose
 
@@ -245,3 +246,6 @@ def test_qwix_factors_that_do_not_fit_the_recipe_are_refused(made: dict) -> None
     assert (split["A"][0].sizes, split["A"][1].perm) == ((4, 16), (0, 2, 1, 3))
     with pytest.raises(OptionError, match="qwix=True"):  # qwix=True needs rules to MaxText
         carry.carry(ckptbridge.open(made["adapter"]), _rules(made["cfg"]), qwix=True)
+    with pytest.raises(FormatError, match="only qwix-named"):  # save_qwix writes qwix factors only
+        carry.save_qwix(ckptbridge.open(made["adapter"]), made["root"] / "refused")
+    assert not (made["root"] / "refused").exists()
