@@ -42,6 +42,7 @@ from ckptbridge.plugin import (
     Fragment,
     LogicalTensor,
     TensorState,
+    staged_dir,
 )
 
 __all__ = ["save_qwix"]
@@ -80,9 +81,10 @@ def _scalar(name: str, dtype: str, value: int) -> LogicalTensor:
 
 
 def save_qwix(lora: Checkpoint, out: str | os.PathLike[str], *, step: int | None = None,
-              adam: str = "opt_state/0", counts: Sequence[str] = ()) -> str:
+              adam: str = "opt_state/0", counts: Sequence[str] = (), overwrite: bool = False) -> str:
     """Write ``lora`` (qwix-named factors, ``carry(..., qwix=True)``) as MaxText's LoRA checkpoint
-    step ``out/<step>`` (``step`` default: the checkpoint's, else 0; see the module doc): without
+    step ``out/<step>`` (a local path or a URL; published whole, its ``commit_success.txt`` last,
+    replacing one there only with ``overwrite``; ``step`` default: the checkpoint's, else 0; see the module doc): without
     Adam moments its one item ``items``, the path returned (``lora.lora_restore_path``); with them
     Tunix's ``model_params`` and ``optimizer_state``, the step's path returned.
 
@@ -105,7 +107,6 @@ def save_qwix(lora: Checkpoint, out: str | os.PathLike[str], *, step: int | None
         raise FormatError(f"{lora.path}: Adam moments for {len(moments)} of {len(lora.tensors)} factors; "
                           f"e.g. {sorted(set(lora.tensors) - set(moments))[0]!r} has none")
     number = int(step if step is not None else lora.step or 0)
-    where = Path(out) / str(number)
     weights = {n: LogicalTensor(n, {t.weight_state: t.state()}) for n, t in lora.tensors.items()}
     items = {"model_params" if moments else "items": weights}
     if moments:
@@ -114,16 +115,17 @@ def save_qwix(lora: Checkpoint, out: str | os.PathLike[str], *, step: int | None
         for count in (f"{adam}/count", *counts):
             opt[f"{count}/value"] = _scalar(f"{count}/value", "int32", number)
         items["optimizer_state"] = {**opt, "step/value": _scalar("step/value", "uint32", number)}
-    for item, tensors in items.items():
-        ckptbridge.reshard(Checkpoint(CheckpointIndex("lora", lora.path, tensors, number), lora.files),
-                           str(where / item), to="orbax", layout="flat")
     cfg = lora.extra.get("lora")
     meta = {"lora": {"lora_rank": int(cfg["r"]), "lora_alpha": float(cfg["lora_alpha"])}} \
         if isinstance(cfg, Mapping) and "r" in cfg and "lora_alpha" in cfg else {}
     handler = "orbax.checkpoint._src.handlers.pytree_checkpoint_handler.PyTreeCheckpointHandler"
-    now = time.time_ns()
-    (where / "_CHECKPOINT_METADATA").write_text(json.dumps({
-        "item_handlers": dict.fromkeys(items, handler), "metrics": {}, "performance_metrics": {},
-        "init_timestamp_nsecs": now, "commit_timestamp_nsecs": now, "custom_metadata": meta}))
-    (where / "commit_success.txt").write_text(f"Checkpoint commit was successful to {where}")
-    return str(where if moments else where / "items")
+    where = os.path.join(os.fspath(out), str(number))
+    with staged_dir(where, overwrite=overwrite, marker=("commit_success.txt", f"Checkpoint commit was successful to {where}")) as stage:
+        for item, tensors in items.items():
+            ckptbridge.reshard(Checkpoint(CheckpointIndex("lora", lora.path, tensors, number), lora.files),
+                               os.path.join(stage, item), to="orbax", layout="flat")
+        now = time.time_ns()
+        Path(stage, "_CHECKPOINT_METADATA").write_text(json.dumps({
+            "item_handlers": dict.fromkeys(items, handler), "metrics": {}, "performance_metrics": {},
+            "init_timestamp_nsecs": now, "commit_timestamp_nsecs": now, "custom_metadata": meta}))
+    return where if moments else os.path.join(where, "items")
