@@ -175,8 +175,7 @@ def test_peft_adapter_carried_to_qwix_resumes_in_maxtext_with_peft_logits_and_ad
     first moment, squared in the second)."""
     root, own = made["root"], made["report"]["leaves"]
     report = json.loads((root / "to_qwix.json").read_text())
-    # what save_qwix wrote is MaxText's own qwix tree (names, flattened shapes): restore_lora_from_path
-    # skips a model leaf the checkpoint lacks without a word
+    # what save_qwix wrote is MaxText's own qwix tree (names, flattened shapes), no leaf more
     assert _tree(root / "to_qwix" / "0" / "items") == own == report["leaves"]
     assert report["metadata"]["lora"] == {"lora_rank": RANK, "lora_alpha": ALPHA}  # what sync_lora_metadata reads
     want = _peft_logits(made["base"], made["adapter"], made["tokens"])
