@@ -19,7 +19,8 @@ names ``<kernel>_lora_a/value``) as one Orbax ``CheckpointManager`` step ``<out>
 
 The step records ``{"lora": {"lora_rank", "lora_alpha"}}`` as its custom metadata, where
 MaxText's ``sync_lora_metadata`` reads them (``checkpointing.load_checkpoint_metadata`` of the
-restore path less its ``/items``).
+restore path less its ``/items``); MaxText 0.2.5 builds the LoRA model before it syncs, so the run's
+config must give ``lora.lora_rank`` / ``lora.lora_alpha`` all the same (``tools/maxtext/NOTES.md``).
 """
 
 from __future__ import annotations
