@@ -5,13 +5,16 @@
   slice (used by the safetensors adapter);
 * ``_carry``: :func:`carry` moves an adapter alone through a family recipe (HF PEFT, MaxText,
   Megatron-Bridge names, and from MaxText's training-time qwix LoRA, ``<kernel>_lora_a`` /
-  ``_lora_b``; ``_plan`` writes each base rule for the factors; ``_experts`` stacks PEFT's 3-D expert
-  pairs so that a recipe's experts unstack them per expert, e.g. to Megatron's ``local_experts.N``)
-  and :func:`save_peft` writes one as a PEFT folder::
+  ``_lora_b``, and to it with ``qwix=True``; ``_plan`` writes each base rule for the factors;
+  ``_experts`` stacks PEFT's 3-D expert pairs so that a recipe's experts unstack them per expert,
+  e.g. to Megatron's ``local_experts.N``) and :func:`save_peft` writes one as a PEFT folder;
+  ``_qwix``'s :func:`save_qwix` writes qwix factors as MaxText's training LoRA (Orbax:
+  ``restore_lora_from_path``'s tree; with Adam moments, Tunix's ``PeftTrainer`` checkpoint)::
 
     from ckptbridge.adapters import lora
     mt = lora.carry(ckptbridge.open("peft_adapter/"), rules)
     lora.save_peft(lora.carry(ckptbridge.open("mt_lora.safetensors"), back, alpha=16.0), "adapter/")
+    lora.save_qwix(lora.carry(ckptbridge.open("peft_adapter/"), rules, qwix=True), "lora_ckpt/")
 """
 
 from __future__ import annotations
@@ -24,5 +27,6 @@ from ._plan import Copy as Copy
 from ._plan import Place as Place
 from ._plan import Plan as Plan
 from ._plan import plan as plan
+from ._qwix import save_qwix as save_qwix
 
-__all__ = ["Copy", "Place", "Plan", "carry", "factor_name", "factor_of", "plan", "save_peft"]
+__all__ = ["Copy", "Place", "Plan", "carry", "factor_name", "factor_of", "plan", "save_peft", "save_qwix"]

@@ -13,8 +13,10 @@ both, from a scanned MaxText tree)::
     mt = carry(ckptbridge.open("peft_adapter/"), base)   # PEFT's save_pretrained folder
     sorted(mt)[:2]  # ['decoder/layers_0/mlp/wi_0/lora_a.kernel', 'decoder/layers_0/mlp/wi_0/lora_b.kernel']
 
-The MaxText names and shapes are MaxText 0.2.5's adapter tree (``utils/lora_utils.py``
-``get_lora_abstract_state_nnx``: ``<module>/lora_a.kernel [in..., r]``, ``<module>/lora_b.kernel
+MaxText's training-time LoRA (qwix, ``<kernel>_lora_a`` / ``_lora_b``, flattened) is read through
+:func:`qwix_splits` and written with ``carry(..., qwix=True)`` (:func:`qwix_folds`; ``save_qwix``
+writes it where MaxText and Tunix restore it). The MaxText names and shapes are MaxText 0.2.5's
+adapter tree (``utils/lora_utils.py`` ``get_lora_abstract_state_nnx``: ``<module>/lora_a.kernel [in..., r]``, ``<module>/lora_b.kernel
 [r, out...]``, scanned ``[in..., layers, r]`` / ``[r, layers, out...]``; its merge ``W +
 einsum("er,rnd->end", a, b) * lora_alpha / r``); HF names are PEFT's
 (``base_model.model.<module>.lora_A.weight [r, in]``, ``lora_B.weight [out, r]``); Megatron-Bridge's
@@ -46,7 +48,7 @@ from ckptbridge.plugin import (
 )
 
 from . import _experts, _read
-from ._plan import Copy, Place, layout_of, plan, qwix_splits, scan_axis
+from ._plan import Copy, Layout, Place, layout_of, plan, qwix_folds, qwix_splits, scan_axis
 
 __all__ = ["carry", "factor_name", "factor_of", "save_peft"]
 
@@ -88,8 +90,16 @@ def factor_of(name: str) -> tuple[str, str, str] | None:
     return None
 
 
-def factor_name(base: str, part: str) -> str:
-    """The adapter tensor name of factor ``part`` of base weight ``base`` (its style from the name)."""
+def factor_name(base: str, part: str, *, qwix: bool = False) -> str:
+    """The adapter tensor name of factor ``part`` of base weight ``base`` (its style from the name;
+    ``qwix``: MaxText's training-time LoRA, ``<param>_lora_a/value``, the leaf ``nnx.state`` saves)::
+
+        factor_name("decoder/layers_0/mlp/wo/kernel", "B", qwix=True)  # 'decoder/layers_0/mlp/wo/kernel_lora_b/value'
+    """
+    if qwix:
+        if "/" not in base:
+            raise FormatError(f"{base!r}: qwix LoRA factors sit beside a MaxText parameter ('.../kernel')")
+        return f"{base}_lora_{part.lower()}/value"
     if base.endswith("/kernel"):
         return f"{base.removesuffix('/kernel')}/lora_{part.lower()}.kernel"
     if base.endswith(".weight") and _MEGATRON_BASE.match(base):
@@ -104,7 +114,7 @@ def factor_name(base: str, part: str) -> str:
 
 
 def carry(adapter: Checkpoint, rules: Sequence[Rule], *, alpha: float | None = None,
-          path: str = "") -> Checkpoint:
+          path: str = "", qwix: bool = False) -> Checkpoint:
     """``adapter`` (PEFT's folder opened, MaxText's adapter leaves, unscanned or scanned, or
     Megatron-Bridge's) seen through the base model's ``rules`` (e.g.
     ``ckptbridge.recipes.rules(family, src=..., dst=...)``): a checkpoint of the destination's
@@ -132,7 +142,17 @@ def carry(adapter: Checkpoint, rules: Sequence[Rule], *, alpha: float | None = N
 
     ``alpha``: the source's ``lora_alpha`` where its files record none (MaxText's and
     Megatron-Bridge's factors; default ``r``, a scaling of 1); a PEFT folder's is its
-    ``adapter_config.json``'s. The result's ``lora_alpha`` keeps the source's scaling."""
+    ``adapter_config.json``'s. The result's ``lora_alpha`` keeps the source's scaling.
+
+    ``qwix`` (rules to MaxText): the factors as MaxText TRAINS them (``lora.enable_lora``: qwix's
+    ``<kernel>_lora_a/value [prod(in), r]``, ``_lora_b/value [r, prod(out)]``, scanned ``[prod(in),
+    layers, r]`` / ``[r, layers, prod(out)]``) instead of its served adapter tree; :func:`save_qwix`
+    writes them where ``restore_lora_from_path`` (``lora.lora_restore_path``) reads them, with their
+    Adam moments as Tunix's ``PeftTrainer`` checkpoint::
+
+        mt = carry(ckptbridge.open("peft_adapter/"), rules, qwix=True)   # rules: hf -> maxtext
+        save_qwix(mt, "lora_ckpt/")   # MaxText: lora.enable_lora=True lora.lora_restore_path=lora_ckpt/
+    """
     pairs, style = _pairs(adapter)
     if style == "qwix":  # flattened factors: MaxText's served layout first
         pairs, style = _unflatten(pairs, rules), "maxtext"
@@ -158,8 +178,10 @@ def carry(adapter: Checkpoint, rules: Sequence[Rule], *, alpha: float | None = N
         params |= {n for n, t in moved.items() if _experts.is_expert_param(n, len(t.shape))}
         moved = _apply(moved, [rule for n in params for rule in _experts.to_peft(n)[part]])
         wrappers = _experts.peft_names(params)
+        if qwix:
+            moved = _flatten(moved, steps.layouts, part)
         for name, t in moved.items():
-            new = f"{wrappers[name]}.lora_{part}.weight" if name in wrappers else factor_name(name, part)
+            new = f"{wrappers[name]}.lora_{part}.weight" if name in wrappers else factor_name(name, part, qwix=qwix)
             out[new] = _renamed(t, new)
     mixed = sorted(n for n in out if (factor_of(n) or ("", "", ""))[2] != "hf")
     if params and mixed:
@@ -207,6 +229,16 @@ def _unflatten(pairs: Mapping[str, Mapping[str, LogicalTensor]], rules: Sequence
     for base, ab in pairs.items():
         splits = qwix_splits(rules, base, ab["A"].shape, ab["B"].shape)
         out[base] = {part: _apply({base: t}, splits[part])[base] for part, t in ab.items()}
+    return out
+
+
+def _flatten(factors: Mapping[str, LogicalTensor], layouts: Mapping[str, Layout], part: str) -> dict[str, LogicalTensor]:
+    """MaxText's served factors ``part`` flattened to qwix's (:func:`qwix_folds`), by base weight name."""
+    out: dict[str, LogicalTensor] = {}
+    for base, t in factors.items():
+        if not base.endswith("/kernel"):
+            raise OptionError(f"{base!r}: qwix=True carries to MaxText kernels (rules with dst='maxtext')")
+        out[base] = _apply({base: t}, qwix_folds(base, layouts[base], part, t.shape))[base]
     return out
 
 

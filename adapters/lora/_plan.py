@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from ckptbridge.plugin import (
     LAYOUT_RULES,
@@ -46,7 +46,7 @@ from ckptbridge.plugin import (
     regex,
 )
 
-__all__ = ["Copy", "Layout", "Place", "Plan", "layout_of", "plan", "qwix_splits", "scan_axis"]
+__all__ = ["Copy", "Layout", "Place", "Plan", "layout_of", "plan", "qwix_folds", "qwix_splits", "scan_axis"]
 
 _PER_AXIS = (SplitDim, MergeDims, Interleave, Deinterleave, Pad, Crop)
 # the layout such a refusal meets first: megatron-core's legacy GroupedMLP (the qwen3_moe recipe's grouped form)
@@ -114,12 +114,14 @@ class Place(Rule):
 
 @dataclass(frozen=True)
 class Plan:
-    """The rules for each factor (``A``, ``B``): the base rules written for the factor's axes; and
-    the carried adapter's one ``rank`` (pairs of a smaller rank padded with zeros to it)."""
+    """The rules for each factor (``A``, ``B``): the base rules written for the factor's axes; the
+    carried adapter's one ``rank`` (pairs of a smaller rank padded with zeros to it); and
+    ``layouts``, the axes of each carried weight at the destination (by its name there)."""
 
     a: tuple[Rule, ...]
     b: tuple[Rule, ...]
     rank: int
+    layouts: Mapping[str, Layout] = field(default_factory=dict)
 
 
 def layout_of(shape_a: Sequence[int], shape_b: Sequence[int], style: str, scan: int | None = None) -> Layout:
@@ -146,27 +148,64 @@ def qwix_splits(rules: Sequence[Rule], base: str, shape_a: Sequence[int], shape_
 
     qwix 0.1.8 (``providers/lora.py``, the ``dot_general`` MaxText's ``DenseGeneral`` calls) keeps
     ``A [prod(contracting), r]`` and ``B [r, prod(remaining)]`` for a kernel ``W [in..., out...]``;
-    the served layout is ``A [in..., r]``, ``B [r, out...]``. ``W``'s axes come from the recipe's
-    ``Expect`` of ``base`` (``[embed, n_heads, head_dim]``: ``B [r, H*D]`` becomes ``[r, H, D]``); a
-    base with no ``Expect`` of more than two axes is 2-D and needs none::
+    a scanned decoder stacks them like every parameter, at MaxText's ``param_scan_axis`` (1):
+    ``A [prod(in), layers, r]``, ``B [r, layers, prod(out)]``. The served layout is ``A [in..., r]``,
+    ``B [r, out...]`` (scanned: ``layers`` where ``W`` has it, :func:`layout_of`); this is
+    :func:`qwix_folds` inverted. ``W``'s axes come from the recipe's ``Expect`` of ``base``
+    (``[embed, n_heads, head_dim]``: ``B [r, H*D]`` becomes ``[r, H, D]``); a base with no ``Expect``
+    of more axes than its stored factors flatten needs none::
 
         qwix_splits(rules, "decoder/layers_0/self_attention/out/kernel", (64, 4), (4, 64))
         # {'A': (SplitDim('^decoder/layers_0/self_attention/out/kernel$', dim=0, sizes=(4, 16)),), 'B': ()}
     """
-    if len(shape_a) != 2 or len(shape_b) != 2:
-        raise FormatError(f"qwix LoRA factors of {base!r} are {list(shape_a)} and {list(shape_b)}: only "
-                          "unstacked 2-D factors (an unscanned decoder) are read")
-    shape = next((r.shape for r in rules if isinstance(r, Expect) and len(r.shape) > 2 and r.matches(base)), None)
+    scan = scan_axis(rules, base)
+    if len(shape_a) != len(shape_b) or len(shape_a) != (2 if scan is None else 3):
+        raise FormatError(f"qwix LoRA factors of {base!r} are {list(shape_a)} and {list(shape_b)}: expected "
+                          + ("A [in, r], B [r, out]" if scan is None else "A [in, layers, r], B [r, layers, out] (scanned)"))
+    layers = () if scan is None else (shape_a[1],)
+    shape = next((r.shape for r in rules if isinstance(r, Expect) and r.matches(base)
+                  and len(r.shape) > 2 + len(layers)), None)
     if shape is None:
         return {"A": (), "B": ()}
-    cuts = [k for k in range(1, len(shape)) if _fits(shape[:k], shape_a[0]) and _fits(shape[k:], shape_b[1])]
+    axes = [n for k, n in enumerate(shape) if k != scan]  # W's axes but the stacked one
+    cuts = [k for k in range(1, len(axes)) if _fits(axes[:k], shape_a[0]) and _fits(axes[k:], shape_b[-1])]
     if len(cuts) != 1:
         raise FormatError(f"qwix LoRA factors {list(shape_a)}, {list(shape_b)} of {base!r} do not split "
                           f"its axes {list(shape)} into contracting and remaining ones")
-    pattern, k = f"^{re.escape(base)}$", cuts[0]
-    sizes = tuple(-1 if n is None else n for n in shape)
-    return {part: (SplitDim(pattern, dim, cut),) if len(cut) > 1 else ()
-            for part, dim, cut in (("A", 0, sizes[:k]), ("B", 1, sizes[k:]))}
+    k, r = cuts[0], shape_a[-1]
+    ins, outs = _sizes(axes[:k], shape_a[0]), _sizes(axes[k:], shape_b[-1])
+    at_a, at_b = (0, 0) if scan is None else (min(scan, k), max(scan - k, 0))  # where W has the layer axis
+    served_a = (*ins[:at_a], *layers, *ins[at_a:], r)
+    served_b = (r, *outs[:at_b], *layers, *outs[at_b:])
+    lay = layout_of(served_a, served_b, "maxtext", scan)
+    return {part: tuple(rule.inverse() for rule in reversed(qwix_folds(base, lay, part, served)))
+            for part, served in (("A", served_a), ("B", served_b))}
+
+
+def qwix_folds(base: str, lay: Layout, part: str, shape: Sequence[int]) -> tuple[Rule, ...]:
+    """The rules that flatten MaxText's served factor ``part`` (shape ``shape``) of ``base`` (axes
+    ``lay``, :func:`layout_of`) into qwix's: ``A [prod(in), (layers,) r]``, ``B [r, (layers,)
+    prod(out)]`` (the layer axis moved next to the rank, the input or output axes merged)::
+
+        lay = layout_of((4, 16, 8), (8, 64), "maxtext")      # out/kernel [H, D, E], rank 8
+        qwix_folds(base, lay, "A", (4, 16, 8))               # (MergeDims(..., dim=0, count=2, sizes=(4, 16)),)
+    """
+    pattern = f"^{re.escape(base)}$"
+    own = [i for i, s in lay.axes if s == ("i" if part == "A" else "o")]
+    stacked = [i for i, s in lay.axes if s == "b"]
+    order = [*own, *stacked, -1] if part == "A" else [-1, *stacked, *own]
+    perm = tuple(lay.factor(part).index(i) for i in order)
+    rules: list[Rule] = [] if perm == tuple(range(len(perm))) else [Transpose(pattern, perm)]
+    if len(own) > 1:
+        at = order.index(own[0])
+        rules.append(MergeDims(pattern, at, len(own), tuple(shape[perm[at + j]] for j in range(len(own)))))
+    return tuple(rules)
+
+
+def _sizes(dims: Sequence[int | None], size: int) -> tuple[int, ...]:
+    """``dims`` with its unknown (``None``) entry resolved so that they flatten to ``size`` (:func:`_fits`)."""
+    known = math.prod(n for n in dims if n is not None)
+    return tuple(size // known if n is None else n for n in dims)
 
 
 def _fits(dims: Sequence[int | None], size: int) -> bool:
@@ -242,7 +281,7 @@ def plan(rules: Sequence[Rule], layouts: Mapping[str, Layout]) -> Plan:
     rank = max((lay.rank for lay in layouts.values()), default=0)
     for part in "AB":
         out[part] += [_pad_rank(n, lay, part, rank) for n, lay in layouts.items() if lay.rank < rank]
-    return Plan(tuple(out["A"]), tuple(out["B"]), rank)
+    return Plan(tuple(out["A"]), tuple(out["B"]), rank, {n: replace(lay, rank=rank) for n, lay in layouts.items()})
 
 
 def _pad_rank(name: str, lay: Layout, part: str, rank: int) -> Pad:

@@ -19,7 +19,10 @@ given leaves with MaxText's function and writes the forward's fp32 logits; ``{"c
 with respect to each adapter leaf through MaxText's merge and forward. ``qwix-forward`` is the
 LoRA MaxText 0.2.5 TRAINS with (``train_sft.py``: ``lora_utils.apply_lora_to_model``, qwix's
 ``LoraProvider`` on the NNX decoder, ``nnx.LoRAParam`` leaves ``<module>/kernel_lora_a`` /
-``kernel_lora_b`` beside each kernel); see :func:`qwix_forward`. Every other job goes to ``harness.py`` (``convert-hf`` ...), in the same process::
+``kernel_lora_b`` beside each kernel); see :func:`qwix_forward`. ``qwix-restore`` puts saved qwix
+leaves into that model with MaxText's ``restore_lora_from_path`` and runs it, and restores Tunix's
+checkpoint onto MaxText's SFT optimizer (:func:`qwix_restore`). Every other job goes to
+``harness.py`` (``convert-hf`` ...), in the same process::
 
     .maxtext/venv/bin/python tools/maxtext/lora.py jobs --jobs jobs.json --out results.json
 """
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import sys
 import time
@@ -117,22 +121,25 @@ def _leaves(state: Any) -> dict[str, Any]:
 
 def _logits_and_grads(model: Any, tokens: Any) -> tuple[Any, Any]:
     """MaxText's fp32 logits of ``tokens[:, :-1]`` and the gradient of their mean next-token
-    cross-entropy (targets ``tokens[:, 1:]``) with respect to the ``nnx.LoRAParam`` leaves."""
+    cross-entropy (targets ``tokens[:, 1:]``) with respect to the ``nnx.LoRAParam`` leaves (one
+    compiled function for every model of the same graph and batch)."""
     import jax
     import numpy as np
-    from flax import nnx
 
     x, y = tokens[:, :-1], tokens[:, 1:]
-
-    @nnx.jit
-    def run(model: Any) -> Any:
-        def loss(model: Any) -> Any:
-            out = model(x, harness._positions(x), enable_dropout=False, model_mode="train")
-            return harness._cross_entropy(out, y), out
-        return nnx.grad(loss, argnums=nnx.DiffState(0, nnx.LoRAParam), has_aux=True)(model)
-
-    grads, logits = run(model)
+    grads, logits = _jitted_grad()(model, x, harness._positions(x), y)
     return np.asarray(jax.device_get(logits), dtype=np.float32), grads
+
+
+@functools.cache
+def _jitted_grad() -> Any:
+    from flax import nnx
+
+    def loss(model: Any, x: Any, positions: Any, y: Any) -> Any:
+        out = model(x, positions, enable_dropout=False, model_mode="train")
+        return harness._cross_entropy(out, y), out
+
+    return nnx.jit(nnx.grad(loss, argnums=nnx.DiffState(0, nnx.LoRAParam), has_aux=True))
 
 
 def _adam_checkpoint(job: dict[str, Any], model: Any, grads: Any) -> None:
@@ -153,21 +160,14 @@ def _adam_checkpoint(job: dict[str, Any], model: Any, grads: Any) -> None:
                                             optimizer_state=ocp.args.PyTreeSave(harness._nest(state))))
 
 
-def qwix_forward(job: dict[str, Any], built: harness.Built) -> dict[str, Any]:
-    """``qwix-forward`` (``spec``, ``params``, ``rank``, ``alpha``, ``seed``, ``tokens [b, s+1]``,
-    ``betas``, ``out``, ``ckpt``, ``train_ckpt``, ``report``): MaxText's NNX decoder with the base
-    ``params``, LoRA put on it by MaxText's own ``lora_utils.apply_lora_to_model``
-    (``lora.enable_lora``, ``lora_rank``, ``lora_alpha``, the default ``lora_module_path``), every
-    ``kernel_lora_b`` drawn non-zero (``seed``). Writes the fp32 logits of ``tokens[:, :-1]``
-    (``out``); ``nnx.state(model, nnx.LoRAParam)`` as an Orbax PyTree at ``ckpt`` (leaves ``{"value":
-    array}``, the tree MaxText's ``restore_lora_from_path`` restores); one Adam step's checkpoint at
-    ``train_ckpt`` (:func:`_adam_checkpoint`); and to ``report`` the LoRA leaves (path -> shape) and
-    their largest difference after ``restore_lora_from_path`` put ``ckpt`` back into the model, its
-    LoRA leaves zeroed first (0.0: MaxText reads it back)."""
+@contextlib.contextmanager
+def _qwix_model(job: dict[str, Any], built: harness.Built) -> Iterator[Any]:
+    """MaxText's NNX decoder with the base ``params``, LoRA put on it by MaxText's own
+    ``lora_utils.apply_lora_to_model`` (``lora.enable_lora``, ``lora_rank`` / ``lora_alpha`` from
+    ``rank`` / ``alpha``, the default ``lora_module_path``), inside its mesh and axis rules; the
+    cached build's config is put back on leaving."""
     import flax.linen as nn
     import jax
-    import numpy as np
-    import orbax.checkpoint as ocp
     from flax import nnx
     from maxtext.layers import quantizations
     from maxtext.models import models
@@ -177,8 +177,6 @@ def qwix_forward(job: dict[str, Any], built: harness.Built) -> dict[str, Any]:
     before = cfg.lora.model_copy()  # the cached build's config is shared by later jobs: put back after
     cfg.lora.enable_lora, cfg.lora.lora_rank, cfg.lora.lora_alpha = True, int(job["rank"]), float(job["alpha"])
     base = harness._read_safetensors(Path(job["params"]))
-    tokens = np.load(job["tokens"], allow_pickle=False)
-
     with built.mesh, nn.logical_axis_rules(cfg.logical_axis_rules), _restoring(cfg, before):
         model = models.Transformer(cfg, built.mesh, quantizations.configure_quantization(cfg), rngs=nnx.Rngs(0),
                                    model_mode="train")
@@ -189,36 +187,131 @@ def qwix_forward(job: dict[str, Any], built: harness.Built) -> dict[str, Any]:
             raise SystemExit(f"{job['params']}: NNX params differ: {sorted(names ^ set(base))[:6]}")
         nnx.update(model, jax.tree_util.tree_map_with_path(lambda p, v: base[harness._path_name(p).removesuffix("/value")],
                                                            params))
+        yield model
+
+
+def qwix_forward(job: dict[str, Any], built: harness.Built) -> dict[str, Any]:
+    """``qwix-forward`` (``spec``, ``params``, ``rank``, ``alpha``, ``seed``, ``tokens [b, s+1]``,
+    ``betas``, ``out``, ``ckpt``, ``train_ckpt``, ``report``): :func:`_qwix_model`, every
+    ``kernel_lora_b`` drawn non-zero (``seed``). Writes the fp32 logits of ``tokens[:, :-1]``
+    (``out``); ``nnx.state(model, nnx.LoRAParam)`` as an Orbax PyTree at ``ckpt`` (leaves ``{"value":
+    array}``, the tree MaxText's ``restore_lora_from_path`` restores); with ``train_ckpt``, one Adam
+    step's checkpoint there (:func:`_adam_checkpoint`); and to ``report`` the LoRA leaves (path -> shape) and
+    their largest difference after ``restore_lora_from_path`` put ``ckpt`` back into the model, its
+    LoRA leaves zeroed first (0.0: MaxText reads it back)."""
+    import jax
+    import numpy as np
+    import orbax.checkpoint as ocp
+    from flax import nnx
+    from maxtext.utils import lora_utils
+
+    tokens = np.load(job["tokens"], allow_pickle=False)
+    with _qwix_model(job, built) as model:
         lora = nnx.state(model, nnx.LoRAParam)
         rng = np.random.default_rng(int(job["seed"]))
         drawn = jax.tree_util.tree_map_with_path(
             lambda p, v: rng.normal(0, 0.2, v.shape).astype(v.dtype) if "kernel_lora_b" in harness._path_name(p)
             else np.asarray(v), lora)
         nnx.update(model, drawn)
-        got, grads = _logits_and_grads(model, tokens)
         tree = _leaves(drawn)
         ocp.PyTreeCheckpointer().save(Path(job["ckpt"]).absolute(), harness._nest(tree))
-        _adam_checkpoint(job, model, grads)
+        got, grads = _logits_and_grads(model, tokens)
+        if job.get("train_ckpt"):
+            _adam_checkpoint(job, model, grads)
         nnx.update(model, jax.tree_util.tree_map(np.zeros_like, drawn))  # then MaxText's restore puts them back
-        cfg.lora.lora_restore_path = str(Path(job["ckpt"]).absolute())
-        again = _leaves(nnx.state(lora_utils.restore_lora_from_path(model, cfg), nnx.LoRAParam))
+        built.config.lora.lora_restore_path = str(Path(job["ckpt"]).absolute())
+        again = _leaves(nnx.state(lora_utils.restore_lora_from_path(model, built.config), nnx.LoRAParam))
     np.save(job["out"], got)
     harness._write_json(Path(job["report"]), {"leaves": {n: list(a.shape) for n, a in tree.items()},
                                               "restored_max_diff": max(float(np.abs(again[n] - a).max()) for n, a in tree.items())})
     return {"cmd": job["cmd"], "leaves": len(tree)}
 
 
+def qwix_restore(job: dict[str, Any], built: harness.Built) -> dict[str, Any]:
+    """``qwix-restore`` (``spec``, ``params``, ``rank``, ``alpha``, ``lora`` and ``out`` (lists),
+    ``tokens [b, s+1]``, ``report``; ``train_ckpt``, ``betas``): :func:`_qwix_model`, its LoRA
+    leaves restored from each Orbax directory in ``lora`` in turn by MaxText's
+    ``restore_lora_from_path`` (``lora.lora_restore_path``, as ``train_sft.py`` does), the fp32
+    logits of ``tokens[:, :-1]`` written to the ``out`` beside it. To ``report``: the leaves the
+    first restored (path -> shape) and the custom metadata MaxText reads from its path
+    (``checkpointing.load_checkpoint_metadata``, where ``sync_lora_metadata`` takes ``lora_rank`` /
+    ``lora_alpha``). With ``train_ckpt`` (Tunix's ``PeftTrainer`` checkpoint root), restored the way
+    Tunix's ``CheckpointManager.maybe_restore`` does (Orbax v1 ``training.Checkpointer``
+    ``load_checkpointables`` of ``model_params`` and ``optimizer_state`` onto ``nnx.state(model,
+    nnx.LoRAParam)`` and ``nnx.state(nnx.Optimizer(model, tx, wrt=nnx.LoRAParam), OptState)``, ``tx``
+    MaxText's SFT optimizer, :func:`_tunix_restore`), the report gets its step, leaf names and counters, the
+    largest difference of its ``model_params`` from the first restored leaves, and of its ``mu`` /
+    ``nu`` from the moments of one Adam step MaxText itself takes from those leaves on ``tokens``
+    (over the largest moment)."""
+    import numpy as np
+    from flax import nnx
+    from maxtext.common import checkpointing
+    from maxtext.utils import lora_utils
+
+    tokens = np.load(job["tokens"], allow_pickle=False)
+    report: dict[str, Any] = {}
+    with _qwix_model(job, built) as model:
+        for k, (lora_dir, out) in enumerate(zip(job["lora"], job["out"], strict=True)):
+            built.config.lora.lora_restore_path = str(Path(lora_dir).absolute())
+            restored = _leaves(nnx.state(lora_utils.restore_lora_from_path(model, built.config), nnx.LoRAParam))
+            np.save(out, _logits_and_grads(model, tokens)[0])
+            if k == 0:
+                report = {"leaves": {n: list(a.shape) for n, a in restored.items()},
+                          "metadata": checkpointing.load_checkpoint_metadata(built.config.lora.lora_restore_path)}
+                first = restored
+        if job.get("train_ckpt"):  # the first adapter back in the model, for its Adam step
+            built.config.lora.lora_restore_path = str(Path(job["lora"][0]).absolute())
+            lora_utils.restore_lora_from_path(model, built.config)
+            report["tunix"] = _tunix_restore(job, built, model, first, tokens)
+    harness._write_json(Path(job["report"]), report)
+    return {"cmd": job["cmd"], "restored": len(job["lora"])}
+
+
+def _tunix_restore(job: dict[str, Any], built: harness.Built, model: Any, restored: dict[str, Any],
+                   tokens: Any) -> dict[str, Any]:
+    """Tunix's restore of ``train_ckpt`` onto ``model`` compared with ``restored`` (its LoRA leaves)
+    and with MaxText's own first Adam step from them (see :func:`qwix_restore`). The optimizer is
+    MaxText's SFT one: ``optimizers.get_optimizer``'s AdamW (``betas``, a constant schedule) behind
+    ``clip_by_global_norm`` as ``train_sft.setup_trainer_state`` chains it (a threshold that clips
+    nothing: one step's moments are then ``(1 - b1) g``, ``(1 - b2) g^2``)."""
+    import numpy as np
+    import optax
+    from flax import nnx
+    from orbax.checkpoint import v1 as ocp
+
+    b1, b2 = job["betas"]
+    tx = optax.chain(optax.clip_by_global_norm(1e9), harness._tx(built, harness.AdamW(b1=b1, b2=b2)))
+    _, grads = _logits_and_grads(model, tokens)
+    own = nnx.Optimizer(model, tx, wrt=nnx.LoRAParam)
+    own.update(model, grads)  # MaxText's own first step from the restored leaves
+    want = _leaves(nnx.state(own, nnx.optimizer.OptState))
+    carried = nnx.Optimizer(model, tx, wrt=nnx.LoRAParam)
+    with ocp.training.Checkpointer(Path(job["train_ckpt"]).absolute()) as ckpt:
+        step = ckpt.latest.step
+        back = ckpt.load_checkpointables(step, {"model_params": nnx.state(model, nnx.LoRAParam),
+                                                "optimizer_state": nnx.state(carried, nnx.optimizer.OptState)})
+    params, opt = _leaves(back["model_params"]), _leaves(back["optimizer_state"])
+
+    def rel(key: str) -> float:
+        names = [n for n in want if f"/{key}/" in n]
+        return max(float(np.abs(opt[n] - want[n]).max()) for n in names) / max(float(np.abs(want[n]).max()) for n in names)
+
+    return {"step": step, "names": sorted(opt), "counts": {n: int(a) for n, a in opt.items() if not a.shape},
+            "params_max_diff": max(float(np.abs(params[n] - a).max()) for n, a in restored.items()),
+            "moments_rel_diff": {key: rel(key) for key in ("mu", "nu")}}
+
+
 def run_batch(jobs: list[dict[str, Any]], cache: dict[str, harness.Built]) -> list[dict[str, Any]]:
     """Every job in order: the LoRA jobs here, every other one by ``harness.run_job``."""
     results = []
     for job in jobs:
-        if job["cmd"] not in ("lora-forward", "lora-tree", "lora-grad", "qwix-forward"):
+        if job["cmd"] not in ("lora-forward", "lora-tree", "lora-grad", "qwix-forward", "qwix-restore"):
             results.append(harness.run_job(job, cache))
             continue
         t0 = time.time()
         model = harness.built_model(harness.Spec.from_json(job["spec"]), cache)
-        if job["cmd"] == "qwix-forward":
-            result = qwix_forward(job, model)
+        if job["cmd"] in ("qwix-forward", "qwix-restore"):
+            result = (qwix_forward if job["cmd"] == "qwix-forward" else qwix_restore)(job, model)
         elif job["cmd"] == "lora-tree":
             harness._write_json(Path(job["report"]), {"lora_tree": lora_tree(model, job["adapter_config"])})
             result = {"cmd": "lora-tree"}
