@@ -1,0 +1,170 @@
+"""The distributed optimizer's state of MLA, q/k-norm, MoE and MTP models, read from megatron-core's own
+``torch_dist`` saves, is megatron-core's own state, bitwise (issue #28).
+
+Megatron's distributed optimizer keeps each rank's fp32 masters and Adam moments in flat buffers laid
+out in the model's ``named_parameters()`` order; the default ``dp_reshardable`` save stores those
+buffers without parameter names, so ckptbridge rebuilds that order from the args. megatron-core 0.16.1
+registers, inside a layer, MLA's ``linear_proj`` first (``Attention.__init__``), then ``linear_q_proj``
+or ``linear_q_down_proj`` / ``linear_q_up_proj``, ``linear_kv_down_proj``, ``linear_kv_up_proj``,
+``q_layernorm`` (query LoRA only) and ``kv_layernorm`` (``MLASelfAttention.__init__``); q/k norms
+(Qwen3) ``q_layernorm`` before ``k_layernorm``; a MoE layer its router, the experts by number and
+the shared experts; an MTP layer ``enorm``, ``hnorm``, ``eh_proj``, its transformer layer and its
+final norm, between the decoder's final norm and the output layer. Sorted names get all of these
+wrong (``k_layernorm`` before ``q_layernorm``, ``kv_layernorm`` before the projections, expert 10
+after expert 1).
+
+One ``tools/megatron/core_loss.py`` launch (megatron-core 0.16.1, 2 gloo ranks, CPU) builds tiny
+``GPTModel``\\ s from Megatron args (``recipes.megatron_args`` of a Qwen3 and of DeepSeek-V3
+configs, bf16, ``--use-distributed-optimizer``): Qwen3 (q/k norms), DeepSeek-V3 with a query LoRA
+(MLA, a dense layer then a MoE layer of 12 routed experts and a shared expert, an MTP layer) and
+without one, at TP 1 (DP 2: each rank owns half of every buffer) and TP 2; each takes one real
+training step from a seeded init (``DistributedDataParallel`` + ``get_megatron_optimizer``:
+every moment non-zero, different per parameter), dumps megatron-core's optimizer state (fp32
+master, exp_avg, exp_avg_sq: the DP-owned pieces of every parameter) and its parameter list,
+and saves with ``dist_checkpointing.save`` as Megatron-LM does (``dp_reshardable``; one model
+also ``fully_reshardable``, whose state is stored per parameter name). ``ckptbridge.open`` of
+each save must give every parameter's three states bitwise equal to the dump (cut to each TP
+rank along megatron-core's own ``partition_dim``), and ckptbridge's parameter order must be
+megatron-core's ``named_parameters()`` order on every rank.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+from _common import core_loss
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import hf_models as hf
+
+import ckptbridge
+from ckptbridge import recipes
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TEMPLATE = os.path.join(HERE, "fixtures", "megatron", "A", "tp1pp1", "torch")  # a real run's args
+QWEN3 = hf.HFSpec("qwen3", layers=2, emb=32, mlp=48, heads=4, kv_heads=2, head_dim=8)
+MLA = hf.DeepseekSpec(layers=2, dense=1, emb=32, experts=12, experts_per_tok=2, groups=1, topk_groups=1,
+                      moe_mlp=8, mlp=40)
+MLA_NOQ = hf.DeepseekSpec(layers=1, dense=1, emb=32, q_lora=None, mlp=40)
+# label: (config, TP, fully reshardable)
+CASES = {
+    "qwen3_tp1": (QWEN3, 1, False), "qwen3_tp2": (QWEN3, 2, False),
+    "mla_tp1": (MLA, 1, False), "mla_tp2": (MLA, 2, False), "mla_noq_tp2": (MLA_NOQ, 2, False),
+    "mla_tp2_fully": (MLA, 2, True),
+}
+TRAIN = {"bf16": True, "params_dtype": "torch.bfloat16", "use_distributed_optimizer": True,
+         "accumulate_allreduce_grads_in_fp32": True, "lr_warmup_iters": 0, "overlap_grad_reduce": False,
+         "pipeline_model_parallel_size": 1, "moe_router_load_balancing_type": "aux_loss", "moe_aux_loss_coeff": 1e-2,
+         "seq_length": 16, "micro_batch_size": 2, "global_batch_size": 8}
+
+
+def _config(spec: object) -> object:
+    return spec.config() if isinstance(spec, hf.DeepseekSpec) else hf.config(spec)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    work = tmp_path_factory.mktemp("distopt_order")
+    template = ckptbridge.open(TEMPLATE).extra["megatron"]["args"]
+    items = []
+    for label, (spec, tp, fully) in CASES.items():
+        args = {**recipes.megatron_args(_config(spec), template={**template, "tensor_model_parallel_size": tp}),
+                **TRAIN, "tensor_model_parallel_size": tp, "expert_tensor_parallel_size": tp,
+                "expert_model_parallel_size": 1, "dist_ckpt_optim_fully_reshardable": fully}
+        (work / f"{label}.json").write_text(json.dumps(args))
+        items.append(f"train:{work / label}.json={work / label}")
+    recs = core_loss(items, "--dump", str(work / "dump"))
+    out = {}
+    for i, (label, rec) in enumerate(zip(CASES, recs)):
+        assert "error" not in rec, (label, rec["error"])
+        out[label] = {**rec, "dir": str(work / label), "dump": str(work / "dump" / str(i))}
+    return out
+
+
+def _megatron_state(dump: str) -> tuple[dict[str, dict], dict[str, list]]:
+    """megatron-core's state per TP rank: ``{"tpT": {(name, state): flat fp32 array}}`` (the DP pieces
+    joined) and its parameters ``{"tpT": [[name, local shape, partition dim], ...]}``."""
+    import torch
+
+    pieces: dict[str, dict] = {}
+    for f in glob.glob(os.path.join(dump, "*.pt")):
+        rank = os.path.basename(f).split("_")[0]
+        for k, v in torch.load(f, weights_only=True).items():
+            name, state, start = k.split("|")
+            pieces.setdefault(rank, {}).setdefault((name, state), []).append((int(start), v.numpy()))
+    joined = {}
+    for rank, by in pieces.items():
+        joined[rank] = {}
+        for key, parts in by.items():
+            parts.sort(key=lambda p: p[0])
+            at = 0
+            for start, v in parts:
+                assert start == at, (rank, key)  # the DP ranks' pieces tile the parameter
+                at += v.size
+            joined[rank][key] = np.concatenate([v for _, v in parts])
+    params = {}
+    for f in glob.glob(os.path.join(dump, "*.params.json")):
+        with open(f) as fh:
+            params[os.path.basename(f).split("_")[0]] = json.load(fh)
+    return joined, params
+
+
+def _tp_piece(full: np.ndarray, name: str, dim: int | None, tp: int, rank: int) -> np.ndarray:
+    """TP rank ``rank``'s piece of a full tensor, as megatron-core's ``partition_dim`` splits it
+    (a gated ``linear_fc1``: each rank holds its rows of the gate and of the up projection)."""
+    if dim is None or tp == 1:
+        return full
+    if name.endswith("linear_fc1.weight"):
+        return np.concatenate([np.array_split(h, tp, 0)[rank] for h in np.array_split(full, 2, 0)], 0)
+    return np.array_split(full, tp, dim)[rank]
+
+
+def _compare(rec: dict, tp: int) -> tuple[int, int, int]:
+    """(state tensors compared, those not bitwise megatron-core's, ranks whose parameter order ckptbridge
+    rebuilds differently from megatron-core's ``named_parameters()``, from the checkpoint's names and from
+    the names sorted) for one save. A TP-replicated
+    parameter is compared with TP rank 0's state: the replica megatron-core's ``sharded_state_dict``
+    saves (``replica_id`` 0; the MoE router's fp32 master differs on TP rank 1 in megatron-core's own
+    CPU run)."""
+    from ckptbridge.adapters.megatron._layout import MegatronConfig, local_params
+
+    state, params = _megatron_state(rec["dump"])
+    assert sorted(state) == sorted(params) == [f"tp{r}" for r in range(tp)]
+    c = ckptbridge.open(rec["dir"], strip_padding=False)
+    args = c.extra["megatron"]["args"]
+    cfg = MegatronConfig.from_args(args)
+    names = [n for n in c if not n.endswith("expert_bias")]  # router buffers: in no optimizer
+    shapes = {n: tuple(c[n].shape) for n in names}
+    compared = wrong = misordered = 0
+    for r in range(tp):
+        for given in (names, sorted(names)):  # the order rebuilt whatever order the names come in
+            mine = [(n, list(s)) for n, s, _ in local_params(cfg, args, given, shapes, r, 0)]
+            misordered += mine != [(n, s) for n, s, _ in params[f"tp{r}"]]
+        for name, _, dim in params[f"tp{r}"]:
+            for st in ("fp32", "exp_avg", "exp_avg_sq"):
+                want = state[f"tp{0 if dim is None else r}"][(name, st)]
+                got = _tp_piece(c[name].state(st).read(), name, dim, tp, r).reshape(-1)
+                assert got.dtype == want.dtype == np.float32 and got.size == want.size, (name, st)
+                assert np.any(want != 0), (name, st)  # a real step's moments
+                compared += 1
+                wrong += got.tobytes() != want.tobytes()
+    return compared, wrong, misordered
+
+
+@pytest.mark.heavy
+def test_distributed_optimizer_state_is_megatron_cores_own_bitwise(run: dict) -> None:
+    """Every parameter's fp32 master, exp_avg and exp_avg_sq as ckptbridge reads each save equal
+    megatron-core's own optimizer state after the step, bit for bit; the parameter order ckptbridge
+    rebuilds is megatron-core's ``named_parameters()`` order on every rank."""
+    for label, (_, tp, fully) in CASES.items():
+        meg = ckptbridge.open(run[label]["dir"]).extra["megatron"]
+        assert meg["format"] == "torch_dist" and run[label]["step"]["updated"]
+        assert meg["dist_optim_sharding"] == ("fully_reshardable" if fully else "dp_reshardable")
+        compared, wrong, misordered = _compare(run[label], tp)
+        assert compared >= 3 * 20 and wrong == misordered == 0, (label, compared, wrong, misordered)
