@@ -45,7 +45,10 @@ For every checkpoint given, each of ``--world`` spawned ranks (gloo, CPU, tools/
    optimizer state after the step dumped (``--dump``), then saved by megatron-core as the
    ``torch_dist`` checkpoint OUT the way Megatron-LM's ``save_checkpoint`` does (its sharded-state-dict
    metadata: the distributed optimizer in ``dp_reshardable`` buffers, or ``fully_reshardable`` when
-   ``dist_ckpt_optim_fully_reshardable``): a checkpoint whose optimizer state megatron-core wrote.
+   ``dist_ckpt_optim_fully_reshardable``): a checkpoint whose optimizer state megatron-core wrote;
+9. ``cli:<JSON list>`` items: ckptbridge's command line run by rank 0 between two items (e.g.
+   ``cli:["reshard", OUT, W, "--to", "megatron"]`` after ``train:ARGS.json=OUT``, then ``W`` as an item:
+   the writer judged by megatron-core in the same launch), record ``{"cli", "rc"}``.
 
 Prints one line per checkpoint, ``CORE_LOSS {"ckpt", "dist", "tp", "pp", "loss", "tokens",
 "token_losses", "digests"[, "step": {"updated", "grad_norm", "lr", "after_loss",
@@ -756,6 +759,24 @@ def dump_optimizer(opts: argparse.Namespace, index: int, model: Any, optimizer: 
             json.dump(params, fh)
 
 
+def run_cli(argv: list[str]) -> dict[str, Any] | None:
+    """A ``cli:["reshard", SRC, DST, ...]`` item: rank 0 runs ckptbridge's command line in this process (e.g.
+    to write a checkpoint from what an earlier ``train:`` item saved, for the items after it: one launch instead
+    of two), the other ranks wait; rank 0 returns ``{"cli": argv, "rc": exit status}`` (or ``"error"``)."""
+    import torch.distributed as dist
+
+    rec: dict[str, Any] = {"cli": argv}
+    if dist.get_rank() == 0:
+        from ckptbridge._cli import main as cli
+
+        try:
+            rec["rc"] = cli(list(argv))
+        except Exception as e:  # reported like a failed load
+            rec["error"] = f"{type(e).__name__}: {e}"
+    dist.barrier()
+    return rec if dist.get_rank() == 0 else None
+
+
 def _agree(allr: list[Any]) -> dict[str, Any]:
     """The loss the last-stage ranks report (they must agree)."""
     losses = {(t, p): r for t, p, r, _ in allr if r is not None}
@@ -792,7 +813,7 @@ def worker(rank: int, world: int, port: int, opts: argparse.Namespace) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=opts.timeout))
     try:
         for i, text in enumerate(opts.ckpt):
-            rec = evaluate(Item.parse(text), opts, i)
+            rec = run_cli(json.loads(text[len("cli:"):])) if text.startswith("cli:") else evaluate(Item.parse(text), opts, i)
             if rec is not None:
                 print("CORE_LOSS " + json.dumps(rec), flush=True)
     finally:
