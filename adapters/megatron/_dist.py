@@ -45,7 +45,7 @@ from ..dcp import (
 from ._common import args_dict
 from ._layout import MegatronConfig, consolidate, from_dist_key, local_params, tp_layout
 from ._legacy import RawCheckpoint
-from ._moe import DIST_EXPERTS, dist_experts
+from ._moe import DIST_EXPERTS, dist_experts, is_buffer
 from ._optim import buffer_layout, ddp_bucket_size
 
 _LAYER_KEY = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")  # a non-homogeneous block's per-layer key
@@ -94,9 +94,10 @@ def read_dist(it_dir: str, iteration: int | None) -> RawCheckpoint:
         step = read_scalar(TorchArchive.open(common_path), cs)
     sharding = (common.get("content_metadata") or {}).get("distrib_optim_sharding_type")
     if sharding == "dp_reshardable" or any(_BUCKET_RE.match(k) for k in meta.tensors):
-        if cfg.num_experts:
-            raise FormatError(f"{it_dir}: MoE with the dp_reshardable distributed-optimizer format is not "
-                              "supported yet (save with --dist-ckpt-optim-fully-reshardable)")
+        if cfg.num_experts and (cfg.ep > 1 or cfg.etp != cfg.tp):
+            raise FormatError(f"{it_dir}: MoE at expert parallelism {cfg.ep}, expert TP {cfg.etp} (TP {cfg.tp}) with "
+                              "the dp_reshardable distributed-optimizer format is not supported yet (EP 1 with the "
+                              "experts split as the dense layers is; save with --dist-ckpt-optim-fully-reshardable)")
         groups, step = _dp_reshardable(raw, cfg, meta)
         raw.extra["optimizer_kind"] = "distributed"
     elif any("exp_avg" in s for p in raw.pieces.values() for s in p):
@@ -136,8 +137,9 @@ def _dp_reshardable(raw: RawCheckpoint, cfg: MegatronConfig, meta: DcpMetadata) 
     """Map ``optimizer.distributed.dp_group_idx_I...bucket_idx_B.{param,exp_avg,exp_avg_sq}`` onto params.
 
     ``I`` is the rank in the model-parallel group (tp + TP * pp); each bucket tensor is the
-    coalesced buffer of that bucket (see ``_megatron_optim.buffer_layout``)."""
-    names = list(raw.pieces)
+    coalesced buffer of that bucket (see ``_optim.buffer_layout``). MoE at EP 1: the experts are ordinary
+    parameters of the one grad buffer (``allreduce`` is False only at EP > 1); router buffers hold no state."""
+    names = [n for n in raw.pieces if not is_buffer(n)]
     shapes = {n: raw.pieces[n]["model"][0].shape for n in names}
     buckets: dict[tuple[int, int, int], dict[str, str]] = {}
     for key in meta.tensors:

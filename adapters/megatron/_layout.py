@@ -326,23 +326,46 @@ def from_dist_key(key: str, layer: int | None, local_spec: bool) -> str:
     return f"decoder.layers.{layer}.{rest}"
 
 
-_IN_LAYER_ORDER = ("input_layernorm.", "self_attention.linear_proj.", "self_attention.linear_qkv.layer_norm_",
-                   "self_attention.linear_qkv.", "self_attention.", "pre_cross_attn_layernorm.", "cross_attention.",
-                   "pre_mlp_layernorm.", "mlp.linear_fc1.layer_norm_", "mlp.linear_fc1.", "mlp.linear_fc2.", "mlp.")
+# Every module and parameter name of a megatron-core 0.16.1 GPTModel in the order its ``__init__``s register
+# them: one table for every level (siblings keep this relative order under each parent). GPTModel: embedding,
+# decoder, mtp, output_layer; TransformerBlock: layers, final_layernorm; an MTP layer (multi_token_prediction.py):
+# enorm, hnorm, eh_proj, transformer_layer, final_layernorm; TransformerLayer: input_layernorm, self_attention,
+# pre_cross_attn_layernorm, cross_attention, pre_mlp_layernorm, mlp; SelfAttention (attention.py): linear_proj
+# (Attention.__init__), linear_qkv, q_layernorm, k_layernorm; MLASelfAttention (multi_latent_attention.py):
+# linear_proj, linear_q_proj | linear_q_down_proj + linear_q_up_proj, linear_kv_down_proj, linear_kv_up_proj,
+# q_layernorm (query LoRA only), kv_layernorm; MLP: linear_fc1, linear_fc2; MoELayer: router, experts
+# (SequentialMLP's local_experts.N, legacy GroupedMLP's weight1, weight2), shared_experts (an MLP, then its
+# gate_weight); Transformer Engine's fused norm + linear: layer_norm_weight, layer_norm_bias, weight, bias.
+# Numbered children (layers.N, local_experts.N) go by number; ``weightN`` / ``biasN`` by N after their stem.
+_REGISTRATION_ORDER = (
+    "embedding", "word_embeddings", "position_embeddings", "decoder", "layers", "mtp", "enorm", "hnorm", "eh_proj",
+    "transformer_layer", "final_layernorm", "output_layer",
+    "input_layernorm", "self_attention", "pre_cross_attn_layernorm", "cross_attention", "pre_mlp_layernorm", "mlp",
+    "linear_proj", "linear_qkv", "linear_q_proj", "linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj",
+    "linear_kv_up_proj", "q_layernorm", "k_layernorm", "kv_layernorm",
+    "router", "experts", "local_experts", "shared_experts", "linear_fc1", "linear_fc2", "gate_weight",
+    "layer_norm_weight", "layer_norm_bias", "weight", "bias", "expert_bias",
+)
+_RANK = {name: i for i, name in enumerate(_REGISTRATION_ORDER)}
+_NUMBERED = re.compile(r"^(weight|bias)?(\d+)$")
 
 
-def _param_sort_key(name: str) -> tuple[int, int, int, int]:
-    """Coarse named_parameters() order; ties keep the caller's order (the sort is stable)."""
-    # nn modules register weight before bias (the router's expert_bias is a buffer: after its weight anyway)
-    bias = 1 if name.endswith("bias") and not name.endswith(".expert_bias") else 0
-    m = LAYER_RE.match(name)
-    if name.startswith("embedding."):
-        return (0, 0, 0 if "word_embeddings" in name else 1, bias)
-    if m is None:
-        return (2, 0, 0 if "final" in name else 1, bias)
-    rest = m.group(2)
-    pos = next((i for i, pre in enumerate(_IN_LAYER_ORDER) if rest.startswith(pre)), len(_IN_LAYER_ORDER))
-    return (1, int(m.group(1)), pos, bias)
+def _param_sort_key(name: str) -> tuple[tuple[int, int], ...]:
+    """GPTModel ``named_parameters()`` order: each dotted part ranked by :data:`_REGISTRATION_ORDER`
+    (numbers by value); an unknown part after the known ones, ties keeping the caller's order (stable sort).
+
+    >>> sorted(["decoder.layers.0.self_attention.k_layernorm.weight",
+    ...         "decoder.layers.0.self_attention.q_layernorm.weight"], key=_param_sort_key)[0]
+    'decoder.layers.0.self_attention.q_layernorm.weight'
+    """
+    key = []
+    for part in name.split("."):
+        m = _NUMBERED.match(part)
+        if m:
+            key.append((_RANK[m.group(1)] if m.group(1) else -1, int(m.group(2))))
+        else:
+            key.append((_RANK.get(part, len(_RANK)), 0))
+    return tuple(key)
 
 
 def stage_layers(cfg: MegatronConfig, args: Mapping[str, Any]) -> dict[int, range]:
@@ -367,10 +390,9 @@ def local_params(cfg: MegatronConfig, args: Mapping[str, Any], names: Sequence[s
     """A (TP, PP) rank's parameters in GPTModel ``named_parameters()`` order: (global name,
     local shape, boxes of the full tensor it holds). ``shapes`` are full (padded-vocab) shapes.
 
-    Order: word/position embeddings (first stage), decoder layers (each in module
-    registration order: input norm, attention proj, qkv, pre-MLP norm, fc1, fc2; weight
-    before bias), final norm and output layer (last stage; with tied embeddings and PP>1
-    the last stage holds its own ``output_layer.weight`` copy).
+    Order: megatron-core's module registration (:func:`_param_sort_key`): word/position embeddings
+    (first stage), decoder layers, final norm, MTP layers and output layer (last stage; with tied
+    embeddings and PP>1 the last stage holds its own ``output_layer.weight`` copy).
     """
     layers = stage_layers(cfg, args)[pp]
     picked = []

@@ -11,7 +11,8 @@ megatron-core 0.16.1 (``megatron/core/transformer/moe/experts.py``, ``parallel_s
   (``SequentialMLP``: ``local_expert_indices_offset + local_idx``), split over the expert-TP group
   (``ETP``) as dense layers are over TP (SwiGLU ``[gate_r ; up_r]`` rows, ``linear_fc2`` columns);
 * a MoE layer registers ``router``, ``experts`` (``local_experts.K``), ``shared_experts`` in that
-  order (``MoELayer.__init__``): the order of ``named_parameters()`` and so of the optimizer slots;
+  order (``MoELayer.__init__``): the order of ``named_parameters()`` and so of the optimizer slots
+  (``_layout._param_sort_key``);
 * at EP > 1 every expert parameter has ``allreduce=False`` and ``get_megatron_optimizer`` builds a
   ``ChainedOptimizer`` of a dense and an expert optimizer (expert params in their own param groups,
   ``is_expert_parallel=True``): the legacy ``optimizer`` entry is the list of their two state dicts;
@@ -30,7 +31,6 @@ Usage::
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -38,9 +38,7 @@ from typing import Any
 from ckptbridge.plugin import Box, FormatError
 
 from ._layout import LAYER_RE, MegatronConfig, local_params, shard_box, stage_layers, tp_layout
-from ._moe import EXPERT_RE, MLP_AT, is_buffer, rank_grid
-
-_MOE_PART = re.compile(rf"^{MLP_AT}\.(router|experts\.local_experts\.(\d+)|shared_experts)\.(.*)$")
+from ._moe import EXPERT_RE, is_buffer, rank_grid
 
 
 @dataclass(frozen=True)
@@ -109,16 +107,6 @@ def file_ranks(tp: int, ep: int, etp: int) -> list[RankFile]:
     return out
 
 
-def _moe_key(name: str) -> tuple[int, int, int]:
-    """Registration order inside a MoE layer: router, local experts by number, shared experts."""
-    m = _MOE_PART.match(name)
-    if m is None:
-        return (0, 0, 0)
-    if m.group(2) is not None:
-        return (2, int(m.group(2)), 0)
-    return (1, 0, 0) if m.group(1) == "router" else (3, 0, 0)
-
-
 def rank_params(cfg: MegatronConfig, args: Mapping[str, Any], names: Sequence[str],
                 shapes: Mapping[str, tuple[int, ...]], rank: RankFile, pp: int) -> list[RankParam]:
     """A rank file's parameters in ``named_parameters()`` order (buffers where the state dict has them).
@@ -129,7 +117,6 @@ def rank_params(cfg: MegatronConfig, args: Mapping[str, Any], names: Sequence[st
     num_local = cfg.num_experts // cfg.ep if cfg.num_experts else 0
     mine = range(rank.ep * num_local, (rank.ep + 1) * num_local)
     picked = [n for n in names if not (m := EXPERT_RE.match(n)) or int(m.group(2)) in mine]
-    picked.sort(key=_moe_key)  # stable: local_params keeps this order inside a layer's MLP
     offset = stage_layers(cfg, args)[pp].start
     out = []
     for name, local, boxes in local_params(cfg, args, picked, shapes, rank.tp, pp):

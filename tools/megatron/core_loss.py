@@ -38,7 +38,17 @@ For every checkpoint given, each of ``--world`` spawned ranks (gloo, CPU, tools/
    (``sharded_state_dict`` + ``dist_checkpointing.save``), which ``dist:OUT:...,optim=1`` items
    load back at another layout: Megatron's own reshard, optimizer state included;
    ``savemodel:PATH=OUT`` items the same for the model alone (a checkpoint without optimizer state,
-   e.g. one converted from Hugging Face).
+   e.g. one converted from Hugging Face);
+8. ``train:ARGS.json=OUT`` items: no checkpoint: a seeded ``GPTModel`` built from the Megatron args in
+   ARGS.json (JSON-plain, as ckptbridge shows saved args) at their TP/PP, trained one step from
+   scratch with their optimizer (the distributed one when ``use_distributed_optimizer``), its
+   optimizer state after the step dumped (``--dump``), then saved by megatron-core as the
+   ``torch_dist`` checkpoint OUT the way Megatron-LM's ``save_checkpoint`` does (its sharded-state-dict
+   metadata: the distributed optimizer in ``dp_reshardable`` buffers, or ``fully_reshardable`` when
+   ``dist_ckpt_optim_fully_reshardable``): a checkpoint whose optimizer state megatron-core wrote;
+9. ``cli:<JSON list>`` items: ckptbridge's command line run by rank 0 between two items (e.g.
+   ``cli:["reshard", OUT, W, "--to", "megatron"]`` after ``train:ARGS.json=OUT``, then ``W`` as an item:
+   the writer judged by megatron-core in the same launch), record ``{"cli", "rc"}``.
 
 Prints one line per checkpoint, ``CORE_LOSS {"ckpt", "dist", "tp", "pp", "loss", "tokens",
 "token_losses", "digests"[, "step": {"updated", "grad_norm", "lr", "after_loss",
@@ -94,7 +104,8 @@ class Item:
     ``sharded_state_dict``), or ``save:path=OUT`` (a legacy checkpoint at its own layout, model +
     optimizer + scheduler loaded, then saved by megatron-core as the ``torch_dist`` checkpoint OUT);
     ``eval:`` before any of these: evaluated only, no optimizer and no train step even with
-    ``--train-step`` (a checkpoint without optimizer state beside others that have one)."""
+    ``--train-step`` (a checkpoint without optimizer state beside others that have one);
+    ``train:ARGS.json=OUT``: a fresh model from those args, one step, saved as OUT (``fresh``)."""
 
     path: str
     dist: bool = False
@@ -106,11 +117,15 @@ class Item:
     ep: int | None = None
     etp: int | None = None
     train: bool = True
+    fresh: bool = False  # train:ARGS.json=OUT: path is the args file
 
     @staticmethod
     def parse(text: str) -> Item:
         if text.startswith("eval:"):
             return dataclasses.replace(Item.parse(text[len("eval:"):]), train=False)
+        if text.startswith("train:"):
+            path, _, out = text[len("train:"):].rpartition("=")
+            return Item(path, save_to=out, fresh=True)
         if text.startswith(("save:", "savemodel:")):
             kind, _, body = text.partition(":")
             path, _, out = body.rpartition("=")
@@ -146,6 +161,15 @@ def saved_args(path: str) -> tuple[dict[str, Any], int | None]:
         f = os.path.join(rank_dirs(it_dir)[(0, 0)], "model_optim_rng.pt")
     args = args_dict(TorchArchive.open(f).obj.get("args"), f)
     return plain(args), MegatronConfig.from_args(args, where=f).vocab
+
+
+def fresh_args(path: str) -> tuple[dict[str, Any], int | None]:
+    """A ``train:`` item's Megatron args (a JSON file of JSON-plain args) and the tokenizer's vocab size."""
+    from ckptbridge.adapters.megatron._layout import MegatronConfig
+
+    with open(path) as fh:
+        args = json.load(fh)
+    return args, MegatronConfig.from_args(args, where=path).vocab
 
 
 def _revive(v: Any) -> Any:
@@ -490,24 +514,56 @@ def optimizer_state(model: Any, optimizer: Any) -> dict[str, Any]:
     return out
 
 
-def save_dist(model: Any, optimizer: Any, sched: Any, sd: dict[str, Any], out: str) -> None:
+def sharded_metadata(args: Any) -> dict[str, Any]:
+    """Megatron-LM's ``_build_sharded_state_dict_metadata`` (training/checkpointing.py, core_v0.16.1) for
+    a ``torch_dist`` save: the distributed optimizer's sharding type from the args."""
+    from megatron.core import parallel_state as ps
+
+    meta: dict[str, Any] = {}
+    if args.use_distributed_optimizer:
+        full = bool(getattr(args, "dist_ckpt_optim_fully_reshardable", False))
+        meta["distrib_optim_sharding_type"] = "fully_reshardable" if full else "dp_reshardable"
+        if full:
+            meta["distrib_optim_fully_reshardable_mem_efficient"] = bool(
+                getattr(args, "distrib_optim_fully_reshardable_mem_efficient", False))
+    meta.update(singleton_local_shards=False, chained_optim_avoid_prefix=True,
+                dp_cp_group=ps.get_data_parallel_group(with_context_parallel=True))
+    return meta
+
+
+def save_dist(model: Any, optimizer: Any, sched: Any, sd: dict[str, Any], out: str,
+              metadata: dict[str, Any] | None = None, fully_parallel: bool = False) -> None:
     """Save the loaded model and optimizer (None: the model alone) as a ``torch_dist`` checkpoint with
     megatron-core's own ``sharded_state_dict`` and ``dist_checkpointing.save`` (what Megatron-LM's
-    ``--ckpt-convert-format torch_dist`` does), so that megatron-core itself can reshard it."""
+    ``--ckpt-convert-format torch_dist`` does), so that megatron-core itself can reshard it; ``metadata``
+    (:func:`sharded_metadata`): passed to both ``sharded_state_dict`` calls and saved as the content
+    metadata, as Megatron-LM's ``save_checkpoint`` does, and with ``fully_parallel`` its default
+    ``FullyParallelSaveStrategyWrapper`` (``--ckpt-fully-parallel-save``: the DP ranks share the writing of
+    replicated tensors)."""
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+        FullyParallelSaveStrategyWrapper,
+    )
+    from megatron.core.dist_checkpointing.utils import _clean_metadata_for_serialization
 
     it = int(sd.get("iteration", 0))
     it_dir = os.path.join(out, f"iter_{it:07d}")
     if dist.get_rank() == 0:
         os.makedirs(it_dir)
     dist.barrier()
-    model_sd = model.sharded_state_dict()
+    kw = {} if metadata is None else {"metadata": metadata}
+    model_sd = model.sharded_state_dict(**kw)
     state = {"model": model_sd, "args": sd["args"], "checkpoint_version": 3.0,
              "iteration": it, "num_floating_point_operations_so_far": sd.get("num_floating_point_operations_so_far", 0)}
     if optimizer is not None:
-        state.update(optimizer=optimizer.sharded_state_dict(model_sd), opt_param_scheduler=sched.state_dict())
-    dist_checkpointing.save(state, it_dir)
+        state.update(optimizer=optimizer.sharded_state_dict(model_sd, **kw), opt_param_scheduler=sched.state_dict())
+    strategy = FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy("torch_dist"),
+                                                ps.get_data_parallel_group(with_context_parallel=True)) \
+        if fully_parallel else None
+    dist_checkpointing.save(state, it_dir, strategy, content_metadata=_clean_metadata_for_serialization(metadata))
     if dist.get_rank() == 0:
         with open(os.path.join(out, "latest_checkpointed_iteration.txt"), "w") as fh:
             fh.write(str(it))
@@ -573,14 +629,13 @@ def evaluate(item: Item, opts: argparse.Namespace, index: int = 0) -> dict[str, 
     """Every rank runs this; rank 0 returns the JSON record."""
     import argparse as ap
 
-    import torch
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     world = dist.get_world_size()
     try:
-        plain, vocab = saved_args(item.path)
+        plain, vocab = fresh_args(item.path) if item.fresh else saved_args(item.path)
         err = ""
     except Exception as e:  # the same files on every rank: every rank fails alike
         err = f"{type(e).__name__}: {e}"
@@ -606,10 +661,10 @@ def evaluate(item: Item, opts: argparse.Namespace, index: int = 0) -> dict[str, 
     err = ""
     model = sd = None
     try:
-        model = build_model(args, tp, pp, ep, etp, bool(opts.train_step))
+        model = build_model(args, tp, pp, ep, etp, bool(opts.train_step or item.fresh))
         if item.dist:
             load_dist(model, item.path)
-        else:
+        elif not item.fresh:
             sd = load_legacy(model, item.path, args, tp, pp, ep)
     except Exception as e:  # reported (all ranks agree below), not raised: the next item still runs
         err = f"rank {dist.get_rank()}: {type(e).__name__}: {e}"
@@ -638,7 +693,16 @@ def evaluate(item: Item, opts: argparse.Namespace, index: int = 0) -> dict[str, 
         if item.model_only and "error" not in rec:
             save_dist(model, None, None, sd or {}, str(item.save_to))
             rec["saved"] = item.save_to
-        want_optimizer = ((item.save_to and not item.model_only)
+        if item.fresh and "error" not in rec:
+            args.data_parallel_size, args.ckpt_format = world // (tp * pp), "torch_dist"  # what the run's args say
+            ddp, optimizer, sched = make_optimizer(model, args)
+            rec["step"] = train_step(model, ddp, optimizer, sched, args, batches)
+            del rec["step"]["model"]
+            dump_optimizer(opts, index, model, optimizer, args)
+            save_dist(model, optimizer, sched, {"args": args, "iteration": 1}, str(item.save_to), sharded_metadata(args),
+                      bool(getattr(args, "ckpt_fully_parallel_save", True)))
+            rec["saved"] = item.save_to
+        want_optimizer = not item.fresh and ((item.save_to and not item.model_only)
                           or (opts.train_step and item.train and (item.optim or not item.dist)))
         if want_optimizer and "error" not in rec:
             try:
@@ -659,12 +723,7 @@ def evaluate(item: Item, opts: argparse.Namespace, index: int = 0) -> dict[str, 
                 if item.save_to:
                     save_dist(model, optimizer, sched, sd, item.save_to)
                     rec["saved"] = item.save_to
-                if opts.dump and (ps.get_data_parallel_rank() == 0 or args.use_distributed_optimizer):
-                    d = os.path.join(opts.dump, str(index))
-                    os.makedirs(d, exist_ok=True)
-                    torch.save(optimizer_state(model, optimizer), os.path.join(
-                        d, f"tp{ps.get_tensor_model_parallel_rank()}_pp{ps.get_pipeline_model_parallel_rank()}"
-                           f"_dp{ps.get_data_parallel_rank()}.pt"))
+                dump_optimizer(opts, index, model, optimizer, args)
                 if opts.train_step:
                     step = train_step(model, ddp, optimizer, sched, args, batches)  # the next iteration
                     after = forward_loss(step.pop("model"), args, batches)
@@ -672,6 +731,49 @@ def evaluate(item: Item, opts: argparse.Namespace, index: int = 0) -> dict[str, 
                                                   ps.get_pipeline_model_parallel_rank(), after, None))
                     rec["step"] = {**step, **{f"after_{k}": v for k, v in _agree(allr).items()}}
     ps.destroy_model_parallel()
+    return rec if dist.get_rank() == 0 else None
+
+
+def dump_optimizer(opts: argparse.Namespace, index: int, model: Any, optimizer: Any, args: Any) -> None:
+    """With ``--dump``: this rank's :func:`optimizer_state` as ``DIR/<index>/tpT_ppP_dpD.pt`` (DP rank 0
+    only, but every DP rank with the distributed optimizer: each holds its own piece), and from DP rank 0
+    the rank's parameters as megatron-core holds them, in ``named_parameters()`` order, as
+    ``DIR/<index>/tpT_ppP.params.json``: ``[[global name, local shape, TP partition dim or null], ...]``
+    (megatron-core's ``tensor_model_parallel`` / ``partition_dim`` attributes)."""
+    import torch
+    from megatron.core import parallel_state as ps
+
+    if not opts.dump:
+        return
+    d = os.path.join(opts.dump, str(index))
+    rank = f"tp{ps.get_tensor_model_parallel_rank()}_pp{ps.get_pipeline_model_parallel_rank()}"
+    os.makedirs(d, exist_ok=True)
+    if ps.get_data_parallel_rank() == 0 or args.use_distributed_optimizer:
+        torch.save(optimizer_state(model, optimizer), os.path.join(d, f"{rank}_dp{ps.get_data_parallel_rank()}.pt"))
+    if ps.get_data_parallel_rank() == 0:
+        inner = getattr(model, "module", model)
+        params = [[_global_name(inner, n), list(p.shape),
+                   p.partition_dim if getattr(p, "tensor_model_parallel", False) else None]
+                  for n, p in inner.named_parameters()]
+        with open(os.path.join(d, f"{rank}.params.json"), "w") as fh:
+            json.dump(params, fh)
+
+
+def run_cli(argv: list[str]) -> dict[str, Any] | None:
+    """A ``cli:["reshard", SRC, DST, ...]`` item: rank 0 runs ckptbridge's command line in this process (e.g.
+    to write a checkpoint from what an earlier ``train:`` item saved, for the items after it: one launch instead
+    of two), the other ranks wait; rank 0 returns ``{"cli": argv, "rc": exit status}`` (or ``"error"``)."""
+    import torch.distributed as dist
+
+    rec: dict[str, Any] = {"cli": argv}
+    if dist.get_rank() == 0:
+        from ckptbridge._cli import main as cli
+
+        try:
+            rec["rc"] = cli(list(argv))
+        except Exception as e:  # reported like a failed load
+            rec["error"] = f"{type(e).__name__}: {e}"
+    dist.barrier()
     return rec if dist.get_rank() == 0 else None
 
 
@@ -711,7 +813,7 @@ def worker(rank: int, world: int, port: int, opts: argparse.Namespace) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=opts.timeout))
     try:
         for i, text in enumerate(opts.ckpt):
-            rec = evaluate(Item.parse(text), opts, i)
+            rec = run_cli(json.loads(text[len("cli:"):])) if text.startswith("cli:") else evaluate(Item.parse(text), opts, i)
             if rec is not None:
                 print("CORE_LOSS " + json.dumps(rec), flush=True)
     finally:
