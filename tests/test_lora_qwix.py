@@ -71,7 +71,8 @@ def _peft_to_qwix(root: Path, base: Path, cfg: dict, train: np.ndarray) -> Path:
     """A PEFT adapter on every module (rsLoRA: its scale folds into ``B``) and one torch Adam step
     on it, carried to qwix: unscanned with its moments (``to_qwix``, ``to_qwix_tunix``), without
     the query scale (``to_qwix_noscale``, the negative control) and scanned (``to_qwix_scan``)."""
-    from test_lora_maxtext import _adam_step, _with_moments
+    from lora_refs import with_moments
+    from test_lora_maxtext import _adam_step
 
     torch.manual_seed(11)
     config = peft.LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=list(MODULES), init_lora_weights=False,
@@ -85,7 +86,7 @@ def _peft_to_qwix(root: Path, base: Path, cfg: dict, train: np.ndarray) -> Path:
     no_scale = tuple(r for r in to_mx if not isinstance(r, Scale))
     src = ckptbridge.open(adapter)
     carry.save_qwix(carry.carry(src, to_mx, qwix=True), root / "to_qwix")
-    carry.save_qwix(carry.carry(_with_moments(adapter, root / "peft_full_adam"), to_mx, qwix=True), root / "to_qwix_tunix", step=1,
+    carry.save_qwix(carry.carry(with_moments(adapter, root / "peft_full_adam"), to_mx, qwix=True), root / "to_qwix_tunix", step=1,
                     adam="opt_state/1/0", counts=("opt_state/1/2/count",))  # MaxText's SFT optimizer
     carry.save_qwix(carry.carry(src, no_scale, qwix=True), root / "to_qwix_noscale")
     scan = recipes.rules(recipes.family_from_hf(cfg), src="hf", dst="maxtext",
