@@ -170,12 +170,12 @@ def dequantize(tensors: Mapping[str, LogicalTensor], derivation: BlockFp8 | Mxfp
     names = list(tensors)
     if isinstance(derivation, BlockFp8):
         scales = list(itertools.compress(names, map(str.endswith, names, itertools.repeat("_scale_inv"))))
-        stored = list(map(operator.getitem, scales, itertools.repeat(slice(None, -len("_scale_inv")))))
+        stored = list(map(str.__getitem__, scales, itertools.repeat(slice(None, -len("_scale_inv")))))
         logical = stored
     else:
         stored = list(itertools.compress(names, map(str.endswith, names, itertools.repeat("_blocks"))))
-        logical = list(map(operator.getitem, stored, itertools.repeat(slice(None, -len("_blocks")))))
-        scales = list(map(operator.add, logical, itertools.repeat("_scales")))
+        logical = list(map(str.__getitem__, stored, itertools.repeat(slice(None, -len("_blocks")))))
+        scales = list(map(str.__add__, logical, itertools.repeat("_scales")))
     specs_in = (tensors.specs if isinstance(tensors, LazyTensors)
                 else types.MappingProxyType({n: spec_of(tensors, n) for n in names}))
     if not all(map(specs_in.__contains__, stored if logical is stored else scales)):  # the others are listed
