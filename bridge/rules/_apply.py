@@ -57,7 +57,7 @@ from ._language import (
     Unstack,
     regex,
 )
-from ._names import Names, expander, substitute
+from ._names import Names, substitute_all
 
 Shape = tuple[int, ...]
 Layout = Mapping[str, tuple[str, Shape]]  # state -> (dtype, shape)
@@ -237,7 +237,7 @@ def _apply_rename(nodes: Names[Node], rule: Rename) -> Names[Node]:
     hits = _hits(nodes, rule)
     if not hits:
         return nodes
-    new = dict(zip(hits, map(substitute(rule.pattern, rule.to), hits)))
+    new = dict(zip(hits, substitute_all(rule.pattern, rule.to, hits)))
     targets = set(new.values())
     if len(targets) != len(new) or not all(map(new.__contains__, filter(nodes.pos.__contains__, targets))):
         seen: set[str] = set()  # two tensors mapped onto one name: which (the first in order)
@@ -274,21 +274,25 @@ def _apply_drop(nodes: Names[Node], rule: Drop) -> Names[Node]:
 # ------------------------------------------------------------------ several tensors into one
 
 
+def _stack_index(m: re.Match[str] | None, index: int | str, rule: Rule, name: str) -> int:
+    try:
+        return int(m.group(index))  # type: ignore[union-attr]
+    except (AttributeError, IndexError, TypeError, ValueError):
+        raise FormatError(f"Stack({rule.pattern!r}): group {rule.index!r} of {name!r} is not an index") from None
+
+
 def _apply_stack(nodes: Names[Node], rule: Stack) -> Names[Node]:
     hits = _hits(nodes, rule)
     if not hits:
         return nodes
+    pattern = regex(rule.pattern)
+    matches = list(map(pattern.search, hits))  # each hit matches
+    try:
+        indices = list(map(int, map(operator.methodcaller("group", rule.index), matches)))
+    except (IndexError, TypeError, ValueError):
+        indices = [_stack_index(m, rule.index, rule, name) for name, m in zip(hits, matches)]  # names the bad one
     groups: dict[str, dict[int, str]] = {}  # target -> {index: member}
-    pattern, sub = regex(rule.pattern), substitute(rule.pattern, rule.to)
-    expand = expander(rule.pattern, rule.to) if rule.pattern.startswith("^") else None
-    for name, m in zip(hits, map(pattern.search, hits)):
-        if m is None:
-            continue
-        target = sub(name) if expand is None else name[: m.start()] + expand(m) + name[m.end():]
-        try:
-            index = int(m.group(rule.index))
-        except (IndexError, TypeError, ValueError):
-            raise FormatError(f"Stack({rule.pattern!r}): group {rule.index!r} of {name!r} is not an index") from None
+    for target, index, name in zip(substitute_all(rule.pattern, rule.to, hits, matches), indices, hits):
         groups.setdefault(target, {})[index] = name
     out = nodes.kept(set(hits))
     every = sorted(set().union(*groups.values()))
