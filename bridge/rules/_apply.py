@@ -274,7 +274,7 @@ def _apply_drop(nodes: Names[Node], rule: Drop) -> Names[Node]:
 # ------------------------------------------------------------------ several tensors into one
 
 
-def _stack_index(m: re.Match[str] | None, index: int | str, rule: Rule, name: str) -> int:
+def _stack_index(m: re.Match[str] | None, index: int | str, rule: Stack, name: str) -> int:
     try:
         return int(m.group(index))  # type: ignore[union-attr]
     except (AttributeError, IndexError, TypeError, ValueError):

@@ -20,6 +20,7 @@ import functools
 import itertools
 import operator
 import re
+import typing
 from collections.abc import Callable, Container, Iterable, Iterator, Mapping, Sequence
 from typing import Generic, TypeVar
 
@@ -214,12 +215,13 @@ def substitute_all(pattern: str, to: str, names: Sequence[str],
         substitute_all(r"^a\\.(\\d+)\\.", r"b/\\1/", ["a.0.w", "a.1.w"])   # ['b/0/w', 'b/1/w']
     """
     template = _format(pattern, to) if pattern.startswith("^") else None
-    if template is not None:
-        matches = list(map(regex(pattern).search, names)) if matches is None else matches
-        heads = _heads(template, matches) if None not in matches and not any(map(re.Match.start, matches)) else None
+    found = list(map(regex(pattern).search, names)) if matches is None and template is not None else matches
+    if template is not None and found is not None and None not in found:
+        every = typing.cast("list[re.Match[str]]", found)
+        heads = _heads(template, every) if not any(map(re.Match.start, every)) else None
         if heads is not None:  # each match starts the name: the expansion, then the rest of the name
             return list(map(str.__add__, heads, map(str.__getitem__, names,
-                                                    map(slice, map(re.Match.end, matches), itertools.repeat(None)))))
+                                                    map(slice, map(re.Match.end, every), itertools.repeat(None)))))
     return list(map(substitute(pattern, to), names))
 
 
