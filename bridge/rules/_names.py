@@ -33,6 +33,7 @@ _MAX_RUNS = 256
 _REVERSED = slice(None, None, -1)
 
 
+@functools.lru_cache(maxsize=4096)
 def literal_ends(pattern: str) -> tuple[str, str]:
     """The literal every match of ``pattern`` starts with (when anchored by ``^``) and ends with (when
     anchored by ``$``); ``""`` where there is none or the pattern is not plain enough to tell::
@@ -156,29 +157,29 @@ class Names(Generic[V]):
             return None
         if self._runs is None:
             self._runs = [sorted(self.order)], [sorted(map(operator.getitem, self.order, itertools.repeat(_REVERSED)))]
-        ranges = []
+        ranges = []  # (runs, the bounds of the names with the literal in each): sliced once chosen
         if prefix:
-            ranges.append([_range(run, prefix) for run in self._runs[0]])
+            ranges.append((self._runs[0], [_bounds(run, prefix) for run in self._runs[0]]))
         if suffix and not self._newline:
-            ranges.append([_range(run, suffix[::-1]) for run in self._runs[1]])
+            ranges.append((self._runs[1], [_bounds(run, suffix[::-1]) for run in self._runs[1]]))
         if not ranges:
             return None
-        best = min(ranges, key=lambda rs: sum(len(r) for r in rs))
-        if sum(len(r) for r in best) > len(self.order) // 4:  # testing every name is cheaper
+        runs, bounds = min(ranges, key=lambda rb: sum(hi - lo for lo, hi in rb[1]))
+        if sum(hi - lo for lo, hi in bounds) > len(self.order) // 4:  # testing every name is cheaper
             return None
-        out = dict.fromkeys(itertools.chain.from_iterable(best))
-        return list(out) if best is ranges[0] and prefix else list(map(operator.getitem, out, itertools.repeat(_REVERSED)))
+        out = dict.fromkeys(itertools.chain.from_iterable(run[lo:hi] for run, (lo, hi) in zip(runs, bounds)))
+        return list(out) if runs is self._runs[0] else list(map(operator.getitem, out, itertools.repeat(_REVERSED)))
 
 
 def _any_newline(names: Iterable[str]) -> bool:
     return any(map(operator.contains, names, itertools.repeat("\n")))
 
 
-def _range(run: list[str], prefix: str) -> list[str]:
-    """The names of the sorted ``run`` that start with ``prefix``."""
+def _bounds(run: list[str], prefix: str) -> tuple[int, int]:
+    """Where the names of the sorted ``run`` that start with ``prefix`` are: ``run[lo:hi]``."""
     lo = bisect.bisect_left(run, prefix)
     hi = bisect.bisect_left(run, prefix[:-1] + chr(ord(prefix[-1]) + 1)) if ord(prefix[-1]) < 0x10FFFF else len(run)
-    return run[lo:hi]
+    return lo, hi
 
 
 @functools.lru_cache(maxsize=4096)
