@@ -473,7 +473,7 @@ def markdown(r: dict[str, Any]) -> str:
         loads = [x["load_avg_1min"] for x in o["runs"]]
         rows.append(f"| load average during the open runs (1 min; 2 CPUs) | {min(loads):.1f} to {max(loads):.1f} |")
     rows += [f"| open worker, whole process CPU s (imports included) | {o.get('child_cpu_s', float('nan')):.2f} |",
-             f"| load average at the end (1 min; 2 CPUs) | {r.get('machine', {}).get('load_avg_at_end', [0])[0]:.1f} |"]
+             f"| load average at the end (1 min; 2 CPUs) | {r.get('machine', {}).get('load_avg_at_end', os.getloadavg())[0]:.1f} |"]
     if o.get("run"):
         rows.append(f"| runs | open: `{o['run']}`; dequantize: the file's last full run |")
     rows += [f"| goal: {k} | {'yes' if v else 'no'} |" for k, v in r["goals"].items()]
