@@ -289,7 +289,7 @@ def _apply_stack(nodes: Names[Node], rule: Stack) -> Names[Node]:
     matches = list(map(pattern.search, hits))  # each hit matches
     try:
         indices = list(map(int, map(operator.methodcaller("group", rule.index), matches)))
-    except (IndexError, TypeError, ValueError):
+    except (AttributeError, IndexError, TypeError, ValueError):
         indices = [_stack_index(m, rule.index, rule, name) for name, m in zip(hits, matches)]  # names the bad one
     groups: dict[str, dict[int, str]] = {}  # target -> {index: member}
     for target, index, name in zip(substitute_all(rule.pattern, rule.to, hits, matches), indices, hits):
