@@ -58,9 +58,12 @@ def check_weight_map(index_json: str | None, found: Mapping[str, str], weight_ma
     root = os.path.dirname(index_json)
     listed = {str(f): os.path.normpath(os.path.join(root, str(f))) for f in set(weight_map.values())}  # per shard
     holders = {f: os.path.normpath(f) for f in set(found.values())}  # once per shard, not per tensor
-    expected = dict(zip(weight_map, map(listed.__getitem__, map(str, weight_map.values()))))
-    if expected == dict(zip(found, map(holders.__getitem__, found.values()))):  # in bulk: C loops over 92k names
-        return
+    # in bulk (C loops over 92k names): each tensor's shard as the index spells it, compared with the index
+    spelled = {full: f for f, full in listed.items()}
+    if len(spelled) == len(listed):  # else two spellings of one shard: the loop below decides
+        as_listed = {f: spelled.get(full) for f, full in holders.items()}
+        if weight_map == dict(zip(found, map(as_listed.__getitem__, found.values()))):
+            return
     for name, f in weight_map.items():  # which tensor is wrong
         got = found.get(name)
         if got is None:

@@ -15,7 +15,9 @@ as one consolidated file of one state (``reshard --to safetensors`` is
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import itertools
+import operator
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +39,7 @@ from ckptbridge.plugin import (
     read_entries,
     read_header,
     storage,
+    tensor_specs,
 )
 
 from ._hf import check_weight_map, index_json_of, read_index
@@ -49,11 +52,12 @@ __all__ = ["FORMAT", "SafetensorsOpenOptions", "SafetensorsWriteOptions", "detec
 def _specs(files: Sequence[str], entries: Sequence[Entries]) -> tuple[dict[str, TensorSpec], dict[str, str]]:
     """Every tensor of the shards ``files`` (their validated ``entries``), source ``(file, byte offset)``,
     and the file of each; a tensor in two shards is an error naming it."""
-    names = [x for e in entries for x in e.names]
-    where = [f for f, e in zip(files, entries) for _ in e.names]
-    dtypes, shapes, offsets = ([x for e in entries for x in getattr(e, c)] for c in ("dtypes", "shapes", "offsets"))
-    # C loops (92k tensors for DeepSeek-V3); TensorSpec._make is tuple.__new__, no Python frame per tensor
-    specs = dict(zip(names, map(TensorSpec._make, zip(dtypes, shapes, zip(where, offsets)))))
+    def column(c: str) -> Iterator[Any]:
+        return itertools.chain.from_iterable(map(operator.attrgetter(c), entries))
+
+    names = list(column("names"))
+    where = list(itertools.chain.from_iterable(map(itertools.repeat, files, (len(e.names) for e in entries))))
+    specs = tensor_specs(names, column("dtypes"), column("shapes"), zip(where, column("offsets")))
     if len(specs) != len(names):
         seen: set[str] = set()
         for f, e in zip(files, entries):

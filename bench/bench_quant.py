@@ -37,7 +37,11 @@ with the release's ``config.json``): every rule applied, the MTP layer dropped, 
 (goal <= 2 s each).
 
 ``--only open`` runs the 671B open and recipe part only and keeps the dequantize figures of the
-result file's last full run (the JSON says which run each part comes from). Seconds are wall time;
+result file's last full run (the JSON says which run each part comes from). The open worker runs
+``--reps`` times, each in a fresh process: every figure is the median of the runs (``runs`` keeps each
+one, with the load average when it ended). ckptbridge is byte-compiled first, as pip does when it
+installs a wheel: an editable install under ``PYTHONDONTWRITEBYTECODE=1`` (this machine's setting)
+would otherwise recompile ~80 modules in every fresh worker (0.3 s of CPU counted as open's). Seconds are wall time;
 ``cpu_s`` the measured region's CPU time in the worker (``time.process_time``), ``child_cpu_s`` the
 whole worker's (``import ckptbridge`` included; its ``import_s`` / ``import_cpu_s`` are measured apart
 and are not in ``open``'s figures): the shared machine's load makes wall time noisy, CPU time less so.
@@ -329,6 +333,27 @@ def run(args: argparse.Namespace, method: str, src: Path, out: Path, extra: str 
     return {**last_json(r["stdout"]), "wall_s": r["wall_s"], "peak_mb": r["peak_tree_rss_mb"], "child_cpu_s": cpu}
 
 
+def run_open(args: argparse.Namespace, src: Path, out: Path) -> dict[str, Any]:
+    """The open worker ``--reps`` times (fresh processes, ckptbridge byte-compiled first): the median of
+    each figure, and every run's figures and load average in ``runs``."""
+    import compileall
+
+    import ckptbridge.adapters
+
+    for folder in {*ckptbridge.__path__, *ckptbridge.adapters.__path__}:
+        compileall.compile_dir(folder, quiet=1)
+    runs = []
+    for _ in range(max(args.reps, 1)):
+        runs.append({**run(args, "open", src, out), "load_avg": os.getloadavg()})
+    median = {k: statistics.median(r[k] for r in runs) for k in ("s", "cpu_s", "wall_s", "child_cpu_s")}
+    recipe = {k: {**v, **{f: statistics.median(r["recipe"][k][f] for r in runs) for f in ("s", "cpu_s")}}
+              for k, v in runs[0]["recipe"].items()}
+    return {**runs[0], **median, "recipe": recipe, "peak_mb": max(r["peak_mb"] for r in runs),
+            "hwm_mb": max(r["hwm_mb"] for r in runs), "reps": len(runs),
+            "runs": [{"s": r["s"], "cpu_s": r["cpu_s"], "load_avg_1min": r["load_avg"][0],
+                      "recipe": {k: [v["s"], v["cpu_s"]] for k, v in r["recipe"].items()}} for r in runs]}
+
+
 def same_bytes(a: Path, b: Path) -> bool:
     import numpy as np
     from safetensors.numpy import load_file
@@ -384,7 +409,7 @@ def main() -> None:
     if args.only == "open":
         results = json.loads(Path(RESULTS, "bench_quant.json").read_text())
         results.pop("machine", None)
-        results["open_671b"] = {**make_sparse(work / "v3"), **run(args, "open", work / "v3", out / "open"),
+        results["open_671b"] = {**make_sparse(work / "v3"), **run_open(args, work / "v3", out / "open"),
                                 "run": "--only open"}
         finish(results, work)
         return
@@ -419,7 +444,7 @@ def main() -> None:
                                  for k in ("deepseek", "transformers", "floor")}
     shutil.rmtree(src, ignore_errors=True)
     results["open_671b"] = make_sparse(work / "v3")
-    results["open_671b"].update(run(args, "open", work / "v3", out / "open"))
+    results["open_671b"].update(run_open(args, work / "v3", out / "open"))
     finish(results, work)
 
 
@@ -438,13 +463,17 @@ def markdown(r: dict[str, Any]) -> str:
     o = r["open_671b"]
     rows = [f"| dequantize: reshard vs {k} | {v:.2f}x |" for k, v in r["ratios"].items()]
     rows += [f"| dequantize: convert vs {k} | {v:.2f}x |" for k, v in r["ratios_convert"].items()]
-    rows += [f"| open 671B ({o['shards']} shards, {o['tensors']} tensors -> {o['listed']}): wall / CPU s | "
+    rows += [f"| open 671B ({o['shards']} shards, {o['tensors']} tensors -> {o['listed']}): wall / CPU s"
+             f"{' (median of ' + str(o['reps']) + ' fresh processes)' if o.get('reps') else ''} | "
              f"{o['s']:.2f} / {o['cpu_s']:.2f} |",
              f"| open: peak RSS MiB (process, before open) | {o['hwm_mb']:.0f} ({o['hwm_before_open_mb']:.0f}) |"]
     rows += [f"| open + recipe to MaxText ({k}): wall / CPU s | {v['s']:.2f} / {v['cpu_s']:.2f} |"
              for k, v in o["recipe"].items()]
+    if o.get("runs"):
+        loads = [x["load_avg_1min"] for x in o["runs"]]
+        rows.append(f"| load average during the open runs (1 min; 2 CPUs) | {min(loads):.1f} to {max(loads):.1f} |")
     rows += [f"| open worker, whole process CPU s (imports included) | {o.get('child_cpu_s', float('nan')):.2f} |",
-             f"| load average at the end (1 min; 2 CPUs) | {r.get('machine', {}).get('load_avg_at_end', [0])[0]:.1f} |"]
+             f"| load average at the end (1 min; 2 CPUs) | {r.get('machine', {}).get('load_avg_at_end', os.getloadavg())[0]:.1f} |"]
     if o.get("run"):
         rows.append(f"| runs | open: `{o['run']}`; dequantize: the file's last full run |")
     rows += [f"| goal: {k} | {'yes' if v else 'no'} |" for k, v in r["goals"].items()]

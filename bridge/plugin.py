@@ -111,6 +111,7 @@ from ._read.model import contiguous_fragment as contiguous_fragment
 from ._read.model import flat_range_boxes as flat_range_boxes
 from ._read.model import flat_range_fragments as flat_range_fragments
 from ._read.model import spec_of as spec_of
+from ._read.model import tensor_specs as tensor_specs
 from ._read.model import weight_state_for as weight_state_for
 from ._read.open import as_checkpoint as as_checkpoint
 from ._read.open import open_checkpoint as open_checkpoint

@@ -11,7 +11,7 @@ import re
 import pytest
 
 from ckptbridge import recipes
-from ckptbridge.rules._names import Names, literal_ends, substitute
+from ckptbridge.rules._names import Names, literal_ends, substitute, substitute_all
 
 NAMES = [f"model.layers.{i}.{leaf}" for i in range(12) for leaf in (
     "self_attn.q_proj.weight", "self_attn.kv_a_proj_with_mqa.weight", "mlp.experts.3.up_proj.weight",
@@ -59,9 +59,11 @@ def test_hits_equal_a_search_over_every_name_before_and_after_renames():
     (r"^model\.layers\.(\d+)\.(?P<leaf>.+)$", r"decoder/layers_\1/\g<leaf>"),
     (r"^(?P<l>\w+)\.(\d+)", r"\g<2>-\g<l>\g<0>"), (r"^(m)(x)?o", r"[\2]\1"), (r"^model", r"\\n\n"),
     (r"\.", "/"), (r"^model", r"\10"), (r"^model", r"\g<nope>"), (r"^model\.(\d+)?", r"\1x"),
+    (r"^model\.(\d+)", r"%s%%\1%"), (r"^(m)(o)(x)?", r"\3\2\1"), (r"^lm_head", "head"),
 ])
 def test_substitute_is_re_sub(pattern, to):
-    for name in [*NAMES, "model.7.x", "model"]:
+    names = [*NAMES, "model.7.x", "model"]
+    for name in names:
         try:
             want = re.sub(pattern, to, name)
         except (re.error, IndexError) as err:
@@ -69,3 +71,13 @@ def test_substitute_is_re_sub(pattern, to):
                 substitute(pattern, to)(name)
             continue
         assert substitute(pattern, to)(name) == want, (pattern, to, name)
+    # all at once (map over the matches): the names a rule hits, with and without their matches, and any names
+    hits = list(filter(re.compile(pattern).search, names))
+    for some, matches in ((hits, None), (hits, list(map(re.compile(pattern).search, hits))), (names, None)):
+        try:
+            want_all = [re.sub(pattern, to, name) for name in some]
+        except (re.error, IndexError) as err:
+            with pytest.raises(type(err)):
+                substitute_all(pattern, to, some, matches)
+            continue
+        assert substitute_all(pattern, to, some, matches) == want_all, (pattern, to)

@@ -15,6 +15,8 @@ so costs one pass of small tuples per rule, and reading one leaf builds that lea
 from __future__ import annotations
 
 import functools
+import itertools
+import operator
 import re
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -55,7 +57,7 @@ from ._language import (
     Unstack,
     regex,
 )
-from ._names import Names, substitute
+from ._names import Names, substitute_all
 
 Shape = tuple[int, ...]
 Layout = Mapping[str, tuple[str, Shape]]  # state -> (dtype, shape)
@@ -85,7 +87,8 @@ def map_rules(tensors: Mapping[str, LogicalTensor], rules: Sequence[Rule]) -> La
     """:func:`apply_rules` with every check made now and each tensor built when first used."""
     with no_gc():
         order = list(tensors)
-        nodes = Names(dict(zip(order, map(functools.partial(_source, tensors, {}), order))))
+        builds = map(functools.partial, itertools.repeat(_stored), itertools.repeat(tensors), order)
+        nodes = Names(dict(zip(order, map(tuple.__new__, itertools.repeat(Node), zip(_layouts(tensors, order), builds)))))
         for rule in rules:
             handler = _HANDLERS.get(type(rule))
             if handler is not None:
@@ -94,13 +97,13 @@ def map_rules(tensors: Mapping[str, LogicalTensor], rules: Sequence[Rule]) -> La
     return LazyTensors(specs, _build, layout=_layout)
 
 
-def _source(tensors: Mapping[str, LogicalTensor], layouts: dict[Any, Layout], name: str) -> Node:
-    """The node of an input tensor; equal layouts are one object (``layouts``), so that a rule maps each once."""
+def _layouts(tensors: Mapping[str, LogicalTensor], names: list[str]) -> list[Layout]:
+    """The layouts of the input tensors ``names``; equal layouts are one object, so that a rule maps each once."""
     if isinstance(tensors, LazyTensors):
-        layout = tensors.layout(name)
-    else:
-        layout = {s: (st.dtype, st.shape) for s, st in tensors[name].states.items()}
-    return Node(layouts.setdefault(tuple(layout.items()), layout), functools.partial(_stored, tensors, name))
+        return tensors.layouts(names)
+    shared: dict[Any, Layout] = {}
+    layouts = ({s: (st.dtype, st.shape) for s, st in tensors[name].states.items()} for name in names)
+    return [shared.setdefault(tuple(layout.items()), layout) for layout in layouts]
 
 
 def _stored(tensors: Mapping[str, LogicalTensor], name: str) -> Built:
@@ -137,20 +140,24 @@ def _apply_states(nodes: Names[Node], rule: Rule) -> Names[Node]:
     if not hits:
         return nodes
     shape_of, state_of = _state_fns(rule)
-    done: dict[int, tuple[Layout, Layout]] = {}  # id of a layout (tensors share them: see map_rules) -> (it, mapped)
-    for name in hits:
-        node = nodes.values[name]
-        seen = done.get(id(node.layout))
-        if seen is None:
-            layout = {}
-            for s, (dtype, shape) in node.layout.items():
-                where = f"{type(rule).__name__}({rule.pattern!r}) on tensor {name!r} state {s!r}"
-                try:
-                    layout[s] = shape_of(dtype, shape, s, where)
-                except ShapeMismatchError as err:
-                    raise ShapeMismatchError(f"{where}: {err}") from None
-            seen = done[id(node.layout)] = (node.layout, layout)
-        nodes.values[name] = Node(seen[1], functools.partial(_map_states, node.build, state_of))
+    old = list(map(nodes.values.__getitem__, hits))
+    layouts = list(map(operator.itemgetter(0), old))
+    ids = list(map(id, layouts))  # tensors share layouts (see map_rules): each is mapped once
+    first = dict(zip(reversed(ids), reversed(hits)))  # a tensor of each layout, for the messages
+    mapped: dict[int, Layout] = {}
+    for key, layout in zip(ids, layouts):
+        if key in mapped:
+            continue
+        mapped[key] = new = {}
+        for s, (dtype, shape) in layout.items():
+            where = f"{type(rule).__name__}({rule.pattern!r}) on tensor {first[key]!r} state {s!r}"
+            try:
+                new[s] = shape_of(dtype, shape, s, where)
+            except ShapeMismatchError as err:
+                raise ShapeMismatchError(f"{where}: {err}") from None
+    builds = map(functools.partial, itertools.repeat(_map_states), map(operator.itemgetter(1), old),
+                 itertools.repeat(state_of))
+    nodes.values.update(zip(hits, map(tuple.__new__, itertools.repeat(Node), zip(map(mapped.__getitem__, ids), builds))))
     return nodes
 
 
@@ -230,9 +237,9 @@ def _apply_rename(nodes: Names[Node], rule: Rename) -> Names[Node]:
     hits = _hits(nodes, rule)
     if not hits:
         return nodes
-    new = dict(zip(hits, map(substitute(rule.pattern, rule.to), hits)))
+    new = dict(zip(hits, substitute_all(rule.pattern, rule.to, hits)))
     targets = set(new.values())
-    if len(targets) != len(new) or any(to in nodes.pos and to not in new for to in targets):
+    if len(targets) != len(new) or not all(map(new.__contains__, filter(nodes.pos.__contains__, targets))):
         seen: set[str] = set()  # two tensors mapped onto one name: which (the first in order)
         for name in nodes:
             to = new.get(name, name)
@@ -261,52 +268,53 @@ def _apply_drop(nodes: Names[Node], rule: Drop) -> Names[Node]:
         return nodes
     why = f" ({rule.why})" if rule.why else ""
     warnings.warn(f"dropped {len(gone)} tensors{why}: {', '.join(gone)}", DroppedTensorsWarning, stacklevel=4)
-    return nodes.rebuilt({name: node for name, node in nodes.items() if name not in gone})
+    return nodes.rebuilt(nodes.kept(gone))
 
 
 # ------------------------------------------------------------------ several tensors into one
 
 
-def _stack_index(m: re.Match[str], index: int | str, rule: Rule, name: str) -> int:
+def _stack_index(m: re.Match[str] | None, index: int | str, rule: Stack, name: str) -> int:
     try:
-        return int(m.group(index))
-    except (IndexError, TypeError, ValueError):
-        raise FormatError(f"Stack({rule.pattern!r}): group {index!r} of {name!r} is not an index") from None
+        return int(m.group(index))  # type: ignore[union-attr]
+    except (AttributeError, IndexError, TypeError, ValueError):
+        raise FormatError(f"Stack({rule.pattern!r}): group {rule.index!r} of {name!r} is not an index") from None
 
 
 def _apply_stack(nodes: Names[Node], rule: Stack) -> Names[Node]:
     hits = _hits(nodes, rule)
     if not hits:
         return nodes
-    groups: dict[str, dict[int, tuple[str, Node]]] = {}
-    spans: dict[str, tuple[str, int, int]] = {}  # target -> (a member's name, span of its index)
-    pattern, sub = regex(rule.pattern), substitute(rule.pattern, rule.to)
-    for name in hits:
-        m = pattern.search(name)
-        if m is None:
-            continue
-        target = sub(name)
-        groups.setdefault(target, {})[_stack_index(m, rule.index, rule, name)] = (name, nodes.values[name])
-        spans.setdefault(target, (name, m.start(rule.index), m.end(rule.index)))
-    gone = set(hits)
-    out = {name: node for name, node in nodes.items() if name not in gone}
-    every = sorted(set().union(*(set(g) for g in groups.values())))
+    pattern = regex(rule.pattern)
+    matches = list(map(pattern.search, hits))  # each hit matches
+    try:
+        indices = list(map(int, map(operator.methodcaller("group", rule.index), matches)))
+    except (AttributeError, IndexError, TypeError, ValueError):
+        indices = [_stack_index(m, rule.index, rule, name) for name, m in zip(hits, matches)]  # names the bad one
+    groups: dict[str, dict[int, str]] = {}  # target -> {index: member}
+    for target, index, name in zip(substitute_all(rule.pattern, rule.to, hits, matches), indices, hits):
+        groups.setdefault(target, {})[index] = name
+    out = nodes.kept(set(hits))
+    every = sorted(set().union(*groups.values()))
     for target, members in groups.items():
         idx = sorted(members)
         if idx != every or idx != list(range(len(idx))):  # one rule stacks every group over the same indices
             missing = [i for i in range(max(every) + 1) if i not in members]
-            name, a, b = spans[target]
-            shape = _weights(next(iter(members.values()))[1].layout)[1]
+            name = members[idx[0]]
+            m = pattern.search(name)
+            a, b = (m.start(rule.index), m.end(rule.index)) if m is not None else (0, 0)
+            shape = _weights(nodes.values[name].layout)[1]
             raise TensorNotFoundError(
                 f"Stack {target!r}: no tensor {name[:a] + str(missing[0]) + name[b:]!r} (expected shape {shape}, "
                 f"like {name!r}); found indices {idx}, the other stacked tensors have 0..{max(every)}")
-        items = [members[i] for i in idx]
+        items = [(members[i], nodes.values[members[i]]) for i in idx]
         layouts = [node.layout for _, node in items]
         first_name, first = items[0][0], layouts[0]
+        same = layouts.count(first) == len(layouts)  # shared layouts (see map_rules): one comparison each
         layout = {}
-        for s in [s for s in first if all(s in lay for lay in layouts)]:
+        for s in [s for s in first if same or all(s in lay for lay in layouts)]:
             dtype, shape = first[s]
-            for (name, _), lay in zip(items, layouts):
+            for (name, _), lay in zip(items, [] if same else layouts):
                 if lay[s][1] != shape:
                     raise ShapeMismatchError(f"Stack {target!r}: {name!r} state {s!r} has shape {lay[s][1]}, "
                                              f"{first_name!r} has {shape}")
