@@ -16,6 +16,14 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import pytest  # noqa: E402  (after the XLA flag above)
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Test files with a ``heavy`` test first, each file's tests in their order: `make test`'s
+    pytest-xdist workers take a file at a time in this order, so the long files start early and the
+    many short ones even out the workers' ends (alphabetically, a long file came last, alone)."""
+    heavy = {item.path for item in items if item.get_closest_marker("heavy")}
+    items.sort(key=lambda item: item.path not in heavy)
+
+
 @pytest.fixture()
 def pt(tmp_path):
     """A small real checkpoint: a torch.save file (fp32 and bf16 tensors, a step) and its state dict,
