@@ -14,6 +14,13 @@ export OMP_NUM_THREADS ?= 1
 
 .PHONY: venv maxtext-venv test test-fast test-megatron-lm demo lint bench bench-quick fuzz clean
 
+# Python caches the bytecode it compiles, whatever the caller's environment says: with
+# PYTHONDONTWRITEBYTECODE=1 (these machines set it) every process of the suite, hundreds of torchrun
+# ranks among them, compiled torch, DeepSpeed, JAX ... from source again, twice the CPU of an
+# import (a DeepSpeed resume test: 62 -> 22 CPU seconds). The caches land in the git-ignored venvs
+# and __pycache__ folders.
+unexport PYTHONDONTWRITEBYTECODE
+
 # constraints.txt pins what CI tests (torch's CPU wheel, deepspeed, megatron-core); pyproject's
 # extras give users ranges. --no-compile: pip would byte-compile all ~21k files of the venv (about
 # 90 s of CPU); Python compiles the few thousand a run imports, once, when it first imports them.
