@@ -66,9 +66,12 @@ QWEN3 = hf.HFSpec("qwen3", layers=2, emb=32, mlp=48, heads=4, kv_heads=2, head_d
 MLA = hf.DeepseekSpec(layers=2, dense=1, emb=32, experts=11, experts_per_tok=2, groups=1, topk_groups=1,
                       moe_mlp=8, mlp=40)
 MLA_NOQ = hf.DeepseekSpec(layers=1, dense=1, emb=32, q_lora=None, mlp=40)
-# label: (config, TP, fully reshardable)
-CASES = {"qwen3_tp2": (QWEN3, 2, False), "mla_tp2": (MLA, 2, False), "mla_tp2_fully": (MLA, 2, True),
-         "mla_noq_tp1": (MLA_NOQ, 1, False)}
+MLA_EP = hf.DeepseekSpec(layers=2, dense=1, emb=32, experts=4, experts_per_tok=2, groups=1, topk_groups=1,
+                         moe_mlp=8, mlp=40)
+# label: (config, TP, fully reshardable, EP, expert TP, also saved as legacy files)
+CASES = {"qwen3_tp2": (QWEN3, 2, False, 1, 2, False), "mla_tp2": (MLA, 2, False, 1, 2, True),
+         "mla_tp2_fully": (MLA, 2, True, 1, 2, False), "mla_noq_tp1": (MLA_NOQ, 1, False, 1, 1, False),
+         "mla_tp2ep2etp1": (MLA_EP, 2, False, 2, 1, True)}
 # written: (source case, TP): ``reshard --to megatron`` (legacy files with distrib_optim.pt) at the source's TP
 WRITTEN = {"mla_tp2_written": ("mla_tp2_fully", 2), "mla_noq_tp1_written": ("mla_noq_tp1", 1)}
 TRAIN = {"bf16": True, "params_dtype": "torch.bfloat16", "use_distributed_optimizer": True,
@@ -89,12 +92,12 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     work = tmp_path_factory.mktemp("distopt_order")
     template = ckptbridge.open(TEMPLATE).extra["megatron"]["args"]
     items: dict[str, str] = {}
-    for label, (spec, tp, fully) in CASES.items():
+    for label, (spec, tp, fully, ep, etp, legacy) in CASES.items():
         args = {**recipes.megatron_args(_config(spec), template={**template, "tensor_model_parallel_size": tp}),
-                **TRAIN, "tensor_model_parallel_size": tp, "expert_tensor_parallel_size": tp,
-                "expert_model_parallel_size": 1, "dist_ckpt_optim_fully_reshardable": fully}
+                **TRAIN, "tensor_model_parallel_size": tp, "expert_tensor_parallel_size": etp,
+                "expert_model_parallel_size": ep, "dist_ckpt_optim_fully_reshardable": fully}
         (work / f"{label}.json").write_text(json.dumps(args))
-        items[label] = f"train:{work / label}.json={work / label}"
+        items[label] = f"train:{work / label}.json={work / label}" + (f",{work / label}_legacy" if legacy else "")
     for label, (src, tp) in WRITTEN.items():
         argv = ["reshard", str(work / src), str(work / label), "--to", "megatron", "--tp", str(tp), "--pp", "1"]
         items[f"cli:{label}"] = "cli:" + json.dumps(argv)
@@ -104,12 +107,15 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     for i, (label, rec) in enumerate(zip(items, recs)):
         assert "error" not in rec and rec.get("rc", 0) == 0, (label, rec)
         out[label] = {**rec, "dir": str(work / label), "dump": str(work / "dump" / str(i))}
+        if CASES.get(label, (0,) * 6)[5]:  # the same state, saved as legacy files
+            out[f"{label}_legacy"] = {**out[label], "dir": str(work / f"{label}_legacy")}
     return out
 
 
 def _megatron_state(dump: str) -> tuple[dict[str, dict], dict[str, list]]:
     """megatron-core's state per TP rank: ``{"tpT": {(name, state): flat fp32 array}}`` (the DP pieces
-    joined) and its parameters ``{"tpT": [[name, local shape, partition dim], ...]}``."""
+    joined) and its parameters ``{"tpT": [[name, local shape, partition dim], ...]}`` (routed experts under
+    their global ids)."""
     import torch
 
     pieces: dict[str, dict] = {}
@@ -148,30 +154,36 @@ def _tp_piece(full: np.ndarray, name: str, dim: int | None, tp: int, rank: int) 
 def _compare(rec: dict, tp: int) -> tuple[int, int, int]:
     """(state tensors compared, those not bitwise megatron-core's, ranks whose parameter order ckptbridge
     rebuilds differently from megatron-core's ``named_parameters()``, from the checkpoint's names and from
-    the names sorted) for one save. A TP-replicated
-    parameter is compared with TP rank 0's state: the replica megatron-core's ``sharded_state_dict``
-    saves (``replica_id`` 0; the MoE router's fp32 master differs on TP rank 1 in megatron-core's own
-    CPU run)."""
-    from ckptbridge.adapters.megatron._layout import MegatronConfig, local_params
+    the names sorted) for one save. Each rank's parameters are compared with its own state, a routed
+    expert's cut to its expert-TP rank; a TP-replicated parameter with TP rank 0's state: the replica
+    megatron-core's ``sharded_state_dict`` saves (``replica_id`` 0; the MoE router's fp32 master differs on
+    TP rank 1 in megatron-core's own CPU run)."""
+    from ckptbridge.adapters.megatron._layout import MegatronConfig
+    from ckptbridge.adapters.megatron._write_moe import RankFile, rank_params
 
     state, params = _megatron_state(rec["dump"])
     assert sorted(state) == sorted(params) == [f"tp{r}" for r in range(tp)]
     c = ckptbridge.open(rec["dir"], strip_padding=False)
     args = c.extra["megatron"]["args"]
     cfg = MegatronConfig.from_args(args)
-    names = [n for n in c if not n.endswith("expert_bias")]  # router buffers: in no optimizer
+    names = list(c)
     shapes = {n: tuple(c[n].shape) for n in names}
     compared = wrong = misordered = 0
     for r in range(tp):
+        with open(os.path.join(rec["dump"], f"tp{r}_pp0.ranks.json")) as fh:
+            ranks = json.load(fh)
+        ep, (etp, etp_size) = ranks["ep"][0], ranks["etp"]
         for given in (names, sorted(names)):  # the order rebuilt whatever order the names come in
-            mine = [(n, list(s)) for n, s, _ in local_params(cfg, args, given, shapes, r, 0)]
+            mine = [(p.name, list(p.shape)) for p in rank_params(cfg, args, given, shapes, RankFile(r, ep, etp), 0)
+                    if not p.buffer]  # router buffers: in no optimizer
             misordered += mine != [(n, s) for n, s, _ in params[f"tp{r}"]]
-    for name, _, dim in params["tp0"]:
-        for st in ("fp32", "exp_avg", "exp_avg_sq"):
-            full = c[name].state(st).read()
-            for r in range(1 if dim is None else tp):
+        for name, _, dim in params[f"tp{r}"]:
+            size, at = (etp_size, etp) if ".mlp.experts." in name else (tp, r)
+            if dim is None and at > 0:
+                continue
+            for st in ("fp32", "exp_avg", "exp_avg_sq"):
                 want = state[f"tp{r}"][(name, st)]
-                got = _tp_piece(full, name, dim, tp, r).reshape(-1)
+                got = _tp_piece(c[name].state(st).read(), name, dim, size, at).reshape(-1)
                 assert got.dtype == want.dtype == np.float32 and got.size == want.size, (name, st)
                 assert np.any(want != 0), (name, st)  # a real step's moments
                 compared += 1
@@ -184,12 +196,18 @@ def test_distributed_optimizer_state_is_megatron_cores_own_bitwise(run: dict) ->
     """Every parameter's fp32 master, exp_avg and exp_avg_sq as ckptbridge reads each save equal
     megatron-core's own optimizer state after the step, bit for bit; the parameter order ckptbridge
     rebuilds is megatron-core's ``named_parameters()`` order on every rank."""
-    for label, (_, tp, fully) in CASES.items():
-        meg = ckptbridge.open(run[label]["dir"]).extra["megatron"]
-        assert meg["format"] == "torch_dist" and run[label]["step"]["updated"]
-        assert meg["dist_optim_sharding"] == ("fully_reshardable" if fully else "dp_reshardable")
-        compared, wrong, misordered = _compare(run[label], tp)
-        assert compared >= 3 * 16 and wrong == misordered == 0, (label, compared, wrong, misordered)
+    for label, (_, tp, fully, ep, etp, legacy) in CASES.items():
+        for saved in [label] + ([f"{label}_legacy"] if legacy else []):
+            meg = ckptbridge.open(run[saved]["dir"]).extra["megatron"]
+            moe = meg.get("moe") or {"ep": 1, "etp": etp}  # (a dense model)
+            assert run[saved]["step"]["updated"] and (moe["ep"], moe["etp"]) == (ep, etp), saved
+            if saved == label:
+                assert meg["format"] == "torch_dist"
+                assert meg["dist_optim_sharding"] == ("fully_reshardable" if fully else "dp_reshardable")
+            else:
+                assert meg["format"] == "torch" and meg["optimizer_kind"] == "distributed"
+            compared, wrong, misordered = _compare(run[saved], tp)
+            assert compared >= 3 * 16 and wrong == misordered == 0, (saved, compared, wrong, misordered)
 
 
 @pytest.mark.heavy
