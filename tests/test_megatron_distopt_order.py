@@ -151,24 +151,24 @@ def _tp_piece(full: np.ndarray, name: str, dim: int | None, tp: int, rank: int) 
     return np.array_split(full, tp, dim)[rank]
 
 
-def _compare(rec: dict, tp: int) -> tuple[int, int, int]:
+def _compare(rec: dict, tp: int, c: ckptbridge.Checkpoint) -> tuple[int, int, int]:
     """(state tensors compared, those not bitwise megatron-core's, ranks whose parameter order ckptbridge
     rebuilds differently from megatron-core's ``named_parameters()``, from the checkpoint's names and from
     the names sorted) for one save. Each rank's parameters are compared with its own state, a routed
     expert's cut to its expert-TP rank; a TP-replicated parameter with TP rank 0's state: the replica
     megatron-core's ``sharded_state_dict`` saves (``replica_id`` 0; the MoE router's fp32 master differs on
-    TP rank 1 in megatron-core's own CPU run)."""
+    TP rank 1 in megatron-core's own CPU run). ``c``: the save opened with ``strip_padding=False``."""
     from ckptbridge.adapters.megatron._layout import MegatronConfig
     from ckptbridge.adapters.megatron._write_moe import RankFile, rank_params
 
     state, params = _megatron_state(rec["dump"])
     assert sorted(state) == sorted(params) == [f"tp{r}" for r in range(tp)]
-    c = ckptbridge.open(rec["dir"], strip_padding=False)
     args = c.extra["megatron"]["args"]
     cfg = MegatronConfig.from_args(args)
     names = list(c)
     shapes = {n: tuple(c[n].shape) for n in names}
     compared = wrong = misordered = 0
+    full: dict[tuple[str, str], np.ndarray] = {}
     for r in range(tp):
         with open(os.path.join(rec["dump"], f"tp{r}_pp0.ranks.json")) as fh:
             ranks = json.load(fh)
@@ -183,7 +183,9 @@ def _compare(rec: dict, tp: int) -> tuple[int, int, int]:
                 continue
             for st in ("fp32", "exp_avg", "exp_avg_sq"):
                 want = state[f"tp{r}"][(name, st)]
-                got = _tp_piece(c[name].state(st).read(), name, dim, size, at).reshape(-1)
+                if (name, st) not in full:
+                    full[(name, st)] = c[name].state(st).read()
+                got = _tp_piece(full[(name, st)], name, dim, size, at).reshape(-1)
                 assert got.dtype == want.dtype == np.float32 and got.size == want.size, (name, st)
                 assert np.any(want != 0), (name, st)  # a real step's moments
                 compared += 1
@@ -198,7 +200,8 @@ def test_distributed_optimizer_state_is_megatron_cores_own_bitwise(run: dict) ->
     rebuilds is megatron-core's ``named_parameters()`` order on every rank."""
     for label, (_, tp, fully, ep, etp, legacy) in CASES.items():
         for saved in [label] + ([f"{label}_legacy"] if legacy else []):
-            meg = ckptbridge.open(run[saved]["dir"]).extra["megatron"]
+            c = ckptbridge.open(run[saved]["dir"], strip_padding=False)
+            meg = c.extra["megatron"]
             moe = meg.get("moe") or {"ep": 1, "etp": etp}  # (a dense model)
             assert run[saved]["step"]["updated"] and (moe["ep"], moe["etp"]) == (ep, etp), saved
             if saved == label:
@@ -206,7 +209,7 @@ def test_distributed_optimizer_state_is_megatron_cores_own_bitwise(run: dict) ->
                 assert meg["dist_optim_sharding"] == ("fully_reshardable" if fully else "dp_reshardable")
             else:
                 assert meg["format"] == "torch" and meg["optimizer_kind"] == "distributed"
-            compared, wrong, misordered = _compare(run[saved], tp)
+            compared, wrong, misordered = _compare(run[saved], tp, c)
             assert compared >= 3 * 16 and wrong == misordered == 0, (saved, compared, wrong, misordered)
 
 
@@ -227,3 +230,33 @@ def test_written_distrib_optim_loads_as_the_sources_state_bitwise(run: dict) -> 
             wrong = [(n, st) for (n, st), v in states.items()
                      if v.tobytes() != want["tp0" if dims[n] is None else rank][(n, st)].tobytes()]
             assert not wrong, (label, rank, len(wrong), len(states), wrong[:3])
+
+
+@pytest.mark.heavy
+def test_negative_control_expert_buffers_of_the_other_ep_rank_fail(run: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The dp_reshardable save at TP 2 x EP 2 read with each expert buffer (``chained_1...dp_group_idx_I``)
+    taken for the other EP rank's: every routed expert's state is megatron-core's state of another expert
+    (measured: all 48 of the 246 state tensors compared that are routed experts' wrong), and an EP 1 save whose args
+    say expert TP 1 != TP 2 is refused by name (megatron-core keeps such experts in the dense buffers, where
+    TP 2 x ETP 1 ranks hold diverging copies of each expert and TP 1 x ETP 2 ranks keep half of each expert's
+    state nowhere: both measured with megatron-core 0.16.1 on CPU)."""
+    import dataclasses
+
+    from ckptbridge.adapters.megatron import _dist
+
+    right = _dist._buffer_rank
+
+    def other_ep(cfg: object, opt: int, idx: int) -> tuple[object, int]:
+        rank, pp = right(cfg, opt, idx)
+        return (dataclasses.replace(rank, ep=1 - rank.ep) if opt else rank), pp
+
+    rec = run["mla_tp2ep2etp1"]
+    with monkeypatch.context() as m:
+        m.setattr(_dist, "_buffer_rank", other_ep)
+        compared, wrong, misordered = _compare(rec, 2, ckptbridge.open(rec["dir"], strip_padding=False))
+    assert compared == 246 and misordered == 0 and wrong == 48, (compared, wrong)
+
+    args = _dist.args_dict  # the TP 2 x EP 1 MLA save, its args saying expert TP 1
+    monkeypatch.setattr(_dist, "args_dict", lambda *a: {**args(*a), "expert_tensor_parallel_size": 1})
+    with pytest.raises(ckptbridge.FormatError, match=r"MoE at EP 1 with expert TP 1 != TP 2 .* diverging copies"):
+        ckptbridge.open(run["mla_tp2"]["dir"])

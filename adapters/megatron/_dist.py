@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import re
+from bisect import bisect_left, bisect_right
 from typing import Any
 
 from ckptbridge.adapters.torch_save import TorchArchive, read_scalar
@@ -143,9 +144,12 @@ def _dp_reshardable(raw: RawCheckpoint, cfg: MegatronConfig, meta: DcpMetadata) 
     shapes = {n: raw.pieces[n]["model"][0].shape for n in raw.pieces}
     chained = 2 if cfg.num_experts and cfg.ep > 1 else 1
     if chained == 1 and cfg.num_experts and cfg.etp != cfg.tp:
-        raise FormatError(f"{meta.path}: MoE at EP 1 with expert TP {cfg.etp} != TP {cfg.tp}: megatron-core keeps the "
-                          "experts in the dense optimizer's buffers, sharded over the dense data-parallel group, "
-                          "whose ranks hold different expert-TP shards; not a layout ckptbridge reads")
+        why = ("the data-parallel ranks sharing a buffer hold different expert-TP shards and each keeps the state of "
+               "its own range only: no rank has the whole state of any shard" if cfg.etp > cfg.tp else
+               "TP ranks with the same expert-TP rank hold diverging copies of each expert")
+        raise FormatError(f"{meta.path}: MoE at EP 1 with expert TP {cfg.etp} != TP {cfg.tp} in the dp_reshardable "
+                          f"format is not read: megatron-core keeps the experts in the dense optimizer's buffers, and "
+                          f"{why} (measured with megatron-core 0.16.1)")
     buckets: dict[tuple[int, int, int], dict[str, str]] = {}
     for key in meta.tensors:
         m = _BUCKET_RE.match(key)
@@ -186,12 +190,13 @@ def _dp_reshardable(raw: RawCheckpoint, cfg: MegatronConfig, meta: DcpMetadata) 
                         f"{meta.path}: {keys[kind]} has {t.size[0]} elements, Megatron's buffer layout for "
                         f"{rank} PP rank {pp} gives {size}; unknown megatron-core version?"
                     )
-                flat = TensorState(t.dtype, t.size, tuple(chunk_fragment(t, c) for c in t.chunks))
+                frags = sorted((chunk_fragment(t, c) for c in t.chunks), key=lambda f: f.box.offset[0])
+                starts = [f.box.offset[0] for f in frags]
                 for s in slots:
                     if s.bucket != b or (s.name == "output_layer.weight" and cfg.tied):
                         continue  # (the last stage's copy of the tied embedding)
                     rp = by_name[s.name]
-                    piece = _reshape(crop(flat, Box((s.bucket_start,), (_numel(s.shape),))), s.shape)
+                    piece = _reshape(_slot(frags, starts, s.bucket_start, _numel(s.shape), t.dtype), s.shape)
                     at = rank.etp if rp.expert else rank.tp
                     for name, part in _grouped(rp, piece, cfg, rank.ep):
                         gathered.setdefault(name, {}).setdefault(state, {})[at] = part
@@ -218,6 +223,16 @@ def _grouped(rp: RankParam, piece: TensorState, cfg: MegatronConfig, ep: int) ->
     if not rp.parts:
         return [(rp.name, piece)]
     return grouped_experts(rp.name, piece, cfg.hidden, cfg.num_experts // cfg.ep, ep)
+
+
+def _slot(frags: list[Fragment], starts: list[int], start: int, n: int, dtype: str) -> TensorState:
+    """Elements ``[start, start + n)`` of a bucket tensor whose chunks ``frags`` (``starts``: their offsets) are
+    sorted, as a 1-D state (no copy); only the chunks it overlaps are cut (megatron-core saves one per param)."""
+    near = frags[max(bisect_right(starts, start) - 1, 0):bisect_left(starts, start + n)]
+    lo = near[0].box.offset[0]
+    hi = near[-1].box.offset[0] + near[-1].box.shape[0]
+    span = TensorState(dtype, (hi - lo,), tuple(Fragment(f.box.shift((lo,)), f.location, f.checksum) for f in near))
+    return crop(span, Box((start - lo,), (n,)))
 
 
 def _numel(shape: tuple[int, ...]) -> int:
