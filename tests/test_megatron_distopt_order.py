@@ -1,5 +1,6 @@
 """The distributed optimizer's state of MLA, q/k-norm, MoE and MTP models: ckptbridge reads megatron-core's own
-``torch_dist`` saves and writes ``distrib_optim.pt`` files megatron-core loads, both bitwise (issue #28).
+``torch_dist`` and legacy saves, at EP 1 and EP 2, and writes ``distrib_optim.pt`` files megatron-core loads,
+all bitwise (issue #28).
 
 Megatron's distributed optimizer keeps each rank's fp32 masters and Adam moments in flat buffers laid out
 in the model's ``named_parameters()`` order; the default ``dp_reshardable`` save (and the legacy
@@ -10,30 +11,37 @@ the args (``_layout._param_sort_key``). megatron-core 0.16.1 registers, inside a
 ``kv_layernorm`` (``MLASelfAttention.__init__``); Qwen3's ``q_layernorm`` before ``k_layernorm``; a MoE
 layer its router, the experts by number, the shared experts; an MTP layer ``enorm``, ``hnorm``,
 ``eh_proj``, its transformer layer and final norm, between the decoder's final norm and the output layer.
+At EP > 1 the experts (``allreduce`` False) have an optimizer of their own (a ``ChainedOptimizer`` of the
+dense and the expert one): ``chained_1.`` buffers indexed over the ``tp-ep-pp`` expert group in
+``dp_reshardable``, the second entry of ``distrib_optim.pt``.
 
 One ``tools/megatron/core_loss.py`` launch (megatron-core 0.16.1, 2 gloo ranks, CPU):
 
 * ``train:`` items build tiny ``GPTModel`` models from Megatron args (``recipes.megatron_args`` of Qwen3 and
   DeepSeek-V3 configs; bf16, ``--use-distributed-optimizer``): Qwen3 (q/k norms) at TP 2; DeepSeek-V3 with
   a query LoRA (MLA, a dense layer then a MoE layer of 11 routed experts and a shared expert, an MTP layer
-  that is a MoE layer too) at TP 2 (experts at ETP 2, sequence parallel), saved ``dp_reshardable`` and,
-  trained again from the same seed, ``fully_reshardable`` (state stored per parameter name); DeepSeek-V3
-  without a query LoRA at TP 1 (DP 2: each rank owns half of the buffer). Each takes one real training
-  step from a seeded init (``DistributedDataParallel`` + ``get_megatron_optimizer``), dumps megatron-core's
-  optimizer state (fp32 master, exp_avg, exp_avg_sq: every DP-owned piece) and its parameter list
-  (``named_parameters()`` order, local shapes, ``partition_dim``), and saves as Megatron-LM's
-  ``save_checkpoint`` does (``dist_checkpointing.save``, its sharded-state-dict metadata, the fully
-  parallel save strategy);
+  that is a MoE layer too) at TP 2 (experts at ETP 2, sequence parallel), saved ``dp_reshardable``, then
+  the same state ``fully_reshardable`` (state stored per parameter name) and as legacy files; DeepSeek-V3
+  without a query LoRA at TP 1 (DP 2: each rank owns half of the buffer); DeepSeek-V3 with 4 routed
+  experts at TP 2 x EP 2 with expert TP 1 (each rank: its dense TP half, two whole experts),
+  ``dp_reshardable`` and as legacy files. Each takes one real training step from a seeded init
+  (``DistributedDataParallel`` + ``get_megatron_optimizer``), dumps megatron-core's optimizer state (fp32
+  master, exp_avg, exp_avg_sq: every DP-owned piece) and its parameter list (``named_parameters()`` order,
+  experts under their global ids, local shapes, ``partition_dim``, the rank's EP and expert-TP place), and
+  saves as Megatron-LM's ``save_checkpoint`` does (``torch_dist``: ``dist_checkpointing.save``, its
+  sharded-state-dict metadata, the fully parallel save strategy; legacy: ``model_optim_rng.pt`` from the
+  expert-DP rank 0 ranks and megatron-core's own ``save_parameter_state`` into ``distrib_optim.pt``);
 * ``cli:`` items run ``reshard --to megatron`` (legacy files, ``distrib_optim.pt``) from the
   ``fully_reshardable`` MLA save at TP 2 and from the TP 1 save, and megatron-core loads each written
   checkpoint (strict model load, ``optimizer.load_state_dict``, ``load_parameter_state``) and dumps its
   optimizer state.
 
 Asserted: ``ckptbridge.open`` of every save gives every parameter's three states bitwise equal to
-megatron-core's dump (cut to each TP rank along megatron-core's ``partition_dim``; TP-replicated ones
-against TP rank 0, the replica megatron-core saves); the order ckptbridge rebuilds (from the checkpoint's
-names and from the names sorted) is megatron-core's ``named_parameters()`` on every rank; megatron-core's
-state after loading each written ``distrib_optim.pt`` is bitwise its state when it saved the source.
+megatron-core's dump (cut to each TP rank along megatron-core's ``partition_dim``, a routed expert to its
+expert-TP rank; TP-replicated ones against TP rank 0, the replica megatron-core saves); the order ckptbridge
+rebuilds (from the checkpoint's names and from the names sorted) is megatron-core's ``named_parameters()`` on
+every rank; megatron-core's state after loading each written ``distrib_optim.pt`` is bitwise its state when it
+saved the source. Negative control: the EP 2 save read with each expert buffer taken for the other EP rank's.
 
 Measured on the old order (one ``self_attention.`` slot, ties in the caller's order, experts sorted apart):
 the reader got 324 of the 462 state tensors compared of the MLA + MoE save wrong and 48 of 75 of the TP 1
@@ -68,10 +76,11 @@ MLA = hf.DeepseekSpec(layers=2, dense=1, emb=32, experts=11, experts_per_tok=2, 
 MLA_NOQ = hf.DeepseekSpec(layers=1, dense=1, emb=32, q_lora=None, mlp=40)
 MLA_EP = hf.DeepseekSpec(layers=2, dense=1, emb=32, experts=4, experts_per_tok=2, groups=1, topk_groups=1,
                          moe_mlp=8, mlp=40)
-# label: (config, TP, fully reshardable, EP, expert TP, also saved as legacy files)
-CASES = {"qwen3_tp2": (QWEN3, 2, False, 1, 2, False), "mla_tp2": (MLA, 2, False, 1, 2, True),
-         "mla_tp2_fully": (MLA, 2, True, 1, 2, False), "mla_noq_tp1": (MLA_NOQ, 1, False, 1, 1, False),
-         "mla_tp2ep2etp1": (MLA_EP, 2, False, 2, 1, True)}
+# label: (config, TP, EP, expert TP, the same state saved again as: "torch" legacy files in <label>_legacy,
+# "fully_reshardable" torch_dist in <label>_fully); <label> itself: dp_reshardable torch_dist
+CASES = {"qwen3_tp2": (QWEN3, 2, 1, 2, ()), "mla_tp2": (MLA, 2, 1, 2, ("torch", "fully_reshardable")),
+         "mla_noq_tp1": (MLA_NOQ, 1, 1, 1, ()), "mla_tp2ep2etp1": (MLA_EP, 2, 2, 1, ("torch",))}
+SUFFIX = {"torch": "_legacy", "fully_reshardable": "_fully"}
 # written: (source case, TP): ``reshard --to megatron`` (legacy files with distrib_optim.pt) at the source's TP
 WRITTEN = {"mla_tp2_written": ("mla_tp2_fully", 2), "mla_noq_tp1_written": ("mla_noq_tp1", 1)}
 TRAIN = {"bf16": True, "params_dtype": "torch.bfloat16", "use_distributed_optimizer": True,
@@ -92,12 +101,13 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     work = tmp_path_factory.mktemp("distopt_order")
     template = ckptbridge.open(TEMPLATE).extra["megatron"]["args"]
     items: dict[str, str] = {}
-    for label, (spec, tp, fully, ep, etp, legacy) in CASES.items():
+    for label, (spec, tp, ep, etp, also) in CASES.items():
         args = {**recipes.megatron_args(_config(spec), template={**template, "tensor_model_parallel_size": tp}),
                 **TRAIN, "tensor_model_parallel_size": tp, "expert_tensor_parallel_size": etp,
-                "expert_model_parallel_size": ep, "dist_ckpt_optim_fully_reshardable": fully}
+                "expert_model_parallel_size": ep, "dist_ckpt_optim_fully_reshardable": False}
         (work / f"{label}.json").write_text(json.dumps(args))
-        items[label] = f"train:{work / label}.json={work / label}" + (f",{work / label}_legacy" if legacy else "")
+        items[label] = f"train:{work / label}.json={work / label}" + "".join(
+            f",{kind}:{work / label}{SUFFIX[kind]}" for kind in also)
     for label, (src, tp) in WRITTEN.items():
         argv = ["reshard", str(work / src), str(work / label), "--to", "megatron", "--tp", str(tp), "--pp", "1"]
         items[f"cli:{label}"] = "cli:" + json.dumps(argv)
@@ -107,8 +117,8 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     for i, (label, rec) in enumerate(zip(items, recs)):
         assert "error" not in rec and rec.get("rc", 0) == 0, (label, rec)
         out[label] = {**rec, "dir": str(work / label), "dump": str(work / "dump" / str(i))}
-        if CASES.get(label, (0,) * 6)[5]:  # the same state, saved as legacy files
-            out[f"{label}_legacy"] = {**out[label], "dir": str(work / f"{label}_legacy")}
+        for kind in CASES[label][4] if label in CASES else ():  # the same state, saved again
+            out[label + SUFFIX[kind]] = {**out[label], "dir": str(work / f"{label}{SUFFIX[kind]}")}
     return out
 
 
@@ -198,17 +208,16 @@ def test_distributed_optimizer_state_is_megatron_cores_own_bitwise(run: dict) ->
     """Every parameter's fp32 master, exp_avg and exp_avg_sq as ckptbridge reads each save equal
     megatron-core's own optimizer state after the step, bit for bit; the parameter order ckptbridge
     rebuilds is megatron-core's ``named_parameters()`` order on every rank."""
-    for label, (_, tp, fully, ep, etp, legacy) in CASES.items():
-        for saved in [label] + ([f"{label}_legacy"] if legacy else []):
+    for label, (_, tp, ep, etp, also) in CASES.items():
+        for kind in ("dp_reshardable", *also):
+            saved = label + SUFFIX.get(kind, "")
             c = ckptbridge.open(run[saved]["dir"], strip_padding=False)
             meg = c.extra["megatron"]
             moe = meg.get("moe") or {"ep": 1, "etp": etp}  # (a dense model)
             assert run[saved]["step"]["updated"] and (moe["ep"], moe["etp"]) == (ep, etp), saved
-            if saved == label:
-                assert meg["format"] == "torch_dist"
-                assert meg["dist_optim_sharding"] == ("fully_reshardable" if fully else "dp_reshardable")
-            else:
-                assert meg["format"] == "torch" and meg["optimizer_kind"] == "distributed"
+            assert meg["optimizer_kind"] == "distributed"
+            assert (meg["format"], meg.get("dist_optim_sharding")) == (("torch", None) if kind == "torch" else
+                                                                      ("torch_dist", kind)), saved
             compared, wrong, misordered = _compare(run[saved], tp, c)
             assert compared >= 3 * 16 and wrong == misordered == 0, (saved, compared, wrong, misordered)
 

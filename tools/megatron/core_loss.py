@@ -39,15 +39,16 @@ For every checkpoint given, each of ``--world`` spawned ranks (gloo, CPU, tools/
    load back at another layout: Megatron's own reshard, optimizer state included;
    ``savemodel:PATH=OUT`` items the same for the model alone (a checkpoint without optimizer state,
    e.g. one converted from Hugging Face);
-8. ``train:ARGS.json=OUT[,LEGACY]`` items: no checkpoint: a seeded ``GPTModel`` built from the Megatron args in
+8. ``train:ARGS.json=OUT[,KIND:PATH...]`` items: no checkpoint: a seeded ``GPTModel`` built from the Megatron args in
    ARGS.json (JSON-plain, as ckptbridge shows saved args) at their TP/PP/EP/ETP, trained one step from
    scratch with their optimizer (the distributed one when ``use_distributed_optimizer``), its
    optimizer state after the step dumped (``--dump``), then saved by megatron-core as the
    ``torch_dist`` checkpoint OUT the way Megatron-LM's ``save_checkpoint`` does (its sharded-state-dict
    metadata: the distributed optimizer in ``dp_reshardable`` buffers, or ``fully_reshardable`` when
-   ``dist_ckpt_optim_fully_reshardable``): a checkpoint whose optimizer state megatron-core wrote; with
-   ``,LEGACY`` also as Megatron-LM's legacy ``--ckpt-format torch`` files (:func:`save_legacy`:
-   ``distrib_optim.pt`` by megatron-core's own ``save_parameter_state``);
+   ``dist_ckpt_optim_fully_reshardable``): a checkpoint whose optimizer state megatron-core wrote; the
+   same state also saved in PATH for each ``,KIND:PATH``: ``torch`` (Megatron-LM's legacy ``--ckpt-format
+   torch`` files, :func:`save_legacy`: ``distrib_optim.pt`` by megatron-core's own ``save_parameter_state``),
+   ``dp_reshardable`` or ``fully_reshardable`` (``torch_dist`` with that sharding of the distributed optimizer);
 9. ``cli:<JSON list>`` items: ckptbridge's command line run by rank 0 between two items (e.g.
    ``cli:["reshard", OUT, W, "--to", "megatron"]`` after ``train:ARGS.json=OUT``, then ``W`` as an item:
    the writer judged by megatron-core in the same launch), record ``{"cli", "rc"}``.
@@ -120,7 +121,7 @@ class Item:
     etp: int | None = None
     train: bool = True
     fresh: bool = False  # train:ARGS.json=OUT: path is the args file
-    legacy_to: str | None = None  # train:ARGS.json=OUT,LEGACY: also saved as legacy files in LEGACY
+    also: tuple[tuple[str, str], ...] = ()  # train:ARGS.json=OUT,KIND:PATH...: the same state saved again
 
     @staticmethod
     def parse(text: str) -> Item:
@@ -128,8 +129,8 @@ class Item:
             return dataclasses.replace(Item.parse(text[len("eval:"):]), train=False)
         if text.startswith("train:"):
             path, _, out = text[len("train:"):].rpartition("=")
-            out, _, legacy = out.partition(",")
-            return Item(path, save_to=out, fresh=True, legacy_to=legacy or None)
+            out, *also = out.split(",")
+            return Item(path, save_to=out, fresh=True, also=tuple((k, v) for k, _, v in (a.partition(":") for a in also)))
         if text.startswith(("save:", "savemodel:")):
             kind, _, body = text.partition(":")
             path, _, out = body.rpartition("=")
@@ -745,12 +746,19 @@ def evaluate(item: Item, opts: argparse.Namespace, index: int = 0) -> dict[str, 
             rec["step"] = train_step(model, ddp, optimizer, sched, args, batches)
             del rec["step"]["model"]
             dump_optimizer(opts, index, model, optimizer, args)
+            fully_parallel = bool(getattr(args, "ckpt_fully_parallel_save", True))
             save_dist(model, optimizer, sched, {"args": args, "iteration": 1}, str(item.save_to), sharded_metadata(args),
-                      bool(getattr(args, "ckpt_fully_parallel_save", True)))
+                      fully_parallel)
             rec["saved"] = item.save_to
-            if item.legacy_to:
-                save_legacy(model, optimizer, sched, args, 1, item.legacy_to)
-                rec["saved_legacy"] = item.legacy_to
+            for kind, out in item.also:  # the same state in another format
+                if kind == "torch":
+                    save_legacy(model, optimizer, sched, args, 1, out)
+                else:  # as if run with(out) --dist-ckpt-optim-fully-reshardable
+                    other = argparse.Namespace(**{**vars(args), "dist_ckpt_optim_fully_reshardable":
+                                                  kind == "fully_reshardable"})
+                    save_dist(model, optimizer, sched, {"args": other, "iteration": 1}, out, sharded_metadata(other),
+                              fully_parallel)
+                rec.setdefault("also", []).append(out)
         want_optimizer = not item.fresh and ((item.save_to and not item.model_only)
                           or (opts.train_step and item.train and (item.optim or not item.dist)))
         if want_optimizer and "error" not in rec:
