@@ -11,8 +11,9 @@ Optimizer state: ``optimizer.state.{exp_avg,exp_avg_sq,fp32_param,param}.<key>``
 (non-distributed optimizer, and the distributed optimizer with
 ``--dist-ckpt-optim-fully-reshardable``). The default ``dp_reshardable``
 distributed-optimizer format stores flat per-(TP,PP)-rank buffers without
-parameter names; those are mapped by rebuilding each rank's parameter list
-from the args (see :func:`_dp_reshardable`).
+parameter names (with MoE at EP > 1 also per-(expert-TP, EP, PP)-rank buffers of the
+expert optimizer, ``chained_1.``); those are mapped by rebuilding each rank's parameter
+list from the args, as the writer does (see :func:`_dp_reshardable`).
 """
 
 from __future__ import annotations
@@ -182,8 +183,6 @@ def _dp_reshardable(raw: RawCheckpoint, cfg: MegatronConfig, meta: DcpMetadata) 
             if keys is None:
                 raise FormatError(f"{meta.path}: bucket {b} of {prefix}dp_group_idx_{idx} is missing")
             for kind, state in (("param", "fp32_master"), ("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq")):
-                if state == "fp32_master" and not (cfg.bf16 or cfg.fp16):
-                    continue  # fp32 run: the main param is the model weight
                 t = meta.tensors[keys[kind]]
                 if t.size != (size,):
                     raise FormatError(
@@ -192,6 +191,8 @@ def _dp_reshardable(raw: RawCheckpoint, cfg: MegatronConfig, meta: DcpMetadata) 
                     )
                 frags = sorted((chunk_fragment(t, c) for c in t.chunks), key=lambda f: f.box.offset[0])
                 starts = [f.box.offset[0] for f in frags]
+                if state == "fp32_master" and not (cfg.bf16 or cfg.fp16):
+                    continue  # fp32 run: the main param is the model weight (its chunks checked all the same)
                 for s in slots:
                     if s.bucket != b or (s.name == "output_layer.weight" and cfg.tied):
                         continue  # (the last stage's copy of the tied embedding)

@@ -1,7 +1,8 @@
 """Read Megatron-LM's legacy ``--ckpt-format torch`` iteration directory in place.
 
-``iter_XXXXXXX/mp_rank_TT[_PPP]/model_optim_rng.pt`` per (TP, PP) rank (+
-``distrib_optim.pt`` with ``--use-distributed-optimizer``). Returns, per
+``iter_XXXXXXX/mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt`` per (TP, PP[, EP]) rank (+
+``distrib_optim.pt`` with ``--use-distributed-optimizer``: a ChainedOptimizer's ``[dense, expert]``
+buffers at EP > 1, see :func:`_read_distrib_optim`). Returns, per
 global parameter name, each state's per-TP-rank pieces (zero copy
 fragments), which ``megatron.index`` consolidates with the layout rules::
 
