@@ -10,8 +10,9 @@ resharded by Megatron itself onto each layout and trained on two iterations ther
 * ``G``: bf16, legacy GroupedMLP (``--moe-grouped-gemm``: ``experts.weight1``/``weight2`` buffers),
   Float16 optimizer with fp32 master weights; layouts EP 2, TP 2 x EP 2 with expert-TP 1;
 * ``D``: fp32 SequentialMLP with the distributed optimizer (``--dist-ckpt-optim-fully-reshardable``;
-  the expert parameters' buffers sharded over their expert-data-parallel group), 4 ranks EP 2: read
-  from ``torch_dist``; its legacy copy (``distrib_optim.pt``) is refused by name (not supported yet).
+  the expert parameters' buffers sharded over their expert-data-parallel group), 4 ranks EP 2; its legacy
+  copy: each rank file's ``distrib_optim.pt`` is the ChainedOptimizer's ``[dense, expert]`` coalesced
+  buffers (the dense part ``None`` in ``mp_rank_00_001``: only dense-DP rank 0 writes it).
 
 Each layout is there as ``torch_dist`` and as Megatron's own ``--ckpt-convert-format torch`` legacy
 per-rank files (``mp_rank_TT_EEE``). The reference is megatron-core's own gathered state of the
@@ -48,8 +49,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 FIX = os.path.join(HERE, "fixtures", "megatron_moe")
 LAYOUTS = ["M/tp1ep2", "M/tp2ep2etp1", "M/tp2ep2", "G/tp1ep2", "G/tp2ep2etp1", "D/tp1ep2dp4"]
-# (layout, format) pairs read; D's legacy copy (distrib_optim.pt of dense + expert optimizers) is refused
-CASES = [(lay, fmt) for lay in LAYOUTS for fmt in ("torch_dist", "torch") if (lay, fmt) != ("D/tp1ep2dp4", "torch")]
+CASES = [(lay, fmt) for lay in LAYOUTS for fmt in ("torch_dist", "torch")]  # (layout, format) pairs read
 EXPERT = re.compile(r"^decoder\.layers\.(\d+)\.mlp\.experts\.local_experts\.(\d+)\.(.*)$")
 LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 # the local spec's norms are saved under the Transformer-Engine names (megatron-core's keys map)
@@ -172,11 +172,6 @@ def test_every_fp32_layout_equals_the_others_after_megatrons_own_reshard(layout:
         for state in t.states:
             x, y = a[name].state(state)[...], b[name].state(state)[...]
             assert np.max(np.abs(x - y)) <= 1e-6 * np.max(np.abs(x)), (name, state)
-
-
-def test_moe_with_legacy_distributed_optimizer_is_refused_by_name() -> None:
-    with pytest.raises(ckptbridge.FormatError, match=r"mp_rank_00_000/model_optim_rng.pt: MoE with the distributed optimizer"):
-        ckptbridge.open(os.path.join(FIX, "D/tp1ep2dp4", "torch"))
 
 
 def test_split_fused_gives_each_experts_gate_and_up(refs: dict) -> None:

@@ -39,8 +39,9 @@ torch Adam, the distributed optimizer (``distrib_optim.pt``, torch_dist
 ``dp_reshardable`` and ``fully_reshardable``). Mixture-of-experts, read (see
 ``_moe.py``): expert parallelism with or without ``--expert-tensor-parallel-size``,
 ``SequentialMLP`` and legacy ``GroupedMLP`` experts, shared experts, the router and
-its expert bias, torch Adam / Float16 optimizers (a ChainedOptimizer at EP > 1),
-both formats; every expert is one logical tensor under its global id
+its expert bias, torch Adam / Float16 / distributed optimizers (a ChainedOptimizer of a dense and an
+expert optimizer at EP > 1: ``distrib_optim.pt`` ``[dense, expert]``, torch_dist ``chained_0.`` /
+``chained_1.`` buffers), both formats; every expert is one logical tensor under its global id
 (``decoder.layers.L.mlp.experts.local_experts.E.linear_fc1.weight``)::
 
     ckpt = ckptbridge.open("moe_run")                         # written at TP 2 x EP 2
@@ -59,9 +60,9 @@ Legacy ``GroupedMLP`` (``--moe-grouped-gemm``, local spec) is written as its ``e
 that names a layer's experts as one whole GroupedMLP buffer (a recipe's ``megatron_experts="grouped"``)
 is cut per expert first. Dense layers between MoE layers (``moe_layer_freq``) follow the dense layout.
 Refused with a clear error: legacy layouts whose expert-data-parallel rank 0 ranks miss a TP rank (EP x ETP < TP: Megatron-LM's
-legacy save would lose those shards); MoE with the distributed
-optimizer in the legacy format or torch_dist ``dp_reshardable`` (reading), Transformer
-Engine's ``TEGroupedMLP``, multi-latent attention at TP > 1,
+legacy save would lose those shards); MoE at EP 1 with expert TP != TP in torch_dist ``dp_reshardable``
+(megatron-core's dense buffers hold no single state of those experts, see ``_dist._dp_reshardable``),
+Transformer Engine's ``TEGroupedMLP``, multi-latent attention at TP > 1,
 ``--pipeline-model-parallel-layout``, several grad buffers per rank in the
 distributed optimizer.
 """

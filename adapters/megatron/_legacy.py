@@ -1,7 +1,8 @@
 """Read Megatron-LM's legacy ``--ckpt-format torch`` iteration directory in place.
 
-``iter_XXXXXXX/mp_rank_TT[_PPP]/model_optim_rng.pt`` per (TP, PP) rank (+
-``distrib_optim.pt`` with ``--use-distributed-optimizer``). Returns, per
+``iter_XXXXXXX/mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt`` per (TP, PP[, EP]) rank (+
+``distrib_optim.pt`` with ``--use-distributed-optimizer``: a ChainedOptimizer's ``[dense, expert]``
+buffers at EP > 1, see :func:`_read_distrib_optim`). Returns, per
 global parameter name, each state's per-TP-rank pieces (zero copy
 fragments), which ``megatron.index`` consolidates with the layout rules::
 
@@ -11,7 +12,6 @@ fragments), which ``megatron.index`` consolidates with the layout rules::
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,7 +28,8 @@ from ckptbridge.plugin import (
 from ._common import args_dict, rank_dir_name, rank_dirs
 from ._layout import LAYER_RE, MegatronConfig
 from ._moe import GROUPED_RE, global_expert_name, grouped_experts, is_buffer, is_expert, rank_grid
-from ._optim import buffer_layout, ddp_bucket_size, group_order
+from ._optim import grad_buffer, group_order
+from ._write_moe import optimizer_split
 
 
 @dataclass
@@ -130,6 +131,7 @@ def read_legacy(it_dir: str, iteration: int | None) -> RawCheckpoint:
 
     dist_opt = cfg.distributed_optimizer or storage.isfile(storage.join(first, "distrib_optim.pt"))
     opt_kind = None
+    dense_read: set[tuple[int, int]] = set()  # (TP, PP) ranks whose dense distributed-optimizer state was read
     num_local = cfg.num_experts // cfg.ep
     for (t, p, e), arch in sorted(archives.items()):
         etp = files[(t, p, e)][1]
@@ -154,11 +156,9 @@ def read_legacy(it_dir: str, iteration: int | None) -> RawCheckpoint:
         if opt is None:
             continue
         if dist_opt:
-            if cfg.num_experts:
-                raise FormatError(f"{arch.path}: MoE with the distributed optimizer in the legacy format "
-                                  "(distrib_optim.pt of dense + expert optimizers) is not supported yet")
             opt_kind = "distributed"
-            _read_distrib_optim(raw, cfg, args, t, p, named, arch, it_dir)
+            if _read_distrib_optim(raw, cfg, args, (t, p, e), named, keys, arch, it_dir):
+                dense_read.add((t, p))
             continue
         # a ChainedOptimizer (EP > 1) saves [dense optimizer, expert optimizer]
         subs = list(opt) if isinstance(opt, list) else [opt]
@@ -168,6 +168,9 @@ def read_legacy(it_dir: str, iteration: int | None) -> RawCheckpoint:
             raise FormatError(f"{arch.path}: {len(subs)} chained optimizers, expected {len(parts)}")
         for sub, part in zip(subs, parts):
             opt_kind = _read_optimizer(raw, args, keys, part, arch, sub)
+    if opt_kind == "distributed" and (lack := sorted({(t, p) for t, p, _ in archives} - dense_read)):
+        raise MissingShardError(f"{it_dir}: no distrib_optim.pt holds the dense optimizer's state of TP rank "
+                                f"{lack[0][0]} PP rank {lack[0][1]} (written by its data-parallel rank 0)")
     if cfg.grouped_gemm:
         _split_grouped(raw, cfg)
     raw.extra["optimizer_kind"] = opt_kind
@@ -247,43 +250,65 @@ def _read_torch_adam(raw: RawCheckpoint, args: Mapping[str, Any], keys: Mapping[
                 slots.setdefault("fp32_master", {}).setdefault(keys[glob], _state_of(arch, r, glob))
 
 
-def _read_distrib_optim(raw: RawCheckpoint, cfg: MegatronConfig, args: Mapping[str, Any], tp: int, pp: int,
-                        named: list[tuple[str, str, TensorRef]], arch: TorchArchive, it_dir: str) -> None:
-    path = storage.join(it_dir, rank_dir_name(tp, pp, cfg.pp), "distrib_optim.pt")
+def _read_distrib_optim(raw: RawCheckpoint, cfg: MegatronConfig, args: Mapping[str, Any], rank: tuple[int, int, int],
+                        named: list[tuple[str, str, TensorRef]], keys: Mapping[str, int], arch: TorchArchive,
+                        it_dir: str) -> bool:
+    """One rank file's ``distrib_optim.pt``: megatron-core's ``save_parameter_state``, the coalesced fp32 buffers
+    of each optimizer gathered on its data-parallel rank 0 -- one optimizer, or at EP > 1 a ``ChainedOptimizer``'s
+    ``[dense, expert]`` (``None`` where another rank's file holds it: the dense part is written by dense-DP rank
+    0, the expert part by expert-DP rank 0, which writes this file). The parameters of each buffer are this
+    file's, split as megatron-core splits its optimizers (``_write_moe.optimizer_split``, the writer's own).
+    Returns whether the dense part was here."""
+    t, p, e = rank
+    path = storage.join(it_dir, rank_dir_name(t, p, cfg.pp, e if cfg.ep > 1 else None), "distrib_optim.pt")
     if not storage.isfile(path):
         raise MissingShardError(
             f"{path}: distributed-optimizer state missing (the run used --use-distributed-optimizer)"
         )
     dopt = TorchArchive.open(path)
     raw.files.append(path)
-    groups = (arch.obj["optimizer"].get("optimizer") or {}).get("param_groups") or []
-    step = next((g["step"] for g in groups if "step" in g), None)
-    gbufs = [k for k in dopt.obj if isinstance(k, int)]
-    if not dopt.obj.get("buckets_coalesced", False):
+    parts = optimizer_split(named, cfg.ep, lambda n: is_expert(n[1]))
+    entry = arch.obj["optimizer"]
+    subs = entry if isinstance(entry, list) else [entry]
+    bufs = dopt.obj if isinstance(dopt.obj, list) else [dopt.obj]
+    if not len(parts) == len(subs) == len(bufs):
+        raise FormatError(f"{path}: {len(bufs)} optimizers' buffers ({arch.path}: {len(subs)} optimizer states), "
+                          f"expected {len(parts)} (EP={cfg.ep})")
+    for i, (part, sub, buf) in enumerate(zip(parts, subs, bufs)):
+        if buf is None:
+            continue
+        groups = ((sub or {}).get("optimizer") or {}).get("param_groups") or []
+        step = next((g["step"] for g in groups if "step" in g), None)
+        _read_buffers(raw, cfg, args, p, part, keys, dopt, buf, step, i == 0)
+    return bufs[0] is not None
+
+
+def _read_buffers(raw: RawCheckpoint, cfg: MegatronConfig, args: Mapping[str, Any], pp: int,
+                  named: list[tuple[str, str, TensorRef]], keys: Mapping[str, int], dopt: TorchArchive,
+                  obj: Mapping[Any, Any], step: Any, dense: bool) -> None:
+    """One optimizer's coalesced buffers (fp32 master, exp_avg, exp_avg_sq) as zero-copy pieces of ``named``."""
+    path = dopt.path
+    if not isinstance(obj, Mapping) or not obj.get("buckets_coalesced", False):
         raise FormatError(f"{path}: pre-coalesced distributed-optimizer format is not supported")
+    gbufs = [k for k in obj if isinstance(k, int)]
     if len(gbufs) != 1:
         raise FormatError(f"{path}: {len(gbufs)} grad buffers (several model chunks or dtypes) are not supported yet")
-    per_dtype = dopt.obj[gbufs[0]]
+    per_dtype = obj[gbufs[0]]
     if len(per_dtype) != 1:
         raise FormatError(f"{path}: several dtypes in one grad buffer are not supported yet")
     (dtypes, flat), = per_dtype.items()
     params = [(glob, ref.shape) for _, glob, ref in named]
-    shared: tuple[str, ...] = ()
-    if cfg.tied and cfg.pp > 1:
-        shared = tuple(g for g, _ in params if g in ("embedding.word_embeddings.weight", "output_layer.weight"))
-    num = sum(math.prod(ref.shape) for _, _, ref in named)
-    bucket = ddp_bucket_size(args, pp, 0, num)
     want = int(flat["numel_unpadded"])
     slots = None
     for align in (64, 1):  # params start 64-aligned since mcore 0.8; unaligned before
-        cand, sizes = buffer_layout(params, bucket, shared, align)
+        cand, sizes = grad_buffer(params, args, pp, dense and cfg.tied and cfg.pp > 1, align)
         if sum(sizes) == want:
             slots = cand
             break
     if slots is None:
         raise FormatError(
             f"{path}: buffer of {want} elements does not match Megatron's layout of this rank's "
-            f"{len(params)} params (bucket size {bucket}); unknown megatron-core version?"
+            f"{len(params)} {'dense' if dense else 'expert'} params; unknown megatron-core version?"
         )
     for key, state in (("param", "fp32_master"), ("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq")):
         ref = flat.get(key)
@@ -292,10 +317,9 @@ def _read_distrib_optim(raw: RawCheckpoint, cfg: MegatronConfig, args: Mapping[s
         start, _ = dopt.storage_offsets[ref.storage.key]
         if ref.dtype != "float32":
             raise FormatError(f"{path}: buffer {key!r} is {ref.dtype}, expected float32")
-        size = 4
         for s in slots:
-            frag = contiguous_fragment(s.shape, dopt.path, start + (ref.offset + s.start) * size, ref.dtype)
-            raw.pieces[s.name].setdefault(state, {})[tp] = TensorState(ref.dtype, s.shape, (frag,))
+            frag = contiguous_fragment(s.shape, path, start + (ref.offset + s.start) * 4, ref.dtype)
+            raw.pieces[s.name].setdefault(state, {})[keys[s.name]] = TensorState(ref.dtype, s.shape, (frag,))
     if step is not None:
         for s in slots:
             raw.scalars.setdefault(s.name, {})["step"] = int(step) if float(step).is_integer() else step

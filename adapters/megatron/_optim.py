@@ -131,3 +131,21 @@ def ddp_bucket_size(args: Mapping[str, Any], pp_rank: int, chunk: int, num_param
     if args.get("ddp_bucket_size"):
         return int(args["ddp_bucket_size"])
     return max(40000000, 1000000 * int(args.get("data_parallel_size") or 1))
+
+
+_EMBEDDING_AND_OUTPUT = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+
+def grad_buffer(params: Sequence[tuple[str, tuple[int, ...]]], args: Mapping[str, Any], pp_rank: int,
+                own_embedding_bucket: bool, align: int = 64) -> tuple[list[BufferSlot], list[int]]:
+    """One optimizer's coalesced buffer on a pipeline stage, as megatron-core's DDP lays its grad buffer out:
+    the slots of ``params`` (``named_parameters()`` order) and each bucket's unpadded size. A
+    ``ChainedOptimizer``'s dense and expert optimizers (EP > 1) each have one; ``own_embedding_bucket``
+    (the dense one, tied embeddings with PP > 1): the word embedding / output weight in a bucket of its own::
+
+        slots, sizes = grad_buffer([("decoder.final_layernorm.weight", (32,))], args, 0, False)
+    """
+    num = sum(math.prod(s) for _, s in params)
+    shared = _EMBEDDING_AND_OUTPUT if own_embedding_bucket else ()
+    return buffer_layout(params, ddp_bucket_size(args, pp_rank, 0, num), shared, align)
+

@@ -31,14 +31,16 @@ Usage::
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from ckptbridge.plugin import Box, FormatError
 
 from ._layout import LAYER_RE, MegatronConfig, local_params, shard_box, stage_layers, tp_layout
 from ._moe import EXPERT_RE, is_buffer, rank_grid
+
+P = TypeVar("P")
 
 
 @dataclass(frozen=True)
@@ -134,13 +136,13 @@ def rank_params(cfg: MegatronConfig, args: Mapping[str, Any], names: Sequence[st
     return grouped(out, cfg.hidden) if cfg.grouped_gemm else out
 
 
-def optimizer_split(params: Sequence[RankParam], ep: int) -> list[list[RankParam]]:
-    """The parameters of each of megatron-core's optimizers on this rank: one (EP 1: experts are
-    ordinary params) or dense + expert (EP > 1: a ``ChainedOptimizer``); buffers in none."""
-    held = [p for p in params if not p.buffer]
+def optimizer_split(params: Sequence[P], ep: int, expert: Callable[[P], bool]) -> list[list[P]]:
+    """The parameters (no buffers) of each of megatron-core's optimizers on this rank, in order: one (EP 1:
+    experts are ordinary params) or dense + expert (EP > 1: a ``ChainedOptimizer``; ``expert(p)``: a
+    routed expert's). The writer and both readers of the distributed optimizer's buffers split so."""
     if ep == 1:
-        return [held]
-    return [[p for p in held if not p.expert], [p for p in held if p.expert]]
+        return [list(params)]
+    return [[p for p in params if not expert(p)], [p for p in params if expert(p)]]
 
 
 def expert_groups(groups: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:

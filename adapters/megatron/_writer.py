@@ -72,7 +72,7 @@ from ckptbridge.plugin import dtypes as _dtypes
 from ._common import TRACKER, rank_dir_name
 from ._layout import MegatronConfig, true_vocab_size
 from ._moe import EXPERT_RE, GROUPED_RE, check_moe_layers, grouped_experts, is_buffer
-from ._optim import buffer_layout, ddp_bucket_size, group_order
+from ._optim import grad_buffer, group_order
 from ._reader import index
 from ._write_moe import RankParam, expert_groups, file_ranks, optimizer_split, rank_params
 
@@ -347,7 +347,8 @@ def _write(ckpt: Any, tmp: str, o: MegatronWriteOptions) -> None:
             os.makedirs(rank_dir)
             if have_opt:
                 entries, states = [], []
-                for i, part in enumerate(optimizer_split(params, ep)):  # [all] or [dense, expert]
+                held = [rp for rp in params if not rp.buffer]
+                for i, part in enumerate(optimizer_split(held, ep, lambda rp: rp.expert)):  # [all] or [dense, expert]
                     local_list = [(rp.local_name, rp.shape) for rp in part]
                     groups = groups_src if i == 0 else expert_groups(groups_src)
                     order = group_order(local_list, groups, args, rank_dir) if i or not dist_opt else [[]] * len(groups)
@@ -448,9 +449,7 @@ def _distrib_state(rank_dir: str, cfg: MegatronConfig, args: Mapping[str, Any], 
     """One optimizer's part of ``distrib_optim.pt`` (``dense``: the dense grad buffer, else the expert
     one): its coalesced fp32 buffers (master, exp_avg, exp_avg_sq), each written piece by piece as the
     parameters' slots come (one parameter's state in memory at a time)."""
-    shared = ("embedding.word_embeddings.weight", "output_layer.weight") if dense and cfg.tied and cfg.pp > 1 else ()
-    num = sum(math.prod(s) for _, s in local_list)
-    slots, sizes = buffer_layout(local_list, ddp_bucket_size(args, pp, 0, num), shared)
+    slots, sizes = grad_buffer(local_list, args, pp, dense and cfg.tied and cfg.pp > 1)
     total = sum(sizes)
     ordered = sorted(slots, key=lambda s: s.start)
 

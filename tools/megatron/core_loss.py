@@ -39,13 +39,16 @@ For every checkpoint given, each of ``--world`` spawned ranks (gloo, CPU, tools/
    load back at another layout: Megatron's own reshard, optimizer state included;
    ``savemodel:PATH=OUT`` items the same for the model alone (a checkpoint without optimizer state,
    e.g. one converted from Hugging Face);
-8. ``train:ARGS.json=OUT`` items: no checkpoint: a seeded ``GPTModel`` built from the Megatron args in
-   ARGS.json (JSON-plain, as ckptbridge shows saved args) at their TP/PP, trained one step from
+8. ``train:ARGS.json=OUT[,KIND:PATH...]`` items: no checkpoint: a seeded ``GPTModel`` built from the Megatron args in
+   ARGS.json (JSON-plain, as ckptbridge shows saved args) at their TP/PP/EP/ETP, trained one step from
    scratch with their optimizer (the distributed one when ``use_distributed_optimizer``), its
    optimizer state after the step dumped (``--dump``), then saved by megatron-core as the
    ``torch_dist`` checkpoint OUT the way Megatron-LM's ``save_checkpoint`` does (its sharded-state-dict
    metadata: the distributed optimizer in ``dp_reshardable`` buffers, or ``fully_reshardable`` when
-   ``dist_ckpt_optim_fully_reshardable``): a checkpoint whose optimizer state megatron-core wrote;
+   ``dist_ckpt_optim_fully_reshardable``): a checkpoint whose optimizer state megatron-core wrote; the
+   same state also saved in PATH for each ``,KIND:PATH``: ``torch`` (Megatron-LM's legacy ``--ckpt-format
+   torch`` files, :func:`save_legacy`: ``distrib_optim.pt`` by megatron-core's own ``save_parameter_state``),
+   ``dp_reshardable`` or ``fully_reshardable`` (``torch_dist`` with that sharding of the distributed optimizer);
 9. ``cli:<JSON list>`` items: ckptbridge's command line run by rank 0 between two items (e.g.
    ``cli:["reshard", OUT, W, "--to", "megatron"]`` after ``train:ARGS.json=OUT``, then ``W`` as an item:
    the writer judged by megatron-core in the same launch), record ``{"cli", "rc"}``.
@@ -118,6 +121,7 @@ class Item:
     etp: int | None = None
     train: bool = True
     fresh: bool = False  # train:ARGS.json=OUT: path is the args file
+    also: tuple[tuple[str, str], ...] = ()  # train:ARGS.json=OUT,KIND:PATH...: the same state saved again
 
     @staticmethod
     def parse(text: str) -> Item:
@@ -125,7 +129,8 @@ class Item:
             return dataclasses.replace(Item.parse(text[len("eval:"):]), train=False)
         if text.startswith("train:"):
             path, _, out = text[len("train:"):].rpartition("=")
-            return Item(path, save_to=out, fresh=True)
+            out, *also = out.split(",")
+            return Item(path, save_to=out, fresh=True, also=tuple((k, v) for k, _, v in (a.partition(":") for a in also)))
         if text.startswith(("save:", "savemodel:")):
             kind, _, body = text.partition(":")
             path, _, out = body.rpartition("=")
@@ -465,9 +470,14 @@ def train_step(model: Any, ddp: Any, optimizer: Any, sched: Any, args: Any,
 
 
 def _global_name(model: Any, name: str) -> str:
-    """A local parameter name with this pipeline stage's layer number made global."""
+    """A local parameter name with this pipeline stage's layer number made global, and a ``SequentialMLP``'s
+    local expert ``K`` its global id (megatron-core's ``local_expert_indices_offset + K``)."""
     import re
 
+    m = re.match(r"((.*\.mlp)\.experts\.local_experts\.)(\d+)(\..*)", name)
+    if m:  # the MoELayer's local_expert_indices: its EP rank's global ids
+        offset = model.get_submodule(m.group(2)).local_expert_indices[0]
+        name = f"{m.group(1)}{int(m.group(3)) + offset}{m.group(4)}"
     m = re.match(r"decoder\.layers\.(\d+)\.(.*)", name)
     if not m:
         return name
@@ -568,6 +578,42 @@ def save_dist(model: Any, optimizer: Any, sched: Any, sd: dict[str, Any], out: s
         with open(os.path.join(out, "latest_checkpointed_iteration.txt"), "w") as fh:
             fh.write(str(it))
     dist.barrier()
+
+
+def save_legacy(model: Any, optimizer: Any, sched: Any, args: Any, iteration: int, out: str) -> None:
+    """Megatron-LM's ``save_checkpoint`` for ``--ckpt-format torch`` (training/checkpointing.py, core_v0.16.1):
+    into ``iter_N/mp_rank_TT[_PPP][_EEE]`` (its ``get_checkpoint_name``: PPP when PP > 1, EEE the EP rank when
+    EP > 1), every rank's ``optimizer.save_parameter_state(distrib_optim.pt)`` (the distributed optimizer:
+    megatron-core's own gather of each optimizer's buffers on its DP rank 0; a ``ChainedOptimizer`` writes
+    ``[dense, expert]``, ``None`` for a part whose DP rank 0 is another rank), then, from the ranks whose
+    expert-data-parallel rank is 0, ``model_optim_rng.pt`` (its ``generate_state_dict``: args, the model's
+    ``state_dict_for_save_checkpoint()``, ``optimizer.state_dict()``, the scheduler)."""
+    import copy
+
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    name = f"mp_rank_{ps.get_tensor_model_parallel_rank():02d}"
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        name += f"_{ps.get_pipeline_model_parallel_rank():03d}"
+    if ps.get_expert_model_parallel_world_size() > 1:
+        name += f"_{ps.get_expert_model_parallel_rank():03d}"
+    d = os.path.join(out, f"iter_{iteration:07d}", name)
+    os.makedirs(d, exist_ok=True)
+    if args.use_distributed_optimizer:
+        optimizer.save_parameter_state(os.path.join(d, "distrib_optim.pt"))
+    if ps.get_expert_data_parallel_rank() == 0:
+        saved = copy.copy(args)
+        saved.ckpt_format = "torch"
+        torch.save({"args": saved, "checkpoint_version": 3.0, "iteration": iteration,
+                    "model": model.state_dict_for_save_checkpoint(), "optimizer": optimizer.state_dict(),
+                    "opt_param_scheduler": sched.state_dict(), "num_floating_point_operations_so_far": 0},
+                   os.path.join(d, "model_optim_rng.pt"))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        with open(os.path.join(out, "latest_checkpointed_iteration.txt"), "w") as fh:
+            fh.write(str(iteration))
 
 
 def digests(model: Any) -> dict[str, str]:
@@ -694,14 +740,25 @@ def evaluate(item: Item, opts: argparse.Namespace, index: int = 0) -> dict[str, 
             save_dist(model, None, None, sd or {}, str(item.save_to))
             rec["saved"] = item.save_to
         if item.fresh and "error" not in rec:
-            args.data_parallel_size, args.ckpt_format = world // (tp * pp), "torch_dist"  # what the run's args say
+            # what the run's args say
+            args.world_size, args.data_parallel_size, args.ckpt_format = world, world // (tp * pp), "torch_dist"
             ddp, optimizer, sched = make_optimizer(model, args)
             rec["step"] = train_step(model, ddp, optimizer, sched, args, batches)
             del rec["step"]["model"]
             dump_optimizer(opts, index, model, optimizer, args)
+            fully_parallel = bool(getattr(args, "ckpt_fully_parallel_save", True))
             save_dist(model, optimizer, sched, {"args": args, "iteration": 1}, str(item.save_to), sharded_metadata(args),
-                      bool(getattr(args, "ckpt_fully_parallel_save", True)))
+                      fully_parallel)
             rec["saved"] = item.save_to
+            for kind, out in item.also:  # the same state in another format
+                if kind == "torch":
+                    save_legacy(model, optimizer, sched, args, 1, out)
+                else:  # as if run with(out) --dist-ckpt-optim-fully-reshardable
+                    other = argparse.Namespace(**{**vars(args), "dist_ckpt_optim_fully_reshardable":
+                                                  kind == "fully_reshardable"})
+                    save_dist(model, optimizer, sched, {"args": other, "iteration": 1}, out, sharded_metadata(other),
+                              fully_parallel)
+                rec.setdefault("also", []).append(out)
         want_optimizer = not item.fresh and ((item.save_to and not item.model_only)
                           or (opts.train_step and item.train and (item.optim or not item.dist)))
         if want_optimizer and "error" not in rec:
@@ -739,7 +796,8 @@ def dump_optimizer(opts: argparse.Namespace, index: int, model: Any, optimizer: 
     only, but every DP rank with the distributed optimizer: each holds its own piece), and from DP rank 0
     the rank's parameters as megatron-core holds them, in ``named_parameters()`` order, as
     ``DIR/<index>/tpT_ppP.params.json``: ``[[global name, local shape, TP partition dim or null], ...]``
-    (megatron-core's ``tensor_model_parallel`` / ``partition_dim`` attributes)."""
+    (megatron-core's ``tensor_model_parallel`` / ``partition_dim`` attributes; a routed expert under its global
+    id, split over the expert-TP group), and ``tpT_ppP.ranks.json``: ``{"ep": [rank, size], "etp": [rank, size]}``."""
     import torch
     from megatron.core import parallel_state as ps
 
@@ -757,6 +815,9 @@ def dump_optimizer(opts: argparse.Namespace, index: int, model: Any, optimizer: 
                   for n, p in inner.named_parameters()]
         with open(os.path.join(d, f"{rank}.params.json"), "w") as fh:
             json.dump(params, fh)
+        with open(os.path.join(d, f"{rank}.ranks.json"), "w") as fh:  # the experts' place: [rank, size]
+            json.dump({"ep": [ps.get_expert_model_parallel_rank(), ps.get_expert_model_parallel_world_size()],
+                       "etp": [ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size()]}, fh)
 
 
 def run_cli(argv: list[str]) -> dict[str, Any] | None:
