@@ -101,9 +101,10 @@ class Names(Generic[V]):
         self._newline = _any_newline(self.order)  # ``$`` also matches before a final newline
 
     def rebuilt(self, items: Mapping[str, V]) -> Names[V]:
-        """Other items (some names gone, some new), keeping this index's runs (cheaper than sorting again)."""
+        """Other items (some names gone, some new), taking over this index's runs (cheaper than sorting again;
+        this one sorts its own names again if it is looked up later)."""
         out = Names(items)
-        out._runs = self._runs
+        out._runs, self._runs = self._runs, (_Runs(reverse=False), _Runs(reverse=True))
         out._add_run(itertools.filterfalse(self.pos.__contains__, out.order))
         return out
 
