@@ -33,6 +33,7 @@ import builtins as _builtins
 import importlib as _importlib
 import typing as _typing
 
+from ._gc import no_gc as _no_gc
 from ._version import __version__ as __version__
 
 if _typing.TYPE_CHECKING:  # THE list of public names: mypy reads it, and _public() derives the lazy map and __all__
@@ -136,13 +137,18 @@ _LAZY = _public()
 __all__ = sorted([*_LAZY, "__version__"])
 
 
+def _import(module: str) -> object:
+    with _no_gc():  # a first use imports numpy and most of ckptbridge: modules, classes, nothing to collect
+        return _importlib.import_module(module, __name__)
+
+
 def __getattr__(name: str) -> object:
     if name in _SUBMODULES:
-        return _importlib.import_module(f".{name}", __name__)
+        return _import(f".{name}")
     if name not in _LAZY:
         raise AttributeError(f"module 'ckptbridge' has no attribute {name!r}")
     module, attr = _LAZY[name]
-    value = getattr(_importlib.import_module(module, __name__), attr)
+    value = getattr(_import(module), attr)
     globals()[name] = value
     return value
 

@@ -109,28 +109,27 @@ def _validate(path: str, header: dict[str, Any], base: int, size: int) -> Entrie
 
 def _columns(infos: list[Any], base: int, size: int) -> tuple[list[str], list[tuple[int, ...]], list[int]] | None:
     """Dtypes, shapes and absolute offsets of well-formed entries, checked in bulk; None when any entry
-    is not plainly well-formed (then :func:`_entry` checks each one and names the bad one)."""
+    is not plainly well-formed (then :func:`_entry` checks each one and names the bad one). Each pass is a
+    C loop; what is not a dict, list or int fails one of them (a ``KeyError``, a ``TypeError``, a count)."""
     try:
-        if set(map(type, infos)) - {dict}:
-            return None
-        codes = list(map(operator.itemgetter("dtype"), infos))
+        rows = list(map(operator.itemgetter("dtype", "shape", "data_offsets"), infos))
+        codes, raw_shapes, spans = zip(*rows) if rows else ((), (), ())
         known = {code: _dtypes.from_safetensors(code) for code in set(codes)}  # a few distinct codes
         dtypes = list(map(known.__getitem__, codes))
-        raw_shapes = list(map(operator.itemgetter("shape"), infos))
-        spans = list(map(operator.itemgetter("data_offsets"), infos))
+        shapes = list(map(tuple, raw_shapes))  # a string or object here gives items that are not ints
+        if set(map(len, spans)) - {2}:
+            return None
     except (KeyError, TypeError, FormatError):
         return None
-    if set(map(type, raw_shapes)) - {list} or set(map(type, spans)) - {list} or set(map(len, spans)) - {2}:
-        return None
-    dims = list(itertools.chain.from_iterable(raw_shapes))
-    if set(map(type, dims)) - {int} or set(map(type, itertools.chain.from_iterable(spans))) - {int}:
+    dims = list(itertools.chain.from_iterable(shapes))
+    offsets = list(itertools.chain.from_iterable(spans))
+    if set(map(type, dims)) - {int} or set(map(type, offsets)) - {int}:
         return None  # floats, strings, booleans: the slow path decides what int() makes of them
     if dims and min(dims) < 0:
         return None
-    shapes = list(map(tuple, raw_shapes))
     try:
         counts = np.fromiter(map(math.prod, shapes), np.int64, len(shapes))
-        at = np.fromiter(itertools.chain.from_iterable(spans), np.int64, 2 * len(spans)).reshape(len(spans), 2)
+        at = np.array(offsets, np.int64).reshape(len(spans), 2)
     except OverflowError:
         return None
     sizes = {name: _dtypes.itemsize(name) for name in known.values()}

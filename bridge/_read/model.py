@@ -21,8 +21,6 @@ Everything here is an immutable value; reading happens in ``_read``::
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import itertools
 import math
 import operator
@@ -33,6 +31,7 @@ from typing import TYPE_CHECKING, Any, Generic, NamedTuple, Protocol, TypeVar
 
 from .. import _dtypes
 from .._errors import FormatError, ShapeMismatchError, TensorNotFoundError
+from .._gc import no_gc as no_gc  # re-exported: the read path's metadata builders use it
 
 if TYPE_CHECKING:
     import numpy as np
@@ -363,30 +362,6 @@ def spec_of(tensors: Mapping[str, LogicalTensor], name: str) -> TensorSpec:
         return spec
     state = tensors[name].state()
     return TensorSpec(state.dtype, state.shape, None)
-
-
-@contextlib.contextmanager
-def no_gc() -> Iterator[None]:
-    """Pause Python's cyclic garbage collector while metadata is built: opening DeepSeek-V3 and running
-    its recipe make millions of small immutable objects (boxes, fragments, states) without cycles,
-    and the collector's full passes over them took half the time (20 s -> 11 s CPU). On the way out,
-    what was made goes straight to the oldest generation (``gc.freeze()`` then ``gc.unfreeze()``: every
-    tracked object of the process is moved there, none is frozen): otherwise the first allocation after
-    runs one young-generation pass over all of it (0.1 s of CPU after DeepSeek-V3's recipe), and any
-    young garbage cycle of the caller's is collected by the next full pass instead::
-
-        with no_gc():
-            tensors = apply_rules(tensors, rules)
-    """
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.freeze()
-            gc.unfreeze()
-            gc.enable()
 
 
 def flat_range_boxes(shape: Sequence[int], start: int, stop: int) -> Iterator[Box]:

@@ -56,17 +56,19 @@ def open_index(path: str | os.PathLike[str], format: str | None = None, **option
     _storage.prime(path)  # a fresh view: another process may have written or deleted objects since
     if format is None and not _storage.exists(path):
         raise MissingShardError(f"{path}: no such file or directory")
-    fmt: Format = get_format(format or detect_format(path))
-    if fmt.index is None:
-        raise UnknownFormatError(f"{path}: format {fmt.name!r} can be written but not read")
-    opts = make_options(fmt.open_options, options, what=f"format {fmt.name!r} (open)")
-    try:
-        with no_gc():  # a 92k-tensor index is millions of acyclic objects: see no_gc
+    # a 92k-tensor index is millions of acyclic objects, and the first open imports the format plug-ins
+    # (modules, classes: nothing to collect either): see no_gc
+    with no_gc():
+        fmt: Format = get_format(format or detect_format(path))
+        if fmt.index is None:
+            raise UnknownFormatError(f"{path}: format {fmt.name!r} can be written but not read")
+        opts = make_options(fmt.open_options, options, what=f"format {fmt.name!r} (open)")
+        try:
             return fmt.index(path, opts)
-    except CheckpointError as err:  # every error names the checkpoint it is about
-        if path not in str(err):
-            raise type(err)(f"{path}: {err}") from err
-        raise
+        except CheckpointError as err:  # every error names the checkpoint it is about
+            if path not in str(err):
+                raise type(err)(f"{path}: {err}") from err
+            raise
 
 
 def open(

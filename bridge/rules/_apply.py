@@ -234,10 +234,10 @@ def _state_fns(rule: Rule) -> tuple[ShapeFn, StateFn]:
 
 
 def _apply_rename(nodes: Names[Node], rule: Rename) -> Names[Node]:
-    hits = _hits(nodes, rule)
+    hits, matches = nodes.matches(rule.pattern)
     if not hits:
         return nodes
-    new = dict(zip(hits, substitute_all(rule.pattern, rule.to, hits)))
+    new = dict(zip(hits, substitute_all(rule.pattern, rule.to, hits, matches)))
     targets = set(new.values())
     if len(targets) != len(new) or not all(map(new.__contains__, filter(nodes.pos.__contains__, targets))):
         seen: set[str] = set()  # two tensors mapped onto one name: which (the first in order)
@@ -282,11 +282,10 @@ def _stack_index(m: re.Match[str] | None, index: int | str, rule: Stack, name: s
 
 
 def _apply_stack(nodes: Names[Node], rule: Stack) -> Names[Node]:
-    hits = _hits(nodes, rule)
+    hits, matches = nodes.matches(rule.pattern)
     if not hits:
         return nodes
     pattern = regex(rule.pattern)
-    matches = list(map(pattern.search, hits))  # each hit matches
     try:
         indices = list(map(int, map(operator.methodcaller("group", rule.index), matches)))
     except (AttributeError, IndexError, TypeError, ValueError):

@@ -97,15 +97,15 @@ class Names(Generic[V]):
         self.values: dict[str, V] = dict(items)
         self.order: list[str] = list(self.values)
         self.pos = dict(zip(self.order, range(len(self.order))))
-        self._runs: tuple[list[list[str]], list[list[str]]] | None = None  # sorted names, sorted reversed names
+        self._runs = _Runs(reverse=False), _Runs(reverse=True)  # sorted names, sorted reversed names
         self._newline = _any_newline(self.order)  # ``$`` also matches before a final newline
 
     def rebuilt(self, items: Mapping[str, V]) -> Names[V]:
-        """Other items (some names gone, some new), keeping this index's runs (cheaper than sorting again)."""
+        """Other items (some names gone, some new), taking over this index's runs (cheaper than sorting again;
+        this one sorts its own names again if it is looked up later)."""
         out = Names(items)
-        if self._runs is not None:
-            out._runs = self._runs
-            out._add_run(itertools.filterfalse(self.pos.__contains__, out.order))
+        out._runs, self._runs = self._runs, (_Runs(reverse=False), _Runs(reverse=True))
+        out._add_run(itertools.filterfalse(self.pos.__contains__, out.order))
         return out
 
     def kept(self, gone: Container[str]) -> dict[str, V]:
@@ -124,13 +124,25 @@ class Names(Generic[V]):
 
     def hits(self, pattern: str) -> list[str]:
         """The names ``pattern`` matches (``re.search``), in order."""
+        return self.matches(pattern)[0]
+
+    def matches(self, pattern: str) -> tuple[list[str], list[re.Match[str]]]:
+        """:meth:`hits` and their matches (for :func:`substitute_all`: each name searched once)::
+
+            names.matches(r"^model\\.layers\\.(\\d+)\\.")   # (['model.layers.0.w', ...], [<re.Match ...>, ...])
+        """
         search = regex(pattern).search
         candidates = self._candidates(pattern)
         if candidates is None:
-            return list(filter(search, self.order))
-        found = list(filter(search, filter(self.pos.__contains__, candidates)))
-        found.sort(key=self.pos.__getitem__)
-        return found
+            candidates = list(self.order)  # a copy: renaming changes ``order`` in place
+        else:
+            candidates = list(filter(self.pos.__contains__, candidates))
+            candidates.sort(key=self.pos.__getitem__)
+        found: list[re.Match[str]] = list(map(search, candidates))  # type: ignore[arg-type]  # Nones: next line
+        if None not in found:
+            return candidates, found
+        keep = list(map(operator.is_not, found, itertools.repeat(None)))
+        return list(itertools.compress(candidates, keep)), list(itertools.compress(found, keep))
 
     def rename(self, new: Mapping[str, str]) -> None:
         """Rename ``old -> new`` for each item of ``new`` (the caller checked the new names are free)."""
@@ -142,37 +154,68 @@ class Names(Generic[V]):
         self._add_run(to)
 
     def _add_run(self, names: Iterable[str]) -> None:
-        if self._runs is not None:
-            added = sorted(set(names))
-            if added:
-                self._runs[0].append(added)
-                self._runs[1].append(sorted(map(operator.getitem, added, itertools.repeat(_REVERSED))))
-            if len(self._runs[0]) > _MAX_RUNS:
-                self._runs = None
+        added = list(names)
+        if added:
+            self._runs[0].add(added)
+            self._runs[1].add(added)
 
     def _candidates(self, pattern: str) -> list[str] | None:
         """Names that may match (a superset, stale names included), or None: test every name."""
         prefix, suffix = literal_ends(pattern)
         if not prefix and not suffix:
             return None
-        if self._runs is None:
-            self._runs = [sorted(self.order)], [sorted(map(operator.getitem, self.order, itertools.repeat(_REVERSED)))]
-        ranges = []  # (runs, the bounds of the names with the literal in each): sliced once chosen
-        if prefix:
-            ranges.append((self._runs[0], [_bounds(run, prefix) for run in self._runs[0]]))
-        if suffix and not self._newline:
-            ranges.append((self._runs[1], [_bounds(run, suffix[::-1]) for run in self._runs[1]]))
+        limit = len(self.order) // 4  # more candidates than this: testing every name is cheaper
+        ranges = []  # (how many, reversed?, runs, the bounds of the names with the literal in each)
+        for backwards, literal in ((False, prefix), (True, "" if self._newline else suffix[::-1])):
+            side = self._runs[backwards]
+            # the runs as they are first: names added since can only add to a count already over the limit
+            if literal and _count(side.runs, literal)[0] <= limit:
+                ranges.append((*_count(side.get(self.order), literal), backwards, side.runs))
         if not ranges:
             return None
-        runs, bounds = min(ranges, key=lambda rb: sum(hi - lo for lo, hi in rb[1]))
-        if sum(hi - lo for lo, hi in bounds) > len(self.order) // 4:  # testing every name is cheaper
+        count, bounds, backwards, runs = min(ranges, key=operator.itemgetter(0))
+        if count > limit:
             return None
         out = dict.fromkeys(itertools.chain.from_iterable(run[lo:hi] for run, (lo, hi) in zip(runs, bounds)))
-        return list(out) if runs is self._runs[0] else list(map(operator.getitem, out, itertools.repeat(_REVERSED)))
+        return list(map(operator.getitem, out, itertools.repeat(_REVERSED))) if backwards else list(out)
+
+
+class _Runs:
+    """Sorted runs (``reverse``: of the names reversed, for suffix look-ups) holding every name a
+    :class:`Names` has (and stale ones, dropped on lookup). Added names are sorted in only when a look-up
+    needs them (a recipe renames 46k names a rule and looks most of them up by prefix only): one run for
+    all of them, or one sort of the live names when they are many (which drops the stale ones)."""
+
+    def __init__(self, reverse: bool) -> None:
+        self.reverse = reverse
+        self.runs: list[list[str]] = []
+        self.added: list[list[str]] | None = None  # None: sort the live names on first use
+
+    def add(self, names: list[str]) -> None:
+        if self.added is not None:
+            self.added.append(names)
+
+    def get(self, live: list[str]) -> list[list[str]]:
+        """The runs, names added since the last call sorted in (``live``: every name there is now)."""
+        if self.added is None or len(self.runs) >= _MAX_RUNS or sum(map(len, self.added)) > len(live) // 2:
+            self.runs, self.added = [self._sorted(live)], []
+        elif self.added:
+            self.runs.append(self._sorted(set(itertools.chain.from_iterable(self.added))))
+            self.added = []
+        return self.runs
+
+    def _sorted(self, names: Iterable[str]) -> list[str]:
+        return sorted(map(operator.getitem, names, itertools.repeat(_REVERSED)) if self.reverse else names)
 
 
 def _any_newline(names: Iterable[str]) -> bool:
     return any(map(operator.contains, names, itertools.repeat("\n")))
+
+
+def _count(runs: list[list[str]], literal: str) -> tuple[int, list[tuple[int, int]]]:
+    """How many names of the sorted ``runs`` start with ``literal``, and where they are in each (:func:`_bounds`)."""
+    bounds = list(map(_bounds, runs, itertools.repeat(literal)))
+    return sum(itertools.starmap(operator.sub, map(operator.itemgetter(1, 0), bounds))), bounds
 
 
 def _bounds(run: list[str], prefix: str) -> tuple[int, int]:
