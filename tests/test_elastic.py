@@ -162,6 +162,12 @@ def named_torch_error(logs: str) -> str:
     return ""
 
 
+def torch_start_failed(t: Trial) -> str:
+    """The torch error that kept the job from starting, when no rank recorded any event (torch's
+    first rendezvous failed: nothing of ckptbridge ran, no fault was injected); else ""."""
+    return "" if t.events else named_torch_error(t.logs)
+
+
 def torch_restart_failed(t: Trial) -> str:
     """The torch error that stopped torch's elastic restart when it did not complete
     (``check_restart`` fails); "" when it completed, or failed with no such error named (then
@@ -173,21 +179,28 @@ def torch_restart_failed(t: Trial) -> str:
         return named_torch_error(t.logs)
 
 
+def _again_if(why: str, trial: Trial, i: int, path: Path) -> Trial:
+    """Trial ``i`` run once more when torch named why it failed (``why``) and retries are left."""
+    if not why or _RETRIES_LEFT[0] == 0:
+        return trial
+    _RETRIES_LEFT[0] -= 1
+    print(f"trial {i}: torch's rendezvous failed ({why}); run again")
+    return run_trial(path, steps=STEPS, fault=_fault(i))
+
+
 @pytest.mark.parametrize("i", range(N_TRIALS), ids=lambda i: f"{i}-{_fault(i).signal}-rank{_fault(i).rank}-step{_fault(i).step}")
 def test_fault_is_named_and_training_resumes_on_the_healthy_ranks(i: int, reference: Trial, tmp_path: Path) -> None:
     trial = run_trial(tmp_path / "run", steps=STEPS, fault=_fault(i))
-    check_detection(trial)  # the detector's claims: never retried
-    # torch's own elastic restart can fail on a loaded 2-core runner after the verdict was right
-    # (seen: DistStoreError in torch's _assign_worker_ranks). Only such a named torch error, with
-    # the restart incomplete, runs the trial once more (at most RESTART_RETRIES per session, so a
-    # systematic failure still fails); a failed correctness assertion (losses, bytes read, the
-    # committed steps) is never caught.
-    why = torch_restart_failed(trial)
-    if why and _RETRIES_LEFT[0] > 0:
-        _RETRIES_LEFT[0] -= 1
-        print(f"trial {i}: torch's elastic restart failed ({why}); run again")
-        trial = run_trial(tmp_path / "again", steps=STEPS, fault=_fault(i))
-        check_detection(trial)
+    # torch's own rendezvous can fail on a loaded 2-core runner: before the job starts (seen:
+    # DistStoreError waiting for MASTER_ADDR, no rank ran a step), or in the elastic restart after
+    # the verdict was right (seen: DistStoreError in torch's _assign_worker_ranks). Only such a
+    # named torch error, with the start or the restart incomplete, runs the trial once more (at
+    # most RESTART_RETRIES per session, so a systematic failure still fails); the detector's claims
+    # and the correctness assertions (losses, bytes read, the committed steps) are never caught.
+    trial = _again_if(torch_start_failed(trial), trial, i, tmp_path / "again-start")
+    check_detection(trial)
+    trial = _again_if(torch_restart_failed(trial), trial, i, tmp_path / "again")
+    check_detection(trial)
     m = check_trial(trial, reference)
     print(f"trial {i} {_fault(i)}: named after {m['latency']:.3f}s (bound {m['bound']:.2f}s), "
           f"restarted {m['restart']:.1f}s after the verdict, loss gap {m['gap']:.2g}")
@@ -196,7 +209,8 @@ def test_fault_is_named_and_training_resumes_on_the_healthy_ranks(i: int, refere
 def test_only_a_named_torch_error_in_an_incomplete_restart_is_retried(tmp_path: Path) -> None:
     """The retry rule: a completed restart whose losses are wrong, or an incomplete restart with
     no torch rendezvous/connection error named, is never retried; an incomplete restart whose
-    agents logged torch's DistStoreError is."""
+    agents logged torch's DistStoreError is, and so is a job that never started (no rank recorded
+    anything) with such an error named."""
     fault = Fault(1, 5, "kill")
     losses = [{"ev": "loss", "step": s, "loss": 1.0, "world": 4 if s < 5 else 3} for s in range(STEPS)]
     resumed = [{"ev": "resumed", "rank": r, "world": 3, "step": 4, "bytes": 0} for r in range(3)]
@@ -209,6 +223,11 @@ def test_only_a_named_torch_error_in_an_incomplete_restart_is_retried(tmp_path: 
     assert torch_restart_failed(stuck) == ""  # no named torch error: not retried
     named = Trial(tmp_path, fault, [0, 1, None, 0], losses[:6] + resumed[:2], logs=f"...\n  {store_error}\n")
     assert torch_restart_failed(named) == store_error
+    # before the start: retried only when no rank recorded anything and torch named its error
+    unstarted = Trial(tmp_path, fault, [1, 1, 1, 1], [], logs=f"...\n  {store_error}\n")
+    assert torch_start_failed(unstarted) == store_error
+    assert torch_start_failed(Trial(tmp_path, fault, [1, 1, 1, 1], [], logs="agent timed out")) == ""
+    assert torch_start_failed(Trial(tmp_path, fault, [0, 1, None, 0], losses[:6], logs=store_error)) == ""
 
 
 @pytest.mark.parametrize("broken", ["no-optimizer", "wrong-shard"])
