@@ -16,6 +16,7 @@ trials. ``torchrun`` itself is exercised by tests/test_elastic.py's CLI case::
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import importlib.util
 import json
 import multiprocessing as mp
@@ -55,6 +56,7 @@ def agent(port: int, job: str, root: str, steps: int, fault: Fault | None, event
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # run_trial's dump of a hung job (its workers inherit it)
     os.environ.update(example.AGENT_ENV)
     os.environ["OMP_NUM_THREADS"] = "1"
     conf = dict(item.split("=") for item in example.RDZV_CONF.split(","))
@@ -67,6 +69,9 @@ def agent(port: int, job: str, root: str, steps: int, fault: Fault | None, event
     os._exit(0)  # the agent is done; multiprocessing's exit handling would add ~15 s of teardown
 
 
+HUNG = "=== run_trial: the job hung; the stacks of its live processes (faulthandler) ==="
+
+
 @dataclass
 class Trial:
     root: Path
@@ -77,6 +82,7 @@ class Trial:
     seconds: float = 0.0
     logs: str = ""
     agent_seconds: list[float | None] = field(default_factory=list)  # when each agent ended
+    stacks: str = ""  # a job that hung at the timeout: where each of its live processes was
 
     def of(self, kind: str) -> list[dict]:
         return [e for e in self.events if e["ev"] == kind]
@@ -153,6 +159,7 @@ def run_trial(workdir: Path, *, steps: int, fault: Fault | None, nodes: int = 4,
         time.sleep(0.05)
     seconds = time.monotonic() - t0
     evs = [json.loads(line) for line in events.read_text().splitlines()] if events.exists() else []
+    stacks = _dump_stacks(agents, evs, workdir, nodes)
     for a in agents:  # a job that hung: leave nothing behind
         if a.is_alive():
             a.kill()
@@ -167,7 +174,25 @@ def run_trial(workdir: Path, *, steps: int, fault: Fault | None, nodes: int = 4,
     logs = "\n".join((workdir / f"agent{i}.log").read_text(errors="replace") for i in range(nodes)
                      if (workdir / f"agent{i}.log").exists())
     return Trial(root, fault, [a.exitcode for a in agents], evs, verdicts, seconds, logs,
-                 [ended.get(i) for i in range(nodes)])
+                 [ended.get(i) for i in range(nodes)], stacks)
+
+
+def _dump_stacks(agents: list, evs: list[dict], workdir: Path, nodes: int) -> str:
+    """A job still running at the timeout: every live agent and worker of it writes its threads'
+    stacks into its agent's log (SIGUSR1, ``faulthandler``), after a :data:`HUNG` line; returns them
+    (the last 3000 characters of each agent's), else ""."""
+    if not any(a.is_alive() for a in agents):
+        return ""
+    for i in range(nodes):
+        with open(workdir / f"agent{i}.log", "a") as fh:
+            fh.write(f"\n{HUNG}\n")
+    pids = [a.pid for a in agents if a.is_alive()] + [e["pid"] for e in evs if e["ev"] == "start"]
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGUSR1)
+    time.sleep(2.0)
+    logs = [(workdir / f"agent{i}.log").read_text(errors="replace").split(HUNG, 1)[-1] for i in range(nodes)]
+    return "".join(f"\n--- agent {i} and its workers:{text[-3000:]}" for i, text in enumerate(logs))
 
 
 def _group_entry(target: object, rank: int, world: int, port: int, args: tuple, log: str) -> None:

@@ -101,7 +101,7 @@ def check_detection(t: Trial) -> tuple[dict, float]:
 def check_restart(t: Trial) -> None:
     """torch's elastic agents restarted the job on the three healthy nodes and it ran to the end
     (what torch's rendezvous does, not what ckptbridge computes)."""
-    assert sorted(c != 0 for c in t.agent_codes) == [False, False, False, True], t.agent_codes  # isolated
+    assert sorted(c != 0 for c in t.agent_codes) == [False, False, False, True], (t.agent_codes, t.stacks)  # isolated
     resumed = t.of("resumed")
     assert sorted(e["rank"] for e in resumed) == [0, 1, 2] and {e["world"] for e in resumed} == {3}, resumed
     assert sorted((e["rank"], e["world"]) for e in t.of("done")) == [(0, 3), (1, 3), (2, 3)]
@@ -228,6 +228,14 @@ def test_only_a_named_torch_error_in_an_incomplete_restart_is_retried(tmp_path: 
     assert torch_start_failed(unstarted) == store_error
     assert torch_start_failed(Trial(tmp_path, fault, [1, 1, 1, 1], [], logs="agent timed out")) == ""
     assert torch_start_failed(Trial(tmp_path, fault, [0, 1, None, 0], losses[:6], logs=store_error)) == ""
+
+
+def test_a_job_that_hangs_reports_where_its_processes_were(tmp_path: Path) -> None:
+    """A trial still running at its timeout is killed, after each live agent and worker wrote its
+    threads' stacks (what a failed trial's message shows)."""
+    t = run_trial(tmp_path, steps=STEPS, fault=None, timeout=4.0)
+    assert t.agent_codes == [-9] * 4, t.agent_codes
+    assert t.stacks.count("--- agent") == 4 and "most recent call first" in t.stacks, t.stacks[-2000:]
 
 
 @pytest.mark.parametrize("broken", ["no-optimizer", "wrong-shard"])
