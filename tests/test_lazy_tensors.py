@@ -10,7 +10,8 @@ import weakref
 
 import pytest
 
-from ckptbridge._read.model import LazyTensors, LogicalTensor, TensorSpec, no_gc, tensor_specs
+from ckptbridge._gc import no_gc
+from ckptbridge._read.model import LazyTensors, LogicalTensor, TensorSpec, tensor_specs
 
 
 def _specs() -> dict[str, TensorSpec]:

@@ -31,7 +31,6 @@ from typing import TYPE_CHECKING, Any, Generic, NamedTuple, Protocol, TypeVar
 
 from .. import _dtypes
 from .._errors import FormatError, ShapeMismatchError, TensorNotFoundError
-from .._gc import no_gc as no_gc  # re-exported: the read path's metadata builders use it
 
 if TYPE_CHECKING:
     import numpy as np

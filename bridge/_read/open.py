@@ -26,9 +26,9 @@ from typing import Any
 from .. import _storage
 from .._errors import CheckpointError, MissingShardError, UnknownFormatError
 from .._formats.registry import Format, broken_hint, formats, get_format, make_options
+from .._gc import no_gc
 from .checkpoint import Checkpoint, CheckpointIndex, RuleLike
 from .executor import FileCache
-from .model import no_gc
 
 Source = str | os.PathLike[str] | Checkpoint
 """What ``reshard``, ``convert`` and ``diff`` read: a path or URL, or a :class:`Checkpoint` already open."""

@@ -24,6 +24,7 @@ from typing import Any, NamedTuple
 
 from .. import _dtypes
 from .._errors import FormatError, ShapeMismatchError, TensorNotFoundError
+from .._gc import no_gc
 from .._read.model import (
     WEIGHT_STATES,
     Box,
@@ -31,7 +32,6 @@ from .._read.model import (
     LogicalTensor,
     TensorSpec,
     TensorState,
-    no_gc,
 )
 from . import _transforms as T
 from ._language import (
