@@ -180,7 +180,7 @@ def run_trial(workdir: Path, *, steps: int, fault: Fault | None, nodes: int = 4,
 def _dump_stacks(agents: list, evs: list[dict], workdir: Path, nodes: int) -> str:
     """A job still running at the timeout: every live agent and worker of it writes its threads'
     stacks into its agent's log (SIGUSR1, ``faulthandler``), after a :data:`HUNG` line; returns them
-    (the last 3000 characters of each agent's), else ""."""
+    (each agent's whole dump: a tail cut would drop the thread headers of deep stacks), else ""."""
     if not any(a.is_alive() for a in agents):
         return ""
     for i in range(nodes):
@@ -192,7 +192,7 @@ def _dump_stacks(agents: list, evs: list[dict], workdir: Path, nodes: int) -> st
             os.kill(pid, signal.SIGUSR1)
     time.sleep(2.0)
     logs = [(workdir / f"agent{i}.log").read_text(errors="replace").split(HUNG, 1)[-1] for i in range(nodes)]
-    return "".join(f"\n--- agent {i} and its workers:{text[-3000:]}" for i, text in enumerate(logs))
+    return "".join(f"\n--- agent {i} and its workers:{text}" for i, text in enumerate(logs))
 
 
 def _group_entry(target: object, rank: int, world: int, port: int, args: tuple, log: str) -> None:

@@ -101,7 +101,7 @@ def check_detection(t: Trial) -> tuple[dict, float]:
 def check_restart(t: Trial) -> None:
     """torch's elastic agents restarted the job on the three healthy nodes and it ran to the end
     (what torch's rendezvous does, not what ckptbridge computes)."""
-    assert sorted(c != 0 for c in t.agent_codes) == [False, False, False, True], (t.agent_codes, t.stacks)  # isolated
+    assert sorted(c != 0 for c in t.agent_codes) == [False, False, False, True], (t.agent_codes, t.stacks[:20000])  # isolated
     resumed = t.of("resumed")
     assert sorted(e["rank"] for e in resumed) == [0, 1, 2] and {e["world"] for e in resumed} == {3}, resumed
     assert sorted((e["rank"], e["world"]) for e in t.of("done")) == [(0, 3), (1, 3), (2, 3)]
