@@ -19,6 +19,7 @@ import contextlib
 import faulthandler
 import importlib.util
 import json
+import logging
 import multiprocessing as mp
 import os
 import signal
@@ -57,6 +58,10 @@ def agent(port: int, job: str, root: str, steps: int, fault: Fault | None, event
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # run_trial's dump of a hung job (its workers inherit it)
+    # torch's agent and rendezvous steps (each round, each agent's group_world_size) in the agent's log
+    for name, logger in logging.Logger.manager.loggerDict.items():
+        if name.startswith("torch.distributed.elastic") and isinstance(logger, logging.Logger):
+            logger.setLevel(logging.INFO)
     os.environ.update(example.AGENT_ENV)
     os.environ["OMP_NUM_THREADS"] = "1"
     conf = dict(item.split("=") for item in example.RDZV_CONF.split(","))
@@ -70,6 +75,22 @@ def agent(port: int, job: str, root: str, steps: int, fault: Fault | None, event
 
 
 HUNG = "=== run_trial: the job hung; the stacks of its live processes (faulthandler) ==="
+# Seconds the agents get to exit once every rank of the last attempt has finished: an agent sees
+# its worker's success within MONITOR_INTERVAL, then passes torch's exit barrier at once
+EXIT_GRACE = 30.0
+
+
+def _events(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def _all_done(path: Path) -> bool:
+    """Every rank of the job's last world recorded ``done`` (the training ended)."""
+    try:
+        done = [e for e in _events(path) if e["ev"] == "done"]
+    except ValueError:  # a line being written
+        return False
+    return bool(done) and len({e["rank"] for e in done}) == done[-1]["world"]
 
 
 @dataclass
@@ -152,13 +173,21 @@ def run_trial(workdir: Path, *, steps: int, fault: Fault | None, nodes: int = 4,
         a.start()
     deadline = t0 + timeout
     ended: dict[int, float] = {}
+    finished: float | None = None  # when every rank of the job's last attempt had recorded "done"
+    look = t0  # the events are read twice a second
     while len(ended) < len(agents) and time.monotonic() < deadline:
+        now = time.monotonic()
         for i, a in enumerate(agents):
             if i not in ended and not a.is_alive():
-                ended[i] = time.monotonic() - t0
+                ended[i] = now - t0
+        if finished is None and now >= look:
+            look = now + 0.5
+            finished = now if _all_done(events) else None
+        if finished is not None and now - finished > EXIT_GRACE:
+            break  # the training ended; agents that have not exited by now hang in their own exit
         time.sleep(0.05)
     seconds = time.monotonic() - t0
-    evs = [json.loads(line) for line in events.read_text().splitlines()] if events.exists() else []
+    evs = _events(events)
     stacks = _dump_stacks(agents, evs, workdir, nodes)
     for a in agents:  # a job that hung: leave nothing behind
         if a.is_alive():

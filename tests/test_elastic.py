@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -68,10 +69,12 @@ def _tensors(path: Path) -> dict[str, np.ndarray]:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> Trial:
     """The uninterrupted run (four ranks, every step kept). Run once more only if torch's own
-    rendezvous failed with a named error (as in the faulty trials below)."""
+    rendezvous failed with a named error, or its agents hung in their exit barrier (as in the
+    faulty trials below)."""
     trial = run_trial(tmp_path_factory.mktemp("reference"), steps=STEPS, fault=None)
-    if trial.agent_codes != [0, 0, 0, 0] and named_torch_error(trial.logs):
-        print(f"reference: torch's rendezvous failed ({named_torch_error(trial.logs)}); run again")
+    why = named_torch_error(trial.logs) or torch_exit_hung(trial)
+    if trial.agent_codes != [0, 0, 0, 0] and why:
+        print(f"reference: torch failed ({why}); run again")
         trial = run_trial(tmp_path_factory.mktemp("reference-again"), steps=STEPS, fault=None)
     assert trial.agent_codes == [0, 0, 0, 0], trial.logs
     assert sorted(trial.losses) == list(range(STEPS)) and trial.committed == list(range(STEPS))
@@ -168,15 +171,30 @@ def torch_start_failed(t: Trial) -> str:
     return "" if t.events else named_torch_error(t.logs)
 
 
+def torch_exit_hung(t: Trial) -> str:
+    """Why, when the training ended (every rank of the restarted job recorded ``done``) but the
+    agents that ``run_trial`` had to kill were all waiting in torch's own exit barrier
+    (``SimpleElasticAgent._exit_barrier``, seen in their stacks); else ""."""
+    killed = [i for i, code in enumerate(t.agent_codes) if code == -signal.SIGKILL]
+    sections = t.stacks.split("--- agent ")[1:]
+    done = t.of("done")
+    if not killed or len(sections) != len(t.agent_codes) or not done or len(done) != done[-1]["world"]:
+        return ""
+    if all("in _exit_barrier" in sections[i] for i in killed):
+        return f"torch's elastic agents {killed} hung in their exit barrier (_exit_barrier) after every rank finished"
+    return ""
+
+
 def torch_restart_failed(t: Trial) -> str:
     """The torch error that stopped torch's elastic restart when it did not complete
-    (``check_restart`` fails); "" when it completed, or failed with no such error named (then
-    nothing may be retried)."""
+    (``check_restart`` fails): a named one in the logs, or agents hung in torch's exit barrier
+    after the training ended; "" when it completed, or failed otherwise (then nothing may be
+    retried)."""
     try:
         check_restart(t)
         return ""
     except AssertionError:
-        return named_torch_error(t.logs)
+        return named_torch_error(t.logs) or torch_exit_hung(t)
 
 
 def _again_if(why: str, trial: Trial, i: int, path: Path) -> Trial:
@@ -184,7 +202,7 @@ def _again_if(why: str, trial: Trial, i: int, path: Path) -> Trial:
     if not why or _RETRIES_LEFT[0] == 0:
         return trial
     _RETRIES_LEFT[0] -= 1
-    print(f"trial {i}: torch's rendezvous failed ({why}); run again")
+    print(f"trial {i}: torch failed ({why}); run again")
     return run_trial(path, steps=STEPS, fault=_fault(i))
 
 
@@ -193,8 +211,9 @@ def test_fault_is_named_and_training_resumes_on_the_healthy_ranks(i: int, refere
     trial = run_trial(tmp_path / "run", steps=STEPS, fault=_fault(i))
     # torch's own rendezvous can fail on a loaded 2-core runner: before the job starts (seen:
     # DistStoreError waiting for MASTER_ADDR, no rank ran a step), or in the elastic restart after
-    # the verdict was right (seen: DistStoreError in torch's _assign_worker_ranks). Only such a
-    # named torch error, with the start or the restart incomplete, runs the trial once more (at
+    # the verdict was right (seen: DistStoreError in torch's _assign_worker_ranks; agents left in
+    # torch's exit barrier after every rank finished). Only such a named torch failure, with the
+    # start or the restart incomplete, runs the trial once more (at
     # most RESTART_RETRIES per session, so a systematic failure still fails); the detector's claims
     # and the correctness assertions (losses, bytes read, the committed steps) are never caught.
     trial = _again_if(torch_start_failed(trial), trial, i, tmp_path / "again-start")
@@ -210,7 +229,8 @@ def test_only_a_named_torch_error_in_an_incomplete_restart_is_retried(tmp_path: 
     """The retry rule: a completed restart whose losses are wrong, or an incomplete restart with
     no torch rendezvous/connection error named, is never retried; an incomplete restart whose
     agents logged torch's DistStoreError is, and so is a job that never started (no rank recorded
-    anything) with such an error named."""
+    anything) with such an error named, and a job whose every rank finished while the agents
+    hung in torch's exit barrier."""
     fault = Fault(1, 5, "kill")
     losses = [{"ev": "loss", "step": s, "loss": 1.0, "world": 4 if s < 5 else 3} for s in range(STEPS)]
     resumed = [{"ev": "resumed", "rank": r, "world": 3, "step": 4, "bytes": 0} for r in range(3)]
@@ -228,6 +248,22 @@ def test_only_a_named_torch_error_in_an_incomplete_restart_is_retried(tmp_path: 
     assert torch_start_failed(unstarted) == store_error
     assert torch_start_failed(Trial(tmp_path, fault, [1, 1, 1, 1], [], logs="agent timed out")) == ""
     assert torch_start_failed(Trial(tmp_path, fault, [0, 1, None, 0], losses[:6], logs=store_error)) == ""
+    # torch's exit barrier: retried only when every rank finished and every agent killed at the
+    # timeout was waiting in it (its stack), not when one was elsewhere or a rank never finished
+    barrier = "Current thread 0x1 (most recent call first):\n  File \"api.py\", line 994 in _exit_barrier\n"
+    elsewhere = "Current thread 0x1 (most recent call first):\n  File \"api.py\", line 923 in _invoke_run\n"
+
+    def stacks(*agents: str) -> str:  # as run_trial writes them
+        return "".join(f"\n--- agent {i} and its workers:\n{text}" for i, text in enumerate(agents))
+
+    hung = Trial(tmp_path, fault, [-9, 1, -9, -9], losses + resumed + done, stacks=stacks(barrier, "", barrier, barrier))
+    assert "hung in their exit barrier" in torch_restart_failed(hung)
+    one_elsewhere = Trial(tmp_path, fault, [-9, 1, -9, -9], losses + resumed + done,
+                          stacks=stacks(barrier, "", elsewhere, barrier))
+    assert torch_restart_failed(one_elsewhere) == ""
+    unfinished = Trial(tmp_path, fault, [-9, 1, -9, -9], losses + resumed + done[:2],
+                       stacks=stacks(barrier, "", barrier, barrier))
+    assert torch_restart_failed(unfinished) == ""
 
 
 def test_a_job_that_hangs_reports_where_its_processes_were(tmp_path: Path) -> None:
