@@ -24,7 +24,8 @@ derived from it):
   read like local ones; ``dtypes`` (dtype names <-> numpy);
 * the registry: :class:`Format`, :class:`OpenOptions`, :class:`WriteOptions`,
   :func:`register_format`, :func:`require` (import an optional dependency or name the extra
-  to install);
+  to install), :class:`LazyNames` (a format package's ``__getattr__``: its reader and writer
+  imported on first use, so that format detection stays cheap);
 * writing: :func:`staged_dir` / :func:`staging_path` / :func:`check_destination` (the commit
   rule), the universal layout's writer (:class:`Piece`, :func:`write_universal`,
   :func:`write_rank`, :func:`commit_universal`), :func:`read_header` and :func:`read_entries`
@@ -86,6 +87,7 @@ from ._formats.universal import Piece as Piece
 from ._formats.universal import commit_universal as commit_universal
 from ._formats.universal import write_rank as write_rank
 from ._formats.universal import write_universal as write_universal
+from ._lazy import LazyNames as LazyNames
 from ._ranks import RankProvider as RankProvider
 from ._ranks import find_ranks as find_ranks
 from ._read.checkpoint import Checkpoint as Checkpoint
