@@ -63,8 +63,9 @@ class LazyNames:
         if where is None:
             raise AttributeError(f"module {self.module!r} has no attribute {name!r}")
         module, attr = where
+        owner = importlib.import_module(self.module)  # itself (already imported): its package resolves `.x`
         try:
-            value = getattr(importlib.import_module(module, self.module), attr)
+            value = getattr(importlib.import_module(module, owner.__package__), attr)
         except ImportError as err:
             from ._errors import MissingExtraError
 
@@ -72,7 +73,7 @@ class LazyNames:
                 raise
             hint = f"; install it with: pip install 'ckptbridge[{self.extra}]'" if self.extra else ""
             raise MissingExtraError(
-                f"{self.module}.{name} needs {importlib.util.resolve_name(module, self.module)!r}, which "
+                f"{self.module}.{name} needs {importlib.util.resolve_name(module, owner.__package__)!r}, which "
                 f"failed to import ({type(err).__name__}: {err}){hint}") from err
-        setattr(importlib.import_module(self.module), name, value)  # the module itself: already imported
+        setattr(owner, name, value)
         return value
