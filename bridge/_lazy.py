@@ -30,6 +30,7 @@ from __future__ import annotations
 import ast
 import importlib
 import importlib.util
+from collections.abc import Callable
 from typing import Any
 
 
@@ -77,3 +78,17 @@ class LazyNames:
                 f"failed to import ({type(err).__name__}: {err}){hint}") from err
         setattr(owner, name, value)
         return value
+
+    @staticmethod
+    def deferred(module: str, name: str) -> Callable[..., Any]:
+        """A function that calls ``module.name``, looked up (through the module's ``LazyNames``) when
+        it is first called: a format's ``write`` whose module is heavy, without a wrapper of its own::
+
+            FORMAT = Format("dcp", ..., write=LazyNames.deferred(__name__, "write"))
+        """
+        def call(*args: Any, **kwargs: Any) -> Any:
+            return getattr(importlib.import_module(module), name)(*args, **kwargs)
+
+        call.__name__ = call.__qualname__ = name
+        call.__module__ = module
+        return call

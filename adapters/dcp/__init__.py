@@ -37,7 +37,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ckptbridge.plugin import Checkpoint, CheckpointIndex, Format, LazyNames
+from ckptbridge.plugin import CheckpointIndex, Format, LazyNames
 
 from ._format import DcpOpenOptions, DcpWriteOptions, detect
 
@@ -59,14 +59,8 @@ def _open(path: str, o: DcpOpenOptions) -> CheckpointIndex:
     return index(path, prefix=o.prefix, read_bytes=o.read_bytes)
 
 
-def _write(ckpt: Checkpoint, dst: str, o: DcpWriteOptions) -> str:
-    from . import write
-
-    return write(ckpt, dst, o)
-
-
-FORMAT = Format("dcp", detect=detect, index=_open, write=_write, open_options=DcpOpenOptions,
-                write_options=DcpWriteOptions, priority=40, extra="torch",
+FORMAT = Format("dcp", detect=detect, index=_open, write=LazyNames.deferred(__name__, "write"),
+                open_options=DcpOpenOptions, write_options=DcpWriteOptions, priority=40, extra="torch",
                 description="torch.distributed.checkpoint directories (FSDP/DTensor)")
 __getattr__ = LazyNames(__name__, FORMAT.extra)
 

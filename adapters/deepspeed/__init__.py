@@ -54,7 +54,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ckptbridge.plugin import Checkpoint, CheckpointIndex, Format, LazyNames
+from ckptbridge.plugin import CheckpointIndex, Format, LazyNames
 
 from ._format import DeepSpeedOpenOptions, DeepSpeedUniversalWriteOptions, detect
 
@@ -71,16 +71,11 @@ def _open(path: str, o: DeepSpeedOpenOptions) -> CheckpointIndex:
     return index(path, tag=o.tag)
 
 
-def _write(ckpt: Checkpoint, dst: str, o: DeepSpeedUniversalWriteOptions) -> str:
-    from . import write
-
-    return write(ckpt, dst, o)
-
-
 FORMAT = Format("deepspeed", detect=detect, index=_open, open_options=DeepSpeedOpenOptions, priority=20,
                 description="DeepSpeed ZeRO 1/2/3 checkpoints (and ds_to_universal output), read in place")
-UNIVERSAL_FORMAT = Format("deepspeed-universal", write=_write, write_options=DeepSpeedUniversalWriteOptions,
-                          priority=21, description="DeepSpeed's universal layout (load_universal), any DP degree")
+UNIVERSAL_FORMAT = Format("deepspeed-universal", write=LazyNames.deferred(__name__, "write"),
+                          write_options=DeepSpeedUniversalWriteOptions, priority=21,
+                          description="DeepSpeed's universal layout (load_universal), any DP degree")
 FORMATS = (FORMAT, UNIVERSAL_FORMAT)
 __getattr__ = LazyNames(__name__, FORMAT.extra)
 

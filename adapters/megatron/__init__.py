@@ -71,7 +71,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ckptbridge.plugin import Checkpoint, CheckpointIndex, Format, LazyNames
+from ckptbridge.plugin import CheckpointIndex, Format, LazyNames
 
 from ._format import MegatronOpenOptions, MegatronWriteOptions, detect
 
@@ -88,14 +88,8 @@ def _open(path: str, o: MegatronOpenOptions) -> CheckpointIndex:
                  check_replicas=o.check_replicas)
 
 
-def _write(ckpt: Checkpoint, dst: str, o: MegatronWriteOptions) -> str:
-    from . import write
-
-    return write(ckpt, dst, o)
-
-
-FORMAT = Format("megatron", detect=detect, index=_open, write=_write, open_options=MegatronOpenOptions,
-                write_options=MegatronWriteOptions, priority=30, extra="torch",
+FORMAT = Format("megatron", detect=detect, index=_open, write=LazyNames.deferred(__name__, "write"),
+                open_options=MegatronOpenOptions, write_options=MegatronWriteOptions, priority=30, extra="torch",
                 description="Megatron-LM legacy per-rank checkpoints and Megatron-Core torch_dist")
 __getattr__ = LazyNames(__name__, FORMAT.extra)
 

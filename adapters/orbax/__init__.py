@@ -48,7 +48,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ckptbridge.plugin import Checkpoint, CheckpointIndex, Format, LazyNames
+from ckptbridge.plugin import CheckpointIndex, Format, LazyNames
 
 from ._format import OrbaxOpenOptions, OrbaxWriteOptions, detect
 
@@ -65,14 +65,8 @@ def _open(path: str, o: OrbaxOpenOptions) -> CheckpointIndex:
     return index(path, step=o.step, layout=o.layout)
 
 
-def _write(ckpt: Checkpoint, dst: str, o: OrbaxWriteOptions) -> str:
-    from . import write
-
-    return write(ckpt, dst, o)
-
-
-FORMAT = Format("orbax", detect=detect, index=_open, write=_write, open_options=OrbaxOpenOptions,
-                write_options=OrbaxWriteOptions, priority=50, extra="jax",
+FORMAT = Format("orbax", detect=detect, index=_open, write=LazyNames.deferred(__name__, "write"),
+                open_options=OrbaxOpenOptions, write_options=OrbaxWriteOptions, priority=50, extra="jax",
                 description="Orbax checkpoints (StandardCheckpointer, CheckpointManager; OCDBT, zarr2, zarr3)")
 __getattr__ = LazyNames(__name__, FORMAT.extra)
 

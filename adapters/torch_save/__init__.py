@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ckptbridge.plugin import CheckpointIndex, Format, LazyNames, OpenOptions
+from ckptbridge.plugin import Format, LazyNames
 
 from ._format import NAME, detect, is_legacy_torch, is_torch_zip
 
@@ -50,13 +50,8 @@ if TYPE_CHECKING:  # the reader's and writer's names, imported on first use (see
     from ._unpickle import safe_loads as safe_loads
 
 
-def _open(path: str, options: OpenOptions) -> CheckpointIndex:
-    from . import index
-
-    return index(path, options)
-
-
-FORMAT = Format(NAME, detect=detect, index=_open, priority=90, deprecated_aliases=("torch",),
+FORMAT = Format(NAME, detect=detect, index=LazyNames.deferred(__name__, "index"), priority=90,
+                deprecated_aliases=("torch",),
                 description="plain torch.save files and HF pytorch_model.bin indexes (read without torch; "
                             "formerly named 'torch')")
 __getattr__ = LazyNames(__name__, FORMAT.extra)
