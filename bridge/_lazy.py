@@ -1,23 +1,28 @@
 """Public names imported on first use (PEP 562), listed once in a module's ``if TYPE_CHECKING:`` block.
 
-``ckptbridge`` itself and each built-in format's package list their heavy public names as the
-imports of that block: mypy reads them, and at run time the module's ``__getattr__`` imports
-each one the first time it is used. A format package is imported by format detection (its entry
-point), so this keeps detection from importing every format's reader and writer::
+``ckptbridge``, ``ckptbridge.plugin`` and each built-in format's package list their heavy public
+names as the imports of that block: mypy reads them, and at run time the module's ``__getattr__``
+imports each one the first time it is used. A format package is imported by format detection (its
+entry point), so this keeps detection from importing every format's reader and writer (the
+package itself imports only its ``_format`` module: ``detect`` and the options classes)::
 
     from typing import TYPE_CHECKING
 
-    from ckptbridge.plugin import LazyNames
+    from ckptbridge.plugin import Format, LazyNames
+
+    from ._format import MyOpenOptions, MyWriteOptions, detect
 
     if TYPE_CHECKING:
         from ._reader import index as index
-        from ._resume import load_engine as load_engine
-
-    __getattr__ = LazyNames(__name__, extra="torch")   # `from pkg import load_engine` still works
+        from ._writer import write as write
 
     def _open(path, options):
         from . import index        # through __getattr__: the reader is imported on the first open
         return index(path, tag=options.tag)
+
+    FORMAT = Format("mine", detect=detect, index=_open, write=LazyNames.deferred(__name__, "write"),
+                    open_options=MyOpenOptions, write_options=MyWriteOptions, extra="torch")
+    __getattr__ = LazyNames(__name__, FORMAT.extra)   # `from pkg import write` still works
 
 A name whose module fails to import raises :class:`~ckptbridge.MissingExtraError` naming the
 module, the cause and, with ``extra``, the ``pip install 'ckptbridge[extra]'`` that provides it
