@@ -1,5 +1,6 @@
-"""Hugging Face shard indexes (``*.safetensors.index.json``, ``pytorch_model.bin.index.json``) and the
-``config.json`` beside a checkpoint."""
+"""Hugging Face shard indexes (``*.safetensors.index.json``, ``pytorch_model.bin.index.json``), the
+``config.json`` beside a checkpoint, and PEFT adapter folders (what they are; reading them is
+``ckptbridge.adapters.lora._read``)."""
 
 from __future__ import annotations
 
@@ -88,3 +89,18 @@ def hf_config(path: str) -> tuple[str, Mapping[str, Any]] | None:
     except ValueError as err:
         raise FormatError(f"{cfg}: not valid JSON ({err})") from None
     return (cfg, config) if isinstance(config, dict) else None
+
+
+PEFT_CONFIG = "adapter_config.json"
+PEFT_WEIGHTS = "adapter_model.safetensors"
+
+
+def is_peft_adapter(path: str) -> bool:
+    """Whether ``path`` is a PEFT adapter folder (or its ``adapter_model.safetensors``)."""
+    root = path if storage.isdir(path) else storage.dirname(path)
+    return storage.isfile(storage.join(root, PEFT_CONFIG)) and storage.isfile(storage.join(root, PEFT_WEIGHTS))
+
+
+def peft_weights_file(path: str) -> str:
+    """The ``adapter_model.safetensors`` of the adapter folder (or file) ``path``."""
+    return storage.join(path, PEFT_WEIGHTS) if storage.isdir(path) else path

@@ -42,9 +42,8 @@ from ckptbridge.plugin import (
     tensor_specs,
 )
 
-from ._hf import check_weight_map, index_json_of, read_index
+from ._hf import check_weight_map, index_json_of, is_peft_adapter, peft_weights_file, read_index
 from ._quant import OUTPUT_DTYPES, dequantize, derivation_of, quantization_config
-from .lora import _read as _lora
 
 __all__ = ["FORMAT", "SafetensorsOpenOptions", "SafetensorsWriteOptions", "detect", "index", "write"]
 
@@ -136,12 +135,23 @@ def index(path: str, options: OpenOptions | None = None) -> CheckpointIndex:
     if len(files) == 1:
         meta = read_header(files[0])[0].get("__metadata__") or {}
         extra = {"metadata": meta} if meta else {}
-    if _lora.is_adapter(path):
+    if opts.adapters or is_peft_adapter(path):
+        tensors = _lora_tensors(path, tensors, opts, extra)
+    return CheckpointIndex("safetensors", path, tensors, extra=extra)
+
+
+def _lora_tensors(path: str, tensors: Mapping[str, LogicalTensor], opts: SafetensorsOpenOptions,
+                  extra: dict[str, object]) -> Mapping[str, LogicalTensor]:
+    """A PEFT adapter folder's notes (which base weight each tensor adapts) and ``adapters=`` merged in,
+    into ``extra["lora"]`` (imported here: the other opens need neither it nor the rule language)."""
+    from .lora import _read as _lora
+
+    if is_peft_adapter(path):
         extra["lora"] = _lora.adapter_notes(_lora.read(path, tensors))
     if opts.adapters:
-        adapters = [_lora.read(a, _single_file_tensors(_lora.weights_file(a))) for a in opts.adapters]
+        adapters = [_lora.read(a, _single_file_tensors(peft_weights_file(a))) for a in opts.adapters]
         tensors, extra["lora"] = _lora.merge(tensors, adapters, opts.adapter_weights or (1.0,) * len(adapters), path)
-    return CheckpointIndex("safetensors", path, tensors, extra=extra)
+    return tensors
 
 
 @dataclass(frozen=True)

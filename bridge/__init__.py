@@ -28,15 +28,14 @@ Framework adapters live in ``ckptbridge.adapters`` (``.jax``, ``.torch``,
 ``import ckptbridge`` imports neither torch nor jax.
 """
 
-import ast as _ast
-import builtins as _builtins
 import importlib as _importlib
 import typing as _typing
 
 from ._gc import no_gc as _no_gc
+from ._lazy import type_checking_names as _type_checking_names
 from ._version import __version__ as __version__
 
-if _typing.TYPE_CHECKING:  # THE list of public names: mypy reads it, and _public() derives the lazy map and __all__
+if _typing.TYPE_CHECKING:  # THE list of public names: mypy reads it, and _LAZY (the lazy map) and __all__ come from it
     from ._checkpointer.core import Checkpointer as Checkpointer
     from ._checkpointer.jobs import SaveStats as SaveStats
     from ._checkpointer.policy import SavePolicy as SavePolicy
@@ -123,17 +122,9 @@ if _typing.TYPE_CHECKING:  # THE list of public names: mypy reads it, and _publi
 _SUBMODULES = ("health", "plugin", "recipes", "rules")  # public subpackages, imported on first use
 
 
-def _public() -> dict[str, tuple[str, str]]:
-    """Public name -> (module, name there), read from the ``TYPE_CHECKING`` block above (the one
-    place a public name is written; its modules are imported on first use, so the CLI starts fast)."""
-    with _builtins.open(__file__, encoding="utf-8") as fh:  # not open(): that name is ckptbridge.open here
-        tree = _ast.parse(fh.read())
-    block = next(n for n in tree.body if isinstance(n, _ast.If) and _ast.unparse(n.test).endswith("TYPE_CHECKING"))
-    return {a.asname or a.name: ("." * n.level + (n.module or ""), a.name)
-            for n in block.body if isinstance(n, _ast.ImportFrom) for a in n.names}
-
-
-_LAZY = _public()
+# Public name -> (module, name there), read from the ``TYPE_CHECKING`` block above (the one place a
+# public name is written; its modules are imported on first use, so the CLI starts fast)
+_LAZY = _type_checking_names(__file__)
 __all__ = sorted([*_LAZY, "__version__"])
 
 

@@ -140,7 +140,12 @@ def test_missing_extras_name_the_pip_install(pt, tmp_path, orbax_ckpt):
     one_line_error(r, "tensorstore", "pip install 'ckptbridge[jax]'")
     r = _without("torch", "reshard", src, str(tmp_path / "d"), "--to", "dcp")
     one_line_error(r, "writing DCP checkpoints", "pip install 'ckptbridge[torch]'")
-    assert not any(os.path.exists(tmp_path / n) for n in ("o", "d"))
+    # a format's reader or writer is imported on first use: one that fails to import says the same
+    r = _without("ckptbridge.adapters.orbax._reader", "inspect", orbax_ckpt)
+    one_line_error(r, orbax_ckpt, "'ckptbridge.adapters.orbax._reader'", "pip install 'ckptbridge[jax]'")
+    r = _without("ckptbridge.adapters.dcp._writer", "reshard", src, str(tmp_path / "w"), "--to", "dcp")
+    one_line_error(r, "'ckptbridge.adapters.dcp._writer'", "pip install 'ckptbridge[torch]'")
+    assert not any(os.path.exists(tmp_path / n) for n in ("o", "d", "w"))
     # Megatron's rank files are written without torch (ckptbridge's own torch.save-compatible writer)
     mega = os.path.join(MEGATRON_A, "tp1pp1", "torch")
     r = _without("torch", "reshard", mega, str(tmp_path / "m"), "--to", "megatron", "--tp", "2")

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import ast
 import importlib
+import json
 import os
 import re
+import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 import ckptbridge
@@ -58,7 +61,11 @@ def _adapter_plugin_imports() -> set[str]:
 def test_the_plugin_interface_holds_what_adapters_use_and_nothing_private():
     names = set(ckptbridge.plugin.__all__)
     assert not [n for n in names if n.startswith("_")]
-    assert names == {n for n in vars(ckptbridge.plugin) if not n.startswith("_") and n != "annotations"}
+    lazy = _type_checking_names(os.path.join(ROOT, "bridge", "plugin.py"))  # imported on first use
+    eager = {n for n in vars(ckptbridge.plugin) if not n.startswith("_") and n not in ("annotations", "TYPE_CHECKING")}
+    assert names == set(lazy) | eager
+    for name, (module, attr) in lazy.items():
+        assert getattr(ckptbridge.plugin, name) is getattr(importlib.import_module(module, "ckptbridge"), attr), name
     used = _adapter_plugin_imports()
     assert used <= names, sorted(used - names)
     assert names - used <= THIRD_PARTY, f"exported but used by no adapter: {sorted(names - used - THIRD_PARTY)}"
@@ -130,3 +137,65 @@ def test_the_layout_check_fails_on_a_missing_entry(monkeypatch):
     monkeypatch.setattr(sys.modules[__name__], "_layout_block", lambda: broken)
     with pytest.raises(AssertionError, match="bridge/_gone/"):
         test_the_readme_layout_names_the_tree()
+
+
+# ---------------------------------------------------------------- format packages: readers and writers load on first use
+
+FORMAT_PACKAGES = ("dcp", "deepspeed", "megatron", "orbax", "torch_save")
+_OPEN_AND_LIST = """
+import json, sys
+import ckptbridge
+ckpt = ckptbridge.open(sys.argv[1])
+assert ckpt.format == "safetensors" and ckpt["w"].read().tolist() == [[1.0, 2.0]]
+loaded = sorted(m for m in sys.modules if m.startswith("ckptbridge."))
+import ckptbridge.adapters.megatron as megatron
+megatron.index  # a lazy name: imports the reader
+print(json.dumps([loaded, sorted(m for m in sys.modules if m.startswith("ckptbridge.adapters."))]))
+"""
+
+
+def test_opening_safetensors_imports_no_other_format_reader_or_writer(tmp_path):
+    """Detection imports every format package (its entry point), but only its ``_format`` module:
+    no reader, writer or runtime of another format is imported to open a safetensors file, nor the
+    parts of the core that opening does not use (the rule language, the Checkpointer, health)."""
+    from safetensors.numpy import save_file
+
+    save_file({"w": np.array([[1.0, 2.0]], dtype=np.float32)}, str(tmp_path / "model.safetensors"))
+    r = subprocess.run([sys.executable, "-c", _OPEN_AND_LIST, str(tmp_path / "model.safetensors")],
+                       capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr
+    loaded, after = json.loads(r.stdout.splitlines()[-1])
+    for pkg in FORMAT_PACKAGES:
+        assert f"ckptbridge.adapters.{pkg}._format" in loaded, pkg  # detection ran through it
+    light = {f"ckptbridge.adapters.{pkg}{sub}" for pkg in FORMAT_PACKAGES for sub in ("", "._format")}
+    light.add("ckptbridge.adapters.deepspeed._files")  # deepspeed's detect: listings only
+    adapters = [m for m in loaded if m.startswith("ckptbridge.adapters.")]
+    heavy = [m for m in adapters if m.split(".")[2] in FORMAT_PACKAGES and m not in light]
+    assert not heavy, f"opening a safetensors file imported {heavy}"
+    runtimes = [m for m in adapters if m.split(".")[2] in ("torch", "jax", "flax")]
+    unused = [m for m in loaded if m.startswith(("ckptbridge.adapters.lora", "ckptbridge.rules", "ckptbridge.health",
+                                                   "ckptbridge._checkpointer", "ckptbridge.recipes"))]
+    assert not runtimes and not unused, runtimes + unused
+    # control: the listing sees a reader once a lazy name is used
+    assert "ckptbridge.adapters.megatron._reader" in after and "ckptbridge.adapters.megatron._reader" not in loaded
+
+
+def test_format_packages_keep_their_public_names():
+    """Every name in a format package's ``__all__`` resolves (lazy ones through ``LazyNames``, to the
+    object of the module its ``TYPE_CHECKING`` import names); unknown names are AttributeErrors."""
+    for pkg in (*FORMAT_PACKAGES, "lora"):
+        path = os.path.join(ROOT, "adapters", pkg, "__init__.py")
+        lazy = _type_checking_names(path)
+        module = importlib.import_module(f"ckptbridge.adapters.{pkg}")
+        assert set(lazy) <= set(module.__all__), (pkg, sorted(set(lazy) - set(module.__all__)))
+        for name in module.__all__:
+            value = getattr(module, name)
+            if name in lazy:
+                source, attr = lazy[name]
+                assert value is getattr(importlib.import_module(source, module.__name__), attr), (pkg, name)
+        with pytest.raises(AttributeError, match="no attribute 'indexx'"):
+            module.indexx  # noqa: B018
+    from ckptbridge.adapters.deepspeed import load_engine
+    from ckptbridge.adapters.deepspeed._resume import load_engine as original
+
+    assert load_engine is original

@@ -35,42 +35,34 @@ chunks along dim 0, as a ``Shard(0)`` save on that many ranks would be::
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from ckptbridge.plugin import CheckpointIndex, Format, OpenOptions
+from ckptbridge.plugin import CheckpointIndex, Format, LazyNames
 
-from ._metadata import (
-    DcpChunk,
-    DcpMetadata,
-    DcpTensor,
-    chunk_fragment,
-    object_archive,
-    read_metadata,
-    tensor_state,
-)
-from ._reader import detect, index
-from ._writer import DcpWriteOptions, write
+from ._format import DcpOpenOptions, DcpWriteOptions, detect
 
-
-@dataclass(frozen=True)
-class DcpOpenOptions(OpenOptions):
-    """Opening a DCP directory.
-
-    ``prefix``: the state-dict container key to drop from weight names (default: auto among ``model``, ``module``, ``model_state_dict``, ``state_dict``; ``""`` keeps full keys).
-    ``read_bytes``: load small non-tensor items (hyper-parameters) into ``extra``.
-    """
-
-    prefix: str | None = None
-    read_bytes: bool = True
+if TYPE_CHECKING:  # the reader's and writer's names, imported on first use (see LazyNames)
+    from ._metadata import DcpChunk as DcpChunk
+    from ._metadata import DcpMetadata as DcpMetadata
+    from ._metadata import DcpTensor as DcpTensor
+    from ._metadata import chunk_fragment as chunk_fragment
+    from ._metadata import object_archive as object_archive
+    from ._metadata import read_metadata as read_metadata
+    from ._metadata import tensor_state as tensor_state
+    from ._reader import index as index
+    from ._writer import write as write
 
 
 def _open(path: str, o: DcpOpenOptions) -> CheckpointIndex:
+    from . import index
+
     return index(path, prefix=o.prefix, read_bytes=o.read_bytes)
 
 
-FORMAT = Format("dcp", detect=detect, index=_open, write=write, open_options=DcpOpenOptions,
-                write_options=DcpWriteOptions, priority=40, extra="torch",
+FORMAT = Format("dcp", detect=detect, index=_open, write=LazyNames.deferred(__name__, "write"),
+                open_options=DcpOpenOptions, write_options=DcpWriteOptions, priority=40, extra="torch",
                 description="torch.distributed.checkpoint directories (FSDP/DTensor)")
+__getattr__ = LazyNames(__name__, FORMAT.extra)
 
 __all__ = [
     "FORMAT",

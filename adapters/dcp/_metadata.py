@@ -77,13 +77,6 @@ class DcpMetadata:
 _RANK_METADATA = re.compile(r"__(\d+)\.metadata")
 
 
-def is_dcp_dir(path: str) -> bool:
-    """``.metadata``, or the per-rank ``__<rank>.metadata`` files of ``dcp.save(use_collectives=False)``."""
-    if not storage.isdir(path):
-        return False
-    return storage.isfile(storage.join(path, ".metadata")) or storage.isfile(storage.join(path, "__0.metadata"))
-
-
 def metadata_files(path: str) -> list[str]:
     """The metadata pickles of a DCP directory: ``.metadata``, else every rank's ``__<rank>.metadata``
     (written without rank coordination; ranks must run 0..N-1 without a gap)."""

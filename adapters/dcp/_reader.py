@@ -34,7 +34,6 @@ from ._metadata import (
     DcpMetadata,
     DcpTensor,
     chunk_fragment,
-    is_dcp_dir,
     read_metadata,
     read_object,
 )
@@ -43,11 +42,6 @@ from ._metadata import (
 MODEL_KEYS = ("model", "module", "model_state_dict", "state_dict")
 OPTIM_STATE = "state"
 _MAX_BYTE_ITEM = 1 << 20
-
-
-def detect(path: str) -> bool:
-    """A directory with DCP's ``.metadata`` or per-rank ``__0.metadata`` (never raises)."""
-    return is_dcp_dir(path)
 
 
 # ------------------------------------------------------------------ reading

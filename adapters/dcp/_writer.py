@@ -5,9 +5,6 @@ from __future__ import annotations
 import os
 import uuid
 from collections.abc import Mapping
-
-# Keys under which people nest a model's state dict before dcp.save.
-from dataclasses import dataclass
 from typing import Any
 
 from ckptbridge.adapters.torch import to_torch
@@ -15,14 +12,13 @@ from ckptbridge.plugin import (
     WEIGHT_STATES,
     Box,
     Checkpoint,
-    OptionError,
     TensorState,
-    WriteOptions,
     read_state,
     require,
     staged_dir,
 )
 
+from ._format import DcpWriteOptions
 from ._reader import OPTIM_STATE
 
 
@@ -65,28 +61,6 @@ def _param_groups(ckpt: Checkpoint, names: list[str]) -> list[dict[str, Any]]:
             group["params"] = list(names)
         out.append(group)
     return out
-
-
-@dataclass(frozen=True)
-class DcpWriteOptions(WriteOptions):
-    """Writing a torch DCP directory (it loads onto any mesh, so it has no tp/pp layout).
-
-    ``world_size``: number of ``.distcp`` files; each tensor is cut along dim 0 into that many chunks.
-    ``state``: which weight state to write (default ``fp32``, else ``param``).
-    ``optimizer``: also write the optimizer states as ``get_optimizer_state_dict`` lays them out (default: when the checkpoint has them).
-    ``model_key``: container key of the weights (default ``model`` with optimizer states, none without).
-    ``optim_key``: container key of the optimizer state.
-    """
-
-    world_size: int = 1
-    state: str | None = None
-    optimizer: bool | None = None
-    model_key: str | None = None
-    optim_key: str = "optim"
-
-    def validate(self) -> None:
-        if self.world_size < 1:
-            raise OptionError(f"format 'dcp' (write): world_size must be >= 1, got {self.world_size}")
 
 
 def write(ckpt: Checkpoint, dst: str, options: DcpWriteOptions | None = None) -> str:

@@ -52,34 +52,32 @@ parameter reads the tensor of its global expert id.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from ckptbridge.plugin import CheckpointIndex, Format, OpenOptions
+from ckptbridge.plugin import CheckpointIndex, Format, LazyNames
 
-from ._reader import detect, index
-from ._resume import EngineLoad, load_engine
-from ._universal_write import DeepSpeedUniversalWriteOptions, write
+from ._format import DeepSpeedOpenOptions, DeepSpeedUniversalWriteOptions, detect
 
-
-@dataclass(frozen=True)
-class DeepSpeedOpenOptions(OpenOptions):
-    """Opening a DeepSpeed checkpoint.
-
-    ``tag``: which tag folder under a checkpoint root (default: the one ``latest`` names).
-    """
-
-    tag: str | None = None
+if TYPE_CHECKING:  # the reader's and writer's names, imported on first use (see LazyNames)
+    from ._reader import index as index
+    from ._resume import EngineLoad as EngineLoad
+    from ._resume import load_engine as load_engine
+    from ._universal_write import write as write
 
 
 def _open(path: str, o: DeepSpeedOpenOptions) -> CheckpointIndex:
+    from . import index
+
     return index(path, tag=o.tag)
 
 
 FORMAT = Format("deepspeed", detect=detect, index=_open, open_options=DeepSpeedOpenOptions, priority=20,
                 description="DeepSpeed ZeRO 1/2/3 checkpoints (and ds_to_universal output), read in place")
-UNIVERSAL_FORMAT = Format("deepspeed-universal", write=write, write_options=DeepSpeedUniversalWriteOptions,
-                          priority=21, description="DeepSpeed's universal layout (load_universal), any DP degree")
+UNIVERSAL_FORMAT = Format("deepspeed-universal", write=LazyNames.deferred(__name__, "write"),
+                          write_options=DeepSpeedUniversalWriteOptions, priority=21,
+                          description="DeepSpeed's universal layout (load_universal), any DP degree")
 FORMATS = (FORMAT, UNIVERSAL_FORMAT)
+__getattr__ = LazyNames(__name__, FORMAT.extra)
 
 __all__ = ["FORMAT", "FORMATS", "UNIVERSAL_FORMAT", "DeepSpeedOpenOptions", "DeepSpeedUniversalWriteOptions",
            "EngineLoad", "detect", "index", "load_engine", "write"]

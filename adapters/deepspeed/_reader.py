@@ -38,7 +38,7 @@ from ckptbridge.plugin import (
 )
 
 from ._common import FORMAT, as_int, get, hyper, open_archive, shape_of
-from ._files import TagFiles, list_tag_files, looks_like_deepspeed, require_grid, resolve_tag_dir
+from ._files import TagFiles, list_tag_files, require_grid, resolve_tag_dir
 from ._moe import edp_members, global_expert, moe_group_ep
 from ._universal_read import index_universal
 from ._zero import FlatBuffer, RankPartition, zero3_fragments, zero12_fragments
@@ -51,11 +51,6 @@ _DS_MODEL_KEYS = {
     "skipped_steps", "global_steps", "global_samples", "dp_world_size", "mp_world_size",
     "checkpoint_parallel_dimensions", "ds_config", "ds_version", "universal_checkpoint_info",
 }
-
-
-def detect(path: str) -> bool:
-    """True for a DeepSpeed checkpoint root (with ``latest``) or tag folder. Never raises."""
-    return looks_like_deepspeed(os.fspath(path))
 
 
 def index(path: str, tag: str | None = None) -> CheckpointIndex:

@@ -44,7 +44,6 @@ from __future__ import annotations
 import os
 import shutil
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -54,13 +53,13 @@ from ckptbridge.plugin import (
     Checkpoint,
     Filler,
     FormatError,
-    OptionError,
     StreamFile,
     TensorView,
-    WriteOptions,
     staged_dir,
     write_files,
 )
+
+from ._format import DeepSpeedUniversalWriteOptions
 
 FORMAT = "deepspeed-universal"
 OPTIM_STATES = ("exp_avg", "exp_avg_sq")
@@ -87,26 +86,6 @@ def _native(view: TensorView) -> Tensor:
 def _step_value(ckpt: Checkpoint) -> float | None:
     steps = {t.scalars["step"] for t in ckpt.tensors.values() if "step" in t.scalars}
     return float(max(steps)) if steps else None
-
-
-@dataclass(frozen=True)
-class DeepSpeedUniversalWriteOptions(WriteOptions):
-    """Writing DeepSpeed's universal layout (the same for every target DP degree and ZeRO stage:
-    DeepSpeed partitions it when it loads, so it takes no layout options).
-
-    ``tag``: the tag folder (default ``global_step<step>``).
-    ``workers``: threads reading the source and checksumming (default 2; the writes run in
-    threads of their own).
-    """
-
-    tag: str | None = None
-    workers: int | None = None
-
-    def validate(self) -> None:
-        if self.tag is not None and (os.sep in self.tag or self.tag in ("", ".", "..")):
-            raise OptionError(f"format 'deepspeed-universal' (write): invalid tag {self.tag!r}")
-        if self.workers is not None and self.workers < 1:
-            raise OptionError(f"format 'deepspeed-universal' (write): workers must be >= 1, got {self.workers}")
 
 
 def write(ckpt: Checkpoint, dst: str, options: DeepSpeedUniversalWriteOptions | None = None) -> str:

@@ -19,14 +19,21 @@
 
 from __future__ import annotations
 
-from ._carry import carry as carry
-from ._carry import factor_name as factor_name
-from ._carry import factor_of as factor_of
-from ._carry import save_peft as save_peft
-from ._plan import Copy as Copy
-from ._plan import Place as Place
-from ._plan import Plan as Plan
-from ._plan import plan as plan
-from ._qwix import save_qwix as save_qwix
+from typing import TYPE_CHECKING
+
+from ckptbridge.plugin import LazyNames
+
+if TYPE_CHECKING:  # imported on first use (see LazyNames): the safetensors reader needs only ._read
+    from ._carry import carry as carry
+    from ._carry import factor_name as factor_name
+    from ._carry import factor_of as factor_of
+    from ._carry import save_peft as save_peft
+    from ._plan import Copy as Copy
+    from ._plan import Place as Place
+    from ._plan import Plan as Plan
+    from ._plan import plan as plan
+    from ._qwix import save_qwix as save_qwix
+
+__getattr__ = LazyNames(__name__)
 
 __all__ = ["Copy", "Place", "Plan", "carry", "factor_name", "factor_of", "plan", "save_peft", "save_qwix"]

@@ -47,6 +47,7 @@ from ckptbridge.plugin import (
     apply_rules,
 )
 
+from .._hf import peft_weights_file
 from . import _experts, _read
 from ._plan import Copy, Layout, Place, layout_of, plan, qwix_folds, qwix_splits, scan_axis
 
@@ -251,7 +252,7 @@ def _scalings(adapter: Checkpoint, style: str, peft: _read.Adapter | None, pairs
         if alpha is not None:
             raise OptionError(f"{adapter.path}: a PEFT adapter's lora_alpha is its {_read.CONFIG}'s; "
                               "alpha= is for factors that record none (MaxText's, Megatron-Bridge's)")
-        config = _read._config(_read.weights_file(adapter.path))
+        config = _read._config(peft_weights_file(adapter.path))
         return float(config.get("lora_alpha", 8)), int(config.get("r", 8)), {p.base: p.scaling for p in peft.pairs}
     ranks = {b: p["A"].shape[-1 if style == "maxtext" else 0] for b, p in pairs.items()}
     given = adapter.extra.get("lora")

@@ -63,13 +63,14 @@ from ckptbridge.plugin import (
     transpose,
 )
 
-from .._hf import hf_config
+from .._hf import PEFT_CONFIG as CONFIG
+from .._hf import PEFT_WEIGHTS as WEIGHTS
+from .._hf import hf_config, peft_weights_file
+from .._hf import is_peft_adapter as is_adapter
 
 __all__ = ["CONFIG", "PARAM_ORDER", "WEIGHTS", "Adapter", "LoraMerge", "LoraPair", "adapted", "adapter_notes", "is_adapter",
            "merge", "read"]
 
-CONFIG = "adapter_config.json"
-WEIGHTS = "adapter_model.safetensors"
 _PREFIX = "base_model.model."
 _REFUSED = (("use_dora", "DoRA"), ("fan_in_fan_out", "fan_in_fan_out"), ("lora_bias", "LoRA biases"))
 # the order transformers' fused experts register their parameters (PEFT nests the wrappers in it)
@@ -137,17 +138,6 @@ class LoraMerge:
         np.copyto(out, acc, casting="unsafe")
 
 
-def is_adapter(path: str) -> bool:
-    """Whether ``path`` is a PEFT adapter folder (or its ``adapter_model.safetensors``)."""
-    root = path if storage.isdir(path) else storage.dirname(path)
-    return storage.isfile(storage.join(root, CONFIG)) and storage.isfile(storage.join(root, WEIGHTS))
-
-
-def weights_file(path: str) -> str:
-    """The ``adapter_model.safetensors`` of the adapter folder (or file) ``path``."""
-    return storage.join(path, WEIGHTS) if storage.isdir(path) else path
-
-
 def _config(file: str) -> dict[str, Any]:
     cfg = storage.join(storage.dirname(file), CONFIG)
     try:
@@ -200,7 +190,7 @@ def adapted(module: str, targets: Sequence[str], file: str, name: str) -> tuple[
 
 def read(path: str, tensors: Mapping[str, LogicalTensor]) -> Adapter:
     """The adapter at ``path`` (folder or file) whose stored tensors are ``tensors``."""
-    file = weights_file(path)
+    file = peft_weights_file(path)
     config = _config(file)
     saved = [str(m) for m in config.get("modules_to_save") or ()]
     targets = [str(t) for t in config.get("target_parameters") or ()]

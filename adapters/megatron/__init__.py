@@ -69,37 +69,28 @@ distributed optimizer.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from ckptbridge.plugin import CheckpointIndex, Format, OpenOptions
+from ckptbridge.plugin import CheckpointIndex, Format, LazyNames
 
-from ._reader import detect, index, split_rules
-from ._writer import MegatronWriteOptions, write
+from ._format import MegatronOpenOptions, MegatronWriteOptions, detect
 
-
-@dataclass(frozen=True)
-class MegatronOpenOptions(OpenOptions):
-    """Opening a Megatron checkpoint.
-
-    ``split_fused``: expose ``...linear_qkv.{q,k,v}.weight`` and ``...linear_fc1.{gate,up}.weight``.
-    ``strip_padding``: strip the vocabulary padding rows.
-    ``vocab_size``: the tokenizer's size when the args do not record it (Megatron-LM stores only ``padded_vocab_size``).
-    ``check_replicas``: read replicated tensors on every TP rank and require them equal.
-    """
-
-    split_fused: bool = False
-    strip_padding: bool = True
-    vocab_size: int | None = None
-    check_replicas: bool = False
+if TYPE_CHECKING:  # the reader's and writer's names, imported on first use (see LazyNames)
+    from ._reader import index as index
+    from ._reader import split_rules as split_rules
+    from ._writer import write as write
 
 
 def _open(path: str, o: MegatronOpenOptions) -> CheckpointIndex:
+    from . import index
+
     return index(path, split_fused=o.split_fused, strip_padding=o.strip_padding, vocab_size=o.vocab_size,
                  check_replicas=o.check_replicas)
 
 
-FORMAT = Format("megatron", detect=detect, index=_open, write=write, open_options=MegatronOpenOptions,
-                write_options=MegatronWriteOptions, priority=30, extra="torch",
+FORMAT = Format("megatron", detect=detect, index=_open, write=LazyNames.deferred(__name__, "write"),
+                open_options=MegatronOpenOptions, write_options=MegatronWriteOptions, priority=30, extra="torch",
                 description="Megatron-LM legacy per-rank checkpoints and Megatron-Core torch_dist")
+__getattr__ = LazyNames(__name__, FORMAT.extra)
 
 __all__ = ["FORMAT", "MegatronOpenOptions", "MegatronWriteOptions", "detect", "index", "split_rules", "write"]

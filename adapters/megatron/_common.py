@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from collections.abc import Mapping
@@ -13,9 +12,7 @@ import numpy as np
 from ckptbridge.adapters.torch_save import Opaque, TensorRef, TorchDtype
 from ckptbridge.plugin import FormatError, MissingShardError, storage
 
-TRACKER = "latest_checkpointed_iteration.txt"
-ITER_RE = re.compile(r"^iter_(\d{7,})$")
-RANK_RE = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
+from ._format import ITER_RE, TRACKER
 
 
 def resolve_iter_dir(path: str) -> tuple[str, int | None]:
@@ -35,34 +32,6 @@ def resolve_iter_dir(path: str) -> tuple[str, int | None]:
         return it_dir, int(text)
     m = ITER_RE.match(storage.basename(path))
     return path, (int(m.group(1)) if m else None)
-
-
-def is_dist_dir(path: str) -> bool:
-    meta = storage.join(path, "metadata.json")
-    if not storage.isfile(meta):
-        return False
-    try:
-        return json.loads(storage.read_text(meta)).get("sharded_backend") in ("torch_dist", "zarr", "fsdp_dtensor")
-    except (OSError, ValueError, AttributeError):
-        return False
-
-
-def rank_dirs(it_dir: str) -> dict[tuple[int, ...], str]:
-    """``mp_rank_TT[_PPP][_EEE]`` directories of a legacy iteration dir: the numbers in the name -> path.
-
-    ``(tp, pp)`` for dense runs (``pp`` 0 without pipelining); with expert parallelism the EP rank
-    follows (``mp_rank_TT_EEE`` without pipelining reads as ``(tp, ep)``: only the args can tell)."""
-    out: dict[tuple[int, ...], str] = {}
-    try:
-        names = storage.listdir(it_dir)
-    except OSError:
-        return {}
-    for n in names:
-        m = RANK_RE.match(n)
-        if m and storage.isdir(storage.join(it_dir, n)):
-            nums = tuple(int(g) for g in m.groups() if g is not None)
-            out[nums if len(nums) > 1 else (nums[0], 0)] = storage.join(it_dir, n)
-    return out
 
 
 def rank_dir_name(tp: int, pp: int, pp_size: int, ep: int | None = None) -> str:

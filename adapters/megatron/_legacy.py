@@ -25,7 +25,8 @@ from ckptbridge.plugin import (
     storage,
 )
 
-from ._common import args_dict, rank_dir_name, rank_dirs
+from ._common import args_dict, rank_dir_name
+from ._format import rank_dirs
 from ._layout import LAYER_RE, MegatronConfig
 from ._moe import GROUPED_RE, global_expert_name, grouped_experts, is_buffer, is_expert, rank_grid
 from ._optim import grad_buffer, group_order

@@ -22,29 +22,12 @@ from ckptbridge.plugin import (
     storage,
 )
 
-from ._common import ITER_RE, TRACKER, is_dist_dir, plain, rank_dirs, resolve_iter_dir
+from ._common import plain, resolve_iter_dir
 from ._dist import read_dist
+from ._format import is_dist_dir, rank_dirs
 from ._layout import MegatronConfig, consolidate, layout_rules, tp_layout
 from ._legacy import read_legacy
 from ._moe import check_moe_layers, is_expert, moe_split_rules
-
-
-def detect(path: str) -> bool:
-    """A Megatron run dir, iteration dir, or Megatron dist-checkpoint dir (cheap; never raises)."""
-    try:
-        path = os.fspath(path)
-        if not storage.isdir(path):
-            return False
-        if storage.isfile(storage.join(path, TRACKER)):
-            return True
-        if is_dist_dir(path) and storage.isfile(storage.join(path, "common.pt")):
-            return True
-        return bool(rank_dirs(path)) and (ITER_RE.match(storage.basename(path)) is not None
-                                          or storage.basename(path) == "release"
-                                          or any(storage.isfile(storage.join(d, "model_optim_rng.pt"))
-                                                 for d in rank_dirs(path).values()))
-    except Exception:  # detection must never raise on foreign input
-        return False
 
 
 def split_rules(cfg: MegatronConfig) -> list[Split]:
@@ -154,4 +137,4 @@ def _check_equal(name: str, state: str, parts: list[TensorState]) -> None:
                 )
 
 
-__all__ = ["detect", "index", "split_rules"]
+__all__ = ["index", "split_rules"]

@@ -41,7 +41,6 @@ import math
 import os
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -62,14 +61,14 @@ from ckptbridge.plugin import (
     OptionError,
     TensorNotFoundError,
     TensorView,
-    WriteOptions,
     fuse,
     staged_dir,
     storage,
 )
 from ckptbridge.plugin import dtypes as _dtypes
 
-from ._common import TRACKER, rank_dir_name
+from ._common import rank_dir_name
+from ._format import TRACKER, MegatronWriteOptions
 from ._layout import MegatronConfig, true_vocab_size
 from ._moe import EXPERT_RE, GROUPED_RE, check_moe_layers, grouped_experts, is_buffer
 from ._optim import grad_buffer, group_order
@@ -214,40 +213,6 @@ class _Source:
 
 def _np(dtype: str) -> np.dtype:
     return _dtypes.to_numpy(dtype)
-
-
-@dataclass(frozen=True)
-class MegatronWriteOptions(WriteOptions):
-    """Writing a legacy Megatron-LM checkpoint for a new layout (uniform stages, no virtual pipeline).
-
-    ``tp``: tensor-parallel size (default: the source's).
-    ``pp``: pipeline-parallel size (default: the source's).
-    ``dp``: data-parallel size recorded in the args (default: the source's where it fits the new layout,
-    else the smallest that does).
-    ``ep``, ``etp``: expert-parallel and expert-tensor-parallel sizes of a mixture-of-experts model
-    (default: the source's EP; ETP: the source's where EP and TP are kept, else TP).
-    ``distributed_optimizer``: write ``distrib_optim.pt`` (default: as the source).
-    ``iteration``: the iteration number (default: the source's step).
-    ``args``: a JSON file of Megatron args for a source that has none (an HF model), or overrides.
-    ``optimizer``: ``False`` writes the model weights only (no ``optimizer`` entry, no
-    ``distrib_optim.pt``), as Megatron-LM's ``tools/checkpoint/convert.py`` writes them.
-    """
-
-    tp: int | None = None
-    pp: int | None = None
-    dp: int | None = None
-    ep: int | None = None
-    etp: int | None = None
-    distributed_optimizer: bool | None = None
-    iteration: int | None = None
-    args: str | None = None
-    optimizer: bool = True
-
-    def validate(self) -> None:
-        for name in ("tp", "pp", "dp", "ep", "etp"):
-            v = getattr(self, name)
-            if v is not None and v < 1:
-                raise OptionError(f"format 'megatron' (write): {name} must be >= 1, got {v}")
 
 
 def write(ckpt: Any, dst: str, options: MegatronWriteOptions | None = None) -> str:

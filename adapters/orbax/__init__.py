@@ -46,35 +46,29 @@ just the weights. Names are split on ``/`` into nested dicts.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from ckptbridge.plugin import CheckpointIndex, Format, OpenOptions
+from ckptbridge.plugin import CheckpointIndex, Format, LazyNames
 
-from ._direct import ZstdChunk
-from ._reader import detect, index
-from ._tensorstore import TensorStoreRegion
-from ._writer import OrbaxWriteOptions, write
+from ._format import OrbaxOpenOptions, OrbaxWriteOptions, detect
 
-
-@dataclass(frozen=True)
-class OrbaxOpenOptions(OpenOptions):
-    """Opening an Orbax checkpoint.
-
-    ``step``: the step of a CheckpointManager root (default: the latest).
-    ``layout``: ``auto`` groups a Flax/optax train state onto the universal states; ``raw`` keeps Orbax's tree names.
-    """
-
-    step: int | None = None
-    layout: str = "auto"
+if TYPE_CHECKING:  # the reader's and writer's names, imported on first use (see LazyNames)
+    from ._direct import ZstdChunk as ZstdChunk
+    from ._reader import index as index
+    from ._tensorstore import TensorStoreRegion as TensorStoreRegion
+    from ._writer import write as write
 
 
 def _open(path: str, o: OrbaxOpenOptions) -> CheckpointIndex:
+    from . import index
+
     return index(path, step=o.step, layout=o.layout)
 
 
-FORMAT = Format("orbax", detect=detect, index=_open, write=write, open_options=OrbaxOpenOptions,
-                write_options=OrbaxWriteOptions, priority=50, extra="jax",
+FORMAT = Format("orbax", detect=detect, index=_open, write=LazyNames.deferred(__name__, "write"),
+                open_options=OrbaxOpenOptions, write_options=OrbaxWriteOptions, priority=50, extra="jax",
                 description="Orbax checkpoints (StandardCheckpointer, CheckpointManager; OCDBT, zarr2, zarr3)")
+__getattr__ = LazyNames(__name__, FORMAT.extra)
 
 __all__ = ["FORMAT", "OrbaxOpenOptions", "OrbaxWriteOptions", "TensorStoreRegion", "ZstdChunk", "detect", "index",
            "write"]

@@ -5,7 +5,6 @@ from __future__ import annotations
 import ast
 import json
 import os
-import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -30,84 +29,21 @@ from ckptbridge.plugin import dtypes as _dtypes
 
 from ..flax import group_train_state
 from ._direct import ocdbt_values, raw_fragments
+from ._format import (
+    OCDBT_MANIFEST,
+    PYTREE_METADATA,
+    _is_item_dir,
+    _is_step_dir,
+    _item_dirs,
+    _step_number,
+    _steps,
+)
 from ._kvstore import kvstore
 from ._tensorstore import OCDBT_CACHE, TensorStoreRegion
 
-PYTREE_METADATA = "_METADATA"
-CHECKPOINT_METADATA = "_CHECKPOINT_METADATA"
-OCDBT_MANIFEST = "manifest.ocdbt"
 STRINGS = "_strings.json"
 MAX_FRAGMENTS = 1024  # more chunks than this: one fragment for the whole array
 _ARRAY_TYPES = ("jax.Array", "np.ndarray", "scalar")
-_TMP_MARK = ".orbax-checkpoint-tmp"
-
-
-# ------------------------------------------------------------------ layout detection
-
-
-def _is_item_dir(path: str) -> bool:
-    if not storage.isdir(path):
-        return False
-    if storage.isfile(storage.join(path, PYTREE_METADATA)):
-        return True
-    if storage.isfile(storage.join(path, OCDBT_MANIFEST)):
-        return True
-    try:  # an old Orbax item without _METADATA: per-array Zarr directories
-        names = sorted(storage.listdir(path))[:256]
-    except OSError:
-        return False
-    return any(storage.isfile(storage.join(path, n, m)) for n in names for m in (".zarray", "zarr.json"))
-
-
-def _item_dirs(step_dir: str) -> list[str]:
-    try:
-        names = sorted(storage.listdir(step_dir))
-    except OSError:
-        return []
-    return [n for n in names if not n.startswith(".") and _is_item_dir(storage.join(step_dir, n))]
-
-
-def _is_step_dir(path: str) -> bool:
-    """A CheckpointManager step directory: item directories inside, and ``_CHECKPOINT_METADATA``
-    or (Orbax before 0.4.3 wrote none) a step number as its name."""
-    named = storage.isfile(storage.join(path, CHECKPOINT_METADATA)) or \
-        _step_number(storage.basename(path)) is not None
-    return named and bool(_item_dirs(path))
-
-
-def _step_number(name: str) -> int | None:
-    m = re.fullmatch(r"(?:.*?_)?(\d+)", name)
-    return int(m.group(1)) if m and _TMP_MARK not in name else None
-
-
-def _steps(root: str) -> dict[int, str]:
-    out = {}
-    try:
-        names = storage.listdir(root)
-    except OSError:
-        return {}
-    for n in names:
-        step = _step_number(n)
-        full = storage.join(root, n)
-        if step is not None and storage.isdir(full) and (
-            storage.isfile(storage.join(full, CHECKPOINT_METADATA)) or _is_item_dir(full) or _item_dirs(full)
-        ):
-            out[step] = full
-    return out
-
-
-def detect(path: str) -> bool:
-    """True for an Orbax PyTree directory, a CheckpointManager step directory or its root."""
-    try:
-        if not storage.isdir(path):
-            return False
-        if _is_item_dir(path):
-            return True
-        if _is_step_dir(path):
-            return True
-        return bool(_steps(path))
-    except OSError:
-        return False
 
 
 # ------------------------------------------------------------------ reading one PyTree item

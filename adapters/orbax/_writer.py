@@ -6,7 +6,6 @@ import json
 import os
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -15,15 +14,14 @@ from ckptbridge.plugin import (
     Box,
     Checkpoint,
     FormatError,
-    OptionError,
-    WriteOptions,
     read_state,
     require,
     staged_dir,
 )
 from ckptbridge.plugin import dtypes as _dtypes
 
-from ._reader import CHECKPOINT_METADATA, PYTREE_METADATA, _chunk_boxes
+from ._format import CHECKPOINT_METADATA, PYTREE_METADATA, OrbaxWriteOptions
+from ._reader import _chunk_boxes
 
 
 def _write_spec(stage: str, param: str, shape: tuple[int, ...], chunks: tuple[int, ...], dtype: str,
@@ -93,32 +91,6 @@ def _flat_leaves(tree: Mapping[str, Any], prefix: tuple[str, ...] = ()) -> list[
         else:
             out.append(((*prefix, k), v))
     return out
-
-
-@dataclass(frozen=True)
-class OrbaxWriteOptions(WriteOptions):
-    """Writing an Orbax ``StandardCheckpointer`` directory (defaults are Orbax's own).
-
-    ``layout``: ``train_state`` writes ``{"params", "opt_state": {"count", "mu", "nu"}, "step"}`` (the optimizer part when Adam moments exist); ``flat`` only the weights, nested by ``/``.
-    ``state``: the weights' state (default ``fp32``, else ``param``).
-    ``compression``: zstd-compress the chunks (Orbax's default).
-    ``ocdbt``: one OCDBT database instead of a directory per array.
-    ``zarr3``: Zarr v3 arrays instead of v2.
-    ``chunk_bytes``: the largest chunk written (chunks stream, a few in flight).
-    """
-
-    layout: str = "train_state"
-    state: str | None = None
-    compression: bool = True
-    ocdbt: bool = True
-    zarr3: bool = False
-    chunk_bytes: int = 64 << 20
-
-    def validate(self) -> None:
-        if self.layout not in ("train_state", "flat"):
-            raise OptionError(f"format 'orbax' (write): layout must be train_state or flat, got {self.layout!r}")
-        if self.chunk_bytes < 1:
-            raise OptionError(f"format 'orbax' (write): chunk_bytes must be positive, got {self.chunk_bytes}")
 
 
 def write(ckpt: Checkpoint, dst: str, options: OrbaxWriteOptions | None = None) -> str:

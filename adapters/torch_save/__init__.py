@@ -19,171 +19,42 @@ lays out the same archive for the core's direct-I/O writer).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
-from ckptbridge.plugin import (
-    CheckpointIndex,
-    Format,
-    FormatError,
-    LogicalTensor,
-    MissingShardError,
-    OpenOptions,
-    TensorState,
-    check_name,
-    storage,
-)
+from ckptbridge.plugin import Format, LazyNames
 
-from .._hf import check_weight_map, index_json_of, shard_files
-from ._archive import (
-    MAX_NODES,
-    TorchArchive,
-    is_torch_zip,
-    iter_tensors,
-    read_scalar,
-    strip_tensors,
-    unpickled_to_json,
-)
-from ._legacy import is_legacy_torch, open_legacy
-from ._save import Global, Object, Reduce, Size, Tensor, save_torch, torch_stream
-from ._unpickle import (
-    TORCH_DTYPE_NAMES,
-    Opaque,
-    SafeUnpickler,
-    StorageRef,
-    StorageType,
-    TensorRef,
-    TorchDtype,
-    safe_loads,
-)
+from ._format import NAME, detect, is_legacy_torch, is_torch_zip
 
-_STEP_KEYS = ("step", "iteration", "global_step", "global_steps", "epoch_step")
+if TYPE_CHECKING:  # the reader's and writer's names, imported on first use (see LazyNames)
+    from ._archive import TorchArchive as TorchArchive
+    from ._archive import iter_tensors as iter_tensors
+    from ._archive import read_scalar as read_scalar
+    from ._archive import strip_tensors as strip_tensors
+    from ._archive import unpickled_to_json as unpickled_to_json
+    from ._legacy import open_legacy as open_legacy
+    from ._reader import index as index
+    from ._save import Global as Global
+    from ._save import Object as Object
+    from ._save import Reduce as Reduce
+    from ._save import Size as Size
+    from ._save import Tensor as Tensor
+    from ._save import save_torch as save_torch
+    from ._save import torch_stream as torch_stream
+    from ._unpickle import TORCH_DTYPE_NAMES as TORCH_DTYPE_NAMES
+    from ._unpickle import Opaque as Opaque
+    from ._unpickle import SafeUnpickler as SafeUnpickler
+    from ._unpickle import StorageRef as StorageRef
+    from ._unpickle import StorageType as StorageType
+    from ._unpickle import TensorRef as TensorRef
+    from ._unpickle import TorchDtype as TorchDtype
+    from ._unpickle import safe_loads as safe_loads
 
 
-def _files(path: str) -> list[str]:
-    if storage.isdir(path):
-        names = storage.listdir(path)
-        idx = [f for f in names if f.endswith(".bin.index.json")]
-        if not idx:
-            return [storage.join(path, f) for f in sorted(names)
-                    if f.endswith((".pt", ".bin", ".pth")) and is_torch_zip(storage.join(path, f))]
-        path = storage.join(path, sorted(idx)[0])
-    return shard_files(path) if path.endswith(".index.json") else [path]
-
-
-def detect(path: str) -> bool:
-    if storage.isfile(path):
-        return path.endswith(".bin.index.json") or is_torch_zip(path) or is_legacy_torch(path)
-    if storage.isdir(path):
-        return any(f.endswith(".bin.index.json") for f in storage.listdir(path))
-    return False
-
-
-def _find_step(obj: Any) -> int | None:
-    if isinstance(obj, dict):
-        for k in _STEP_KEYS:
-            v = obj.get(k)
-            if isinstance(v, int) and not isinstance(v, bool):
-                return v
-    return None
-
-
-def index(path: str, options: OpenOptions | None = None) -> CheckpointIndex:
-    """Open a ``torch.save`` file or an HF ``pytorch_model.bin.index.json`` folder (metadata only)."""
-    tensors: dict[str, LogicalTensor] = {}
-    extra: dict[str, Any] = {}
-    step = None
-    found: dict[str, str] = {}
-    for f in _files(path):
-        if not storage.exists(f):
-            raise MissingShardError(f"{f}: shard listed by {path} is missing")
-        archive = open_legacy(f) if is_legacy_torch(f) else TorchArchive.open(f)
-        _refuse_pickled_objects(f, archive.obj)
-        for name, ref in iter_tensors(archive.obj):
-            check_name(name or "<root>", f)
-            if name in tensors:
-                raise FormatError(f"{f}: tensor {name!r} appears twice")
-            frag = archive.fragment(ref, name)
-            tensors[name or "tensor"] = LogicalTensor(
-                name or "tensor", {"param": TensorState(ref.dtype, ref.shape, (frag,))}
-            )
-            found[name or "tensor"] = f
-        step = step if step is not None else _find_step(archive.obj)
-        if isinstance(archive.obj, dict):
-            rest = {k: strip_tensors(v) for k, v in archive.obj.items() if not _all_tensors(v)}
-            extra.update(rest)
-    check_weight_map(index_json_of(path, ".bin.index.json"), found)
-    return CheckpointIndex(FORMAT.name, path, tensors, step, extra)
-
-
-def _refuse_pickled_objects(path: str, obj: Any) -> None:
-    """A whole pickled object (``torch.save(model)``) holds its tensors where no state dict
-    reader looks; saying "0 tensors" would be a lie, so name it and say what to save instead."""
-    found = _pickled_object(obj, "")
-    if found is not None:
-        where, cls = found
-        at = f" at {where!r}" if where else ""
-        raise FormatError(
-            f"{path}: holds a pickled {cls} object{at}, not a state dict; its tensors are not read "
-            f"(unpickling it would run its code): save model.state_dict() instead of the model")
-
-
-def _pickled_object(obj: Any, where: str = "") -> tuple[str, str] | None:
-    """(key path, class) of the first pickled object (an inert record) holding tensors, if any.
-
-    Each container is visited once (a pickle can share one object many times: no blow-up)."""
-    seen: set[int] = set()
-    clean: set[int] = set()  # inside records: explored, no tensor below (shared by every search)
-    todo: list[tuple[Any, str]] = [(obj, where)]
-    while todo:
-        node, at = todo.pop()
-        if not isinstance(node, (Opaque, dict, list, tuple)) or id(node) in seen:
-            continue
-        seen.add(id(node))
-        if len(seen) > MAX_NODES:
-            raise FormatError(f"object tree has more than {MAX_NODES} nodes (a pickle bomb?)")
-        if isinstance(node, Opaque):
-            if _holds_tensor(_record_items(node), clean):
-                return at, f"{node._module}.{node._qualname}"
-            continue
-        items = node.items() if isinstance(node, dict) else enumerate(node)
-        todo.extend((v, f"{at}.{k}" if at else str(k)) for k, v in reversed(list(items)))
-    return None
-
-
-def _record_items(record: Opaque) -> dict[Any, Any]:
-    return {**record.__dict__.get("items_", {}), **(record.fields or {})}
-
-
-def _holds_tensor(obj: Any, seen: set[int]) -> bool:
-    """Whether a tensor is reachable from ``obj`` through containers and inert records, skipping
-    ``seen`` (nodes an earlier search explored in full without finding one)."""
-    todo = [obj]
-    while todo:
-        node = todo.pop()
-        if isinstance(node, TensorRef):
-            return True
-        if not isinstance(node, (Opaque, dict, list, tuple)) or id(node) in seen:
-            continue
-        seen.add(id(node))
-        if len(seen) > MAX_NODES:
-            return False
-        if isinstance(node, Opaque):
-            node = _record_items(node)
-        todo.extend(node.values() if isinstance(node, dict) else node)
-    return False
-
-
-def _all_tensors(v: Any) -> bool:
-    if isinstance(v, TensorRef):
-        return True
-    if isinstance(v, dict):
-        return bool(v) and all(_all_tensors(x) for x in v.values())
-    return False
-
-
-FORMAT = Format("torch-save", detect=detect, index=index, priority=90, deprecated_aliases=("torch",),
+FORMAT = Format(NAME, detect=detect, index=LazyNames.deferred(__name__, "index"), priority=90,
+                deprecated_aliases=("torch",),
                 description="plain torch.save files and HF pytorch_model.bin indexes (read without torch; "
                             "formerly named 'torch')")
+__getattr__ = LazyNames(__name__, FORMAT.extra)
 
 __all__ = [
     "FORMAT",

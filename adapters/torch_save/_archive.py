@@ -36,17 +36,11 @@ from ckptbridge.plugin import (
 )
 from ckptbridge.plugin import dtypes as _dtypes
 
+from ._format import is_torch_zip
 from ._unpickle import Opaque, StorageRef, StorageType, TensorRef, safe_loads
 
 _LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")
 _MAX_PICKLE = 1 << 31
-
-
-def is_torch_zip(path: str, offset: int = 0) -> bool:
-    try:
-        return storage.read_bytes(path, offset, 4) == b"PK\x03\x04"
-    except (OSError, CheckpointError):
-        return False
 
 
 class _Window(io.RawIOBase):

@@ -24,22 +24,10 @@ from ckptbridge.plugin import FormatError, TruncatedError, UnsafePickleError
 from ckptbridge.plugin import dtypes as _dtypes
 
 from ._archive import TorchArchive
+from ._format import MAGIC_NUMBER
 from ._unpickle import SafeUnpickler, StorageRef, StorageType
 
-MAGIC_NUMBER = 0x1950A86A20F9469CFC6C
 PROTOCOL_VERSION = 1001
-# how pickle (protocol 2+) writes MAGIC_NUMBER: LONG1, 10 bytes, little-endian
-_MAGIC_BYTES = b"\x8a\x0a" + MAGIC_NUMBER.to_bytes(10, "little")
-
-
-def is_legacy_torch(path: str) -> bool:
-    """True when ``path`` starts like a legacy ``torch.save`` file (cheap: 16 bytes)."""
-    try:
-        with open(path, "rb") as fh:
-            head = fh.read(16)
-    except OSError:
-        return False
-    return head[:1] == b"\x80" and _MAGIC_BYTES in head
 
 
 def open_legacy(path: str) -> TorchArchive:

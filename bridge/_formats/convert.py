@@ -26,13 +26,13 @@ from .._read.model import Box, Fragment
 from .._read.open import Source, as_checkpoint
 from .._storage.commit import check_destination, staged_file
 from .._version import __version__
-from ..rules import Rule, apply_rules, rules_to_json
 from .registry import Format, WriteOptions
 from .safetensors import Entry
 from .safetensors_write import write_file
 from .universal import Piece, commit_universal, detect, index, write_rank, write_universal
 
 if TYPE_CHECKING:
+    from ..rules import Rule
     from .scaleout import World
 
 
@@ -131,6 +131,11 @@ def convert(
     they are recorded in the manifest with the source's own layout rules.
     ``progress(done_bytes, total_bytes)`` is called after each tensor.
     """
+    from ..rules import (  # not imported by open: the universal format's entry point is here
+        apply_rules,
+        rules_to_json,
+    )
+
     ckpt = as_checkpoint(src)
     tensors = apply_rules(ckpt.tensors, rules) if rules else ckpt.tensors
     have = {s for t in tensors.values() for s in t.states}

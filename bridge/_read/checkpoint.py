@@ -18,20 +18,20 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .._errors import CheckpointError, TensorNotFoundError
-from ..rules import Rule, rule_from_json, rules_to_json
-from ..rules._apply import map_rules
 from .executor import FileCache, ReadStats, read_state, read_states
-from .html import checkpoint_html, tensor_html
 from .model import Box, Fragment, LogicalTensor, TensorState
 from .plan import normalize_index
 
-RuleLike = Rule | Mapping[str, Any]
-"""A mapping rule, as a rule object or its JSON form (what ``rules=`` arguments take)."""
+if TYPE_CHECKING:  # the rule language is imported by with_rules: opening a checkpoint does not need it
+    from ..rules import Rule
+
+    RuleLike = Rule | Mapping[str, Any]
+    """A mapping rule, as a rule object or its JSON form (what ``rules=`` arguments take)."""
 
 
 @dataclass(frozen=True)
@@ -122,6 +122,8 @@ class TensorView:
         return f"{self._ckpt.path}: tensor {self.name!r} state {self.state_name!r}"
 
     def _repr_html_(self) -> str:
+        from .html import tensor_html  # notebooks only: not on the import path of open
+
         return tensor_html(self)
 
     def __repr__(self) -> str:
@@ -225,6 +227,9 @@ class Checkpoint(Mapping[str, TensorView]):
             hf = ckptbridge.open("llama/").with_rules(recipes.rules("llama", src="hf", dst="maxtext", ...))
             hf["decoder/layers/self_attention/query/kernel"].shape
         """
+        from ..rules import Rule, rule_from_json, rules_to_json
+        from ..rules._apply import map_rules
+
         parsed = [r if isinstance(r, Rule) else rule_from_json(r) for r in rules]
         if not parsed:
             return self
@@ -245,6 +250,8 @@ class Checkpoint(Mapping[str, TensorView]):
         self.close()
 
     def _repr_html_(self) -> str:
+        from .html import checkpoint_html  # notebooks only: not on the import path of open
+
         return checkpoint_html(self)
 
     def __repr__(self) -> str:

@@ -21,14 +21,17 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .. import _storage
 from .._errors import CheckpointError, MissingShardError, UnknownFormatError
 from .._formats.registry import Format, broken_hint, formats, get_format, make_options
 from .._gc import no_gc
-from .checkpoint import Checkpoint, CheckpointIndex, RuleLike
+from .checkpoint import Checkpoint, CheckpointIndex
 from .executor import FileCache
+
+if TYPE_CHECKING:
+    from .checkpoint import RuleLike
 
 Source = str | os.PathLike[str] | Checkpoint
 """What ``reshard``, ``convert`` and ``diff`` read: a path or URL, or a :class:`Checkpoint` already open."""

@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .. import _storage
 from .._errors import UnknownFormatError
 from .._formats.registry import get_format, make_options, writable_formats
-from .checkpoint import RuleLike
 from .open import Source, as_checkpoint
+
+if TYPE_CHECKING:
+    from .checkpoint import RuleLike
 
 
 def destination(dst: str | os.PathLike[str], to: str) -> str:

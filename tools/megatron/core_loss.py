@@ -149,13 +149,8 @@ def saved_args(path: str) -> tuple[dict[str, Any], int | None]:
     pickle-free reader from the checkpoint's first rank file (``common.pt`` for torch_dist).
 
     Only the args are read here, not the tensors: megatron-core alone judges the weights."""
-    from ckptbridge.adapters.megatron._common import (
-        args_dict,
-        is_dist_dir,
-        plain,
-        rank_dirs,
-        resolve_iter_dir,
-    )
+    from ckptbridge.adapters.megatron._common import args_dict, plain, resolve_iter_dir
+    from ckptbridge.adapters.megatron._format import is_dist_dir, rank_dirs
     from ckptbridge.adapters.megatron._layout import MegatronConfig
     from ckptbridge.adapters.torch_save import TorchArchive
 
