@@ -466,6 +466,8 @@ def markdown(r: dict[str, Any]) -> str:
     rows += [f"| open 671B ({o['shards']} shards, {o['tensors']} tensors -> {o['listed']}): wall / CPU s"
              f"{' (median of ' + str(o['reps']) + ' fresh processes)' if o.get('reps') else ''} | "
              f"{o['s']:.2f} / {o['cpu_s']:.2f} |",
+             *([f"| open 671B: wall s of each run, lowest / highest | "
+                f"{min(x['s'] for x in o['runs']):.2f} / {max(x['s'] for x in o['runs']):.2f} |"] if o.get("runs") else []),
              f"| open: peak RSS MiB (process, before open) | {o['hwm_mb']:.0f} ({o['hwm_before_open_mb']:.0f}) |"]
     rows += [f"| open + recipe to MaxText ({k}): wall / CPU s | {v['s']:.2f} / {v['cpu_s']:.2f} |"
              for k, v in o["recipe"].items()]

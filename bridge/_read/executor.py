@@ -23,7 +23,6 @@ import threading
 import weakref
 from collections import Counter
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -330,6 +329,8 @@ def _execute_each(items: Sequence[tuple[CopyOp, np.ndarray, str]], files: FileCa
         return execute_remote(items, files, one)
     if len(items) <= 1 or sum(op.src.size for op, _, _ in items) < (1 << 16):
         return sum(one(item) for item in items)
+    from concurrent.futures import ThreadPoolExecutor  # (not imported by open: it reads nothing)
+
     with ThreadPoolExecutor(min(files.max_workers, len(items))) as pool:
         return sum(pool.map(one, items))
 

@@ -43,7 +43,6 @@ import copy
 import os
 import threading
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import fields, replace
 from typing import Any, BinaryIO
 
@@ -263,6 +262,8 @@ def upload_tree(local_dir: str, url: str, skip: Sequence[str] = ()) -> list[str]
 
     def put(rel: str) -> None:
         store.put_file(os.path.join(local_dir, rel), join(url, rel.replace(os.sep, "/")))
+
+    from concurrent.futures import ThreadPoolExecutor  # (not imported by open: it needs no pool)
 
     with ThreadPoolExecutor(min(8, max(1, len(rels)))) as pool:
         list(pool.map(put, rels))

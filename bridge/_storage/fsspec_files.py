@@ -13,7 +13,6 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any, BinaryIO
 
@@ -149,6 +148,8 @@ class FsspecStorage:
         self._infos: dict[str, dict[str, Any] | None] = {}
         self._blocks: OrderedDict[tuple[str, int], bytes] = OrderedDict()
         self._async = bool(getattr(self.fs, "async_impl", False))
+        from concurrent.futures import ThreadPoolExecutor  # (imported when a URL is opened)
+
         self._pool = ThreadPoolExecutor(max(1, policy.concurrency), thread_name_prefix="ckptbridge-fetch") \
             if not self._async else None
 
