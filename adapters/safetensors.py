@@ -135,18 +135,20 @@ def index(path: str, options: OpenOptions | None = None) -> CheckpointIndex:
     if len(files) == 1:
         meta = read_header(files[0])[0].get("__metadata__") or {}
         extra = {"metadata": meta} if meta else {}
-    if opts.adapters or is_peft_adapter(path):
-        tensors = _lora_tensors(path, tensors, opts, extra)
+    peft = is_peft_adapter(path)
+    if opts.adapters or peft:
+        tensors = _lora_tensors(path, peft, tensors, opts, extra)
     return CheckpointIndex("safetensors", path, tensors, extra=extra)
 
 
-def _lora_tensors(path: str, tensors: Mapping[str, LogicalTensor], opts: SafetensorsOpenOptions,
+def _lora_tensors(path: str, peft: bool, tensors: Mapping[str, LogicalTensor], opts: SafetensorsOpenOptions,
                   extra: dict[str, object]) -> Mapping[str, LogicalTensor]:
-    """A PEFT adapter folder's notes (which base weight each tensor adapts) and ``adapters=`` merged in,
-    into ``extra["lora"]`` (imported here: the other opens need neither it nor the rule language)."""
+    """A PEFT adapter folder's notes (``peft``: ``path`` is one; which base weight each tensor adapts)
+    and ``adapters=`` merged in, into ``extra["lora"]`` (imported here: the other opens need neither it
+    nor the rule language)."""
     from .lora import _read as _lora
 
-    if is_peft_adapter(path):
+    if peft:
         extra["lora"] = _lora.adapter_notes(_lora.read(path, tensors))
     if opts.adapters:
         adapters = [_lora.read(a, _single_file_tensors(peft_weights_file(a))) for a in opts.adapters]

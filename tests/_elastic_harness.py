@@ -84,13 +84,18 @@ def _events(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
-def _all_done(path: Path) -> bool:
+def finished(events: list[dict]) -> bool:
     """Every rank of the job's last world recorded ``done`` (the training ended)."""
+    done = [e for e in events if e["ev"] == "done"]
+    return bool(done) and len({e["rank"] for e in done}) == done[-1]["world"]
+
+
+def _all_done(path: Path) -> bool:
+    """:func:`finished`, from the events file of a running job."""
     try:
-        done = [e for e in _events(path) if e["ev"] == "done"]
+        return finished(_events(path))
     except ValueError:  # a line being written
         return False
-    return bool(done) and len({e["rank"] for e in done}) == done[-1]["world"]
 
 
 @dataclass
@@ -104,6 +109,11 @@ class Trial:
     logs: str = ""
     agent_seconds: list[float | None] = field(default_factory=list)  # when each agent ended
     stacks: str = ""  # a job that hung at the timeout: where each of its live processes was
+
+    @property
+    def finished(self) -> bool:
+        """Every rank of the job's last world recorded ``done``."""
+        return finished(self.events)
 
     def of(self, kind: str) -> list[dict]:
         return [e for e in self.events if e["ev"] == kind]

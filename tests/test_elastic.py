@@ -177,8 +177,7 @@ def torch_exit_hung(t: Trial) -> str:
     (``SimpleElasticAgent._exit_barrier``, seen in their stacks); else ""."""
     killed = [i for i, code in enumerate(t.agent_codes) if code == -signal.SIGKILL]
     sections = t.stacks.split("--- agent ")[1:]
-    done = t.of("done")
-    if not killed or len(sections) != len(t.agent_codes) or not done or len(done) != done[-1]["world"]:
+    if not killed or len(sections) != len(t.agent_codes) or not t.finished:
         return ""
     if all("in _exit_barrier" in sections[i] for i in killed):
         return f"torch's elastic agents {killed} hung in their exit barrier (_exit_barrier) after every rank finished"
