@@ -3,7 +3,8 @@
 ``measure(cmd)`` runs a command as a child process and returns its wall time and the
 peak RSS of its whole process tree (psutil, sampled every 20 ms: torchrun's ranks and
 DeepSpeed's worker pools count in full), and its stdout; ``save_result`` writes a
-result to ``bench/results/<name>.json``::
+result to ``bench/results/<name>.json`` with its ``provenance()`` (the commit and the harness's
+machine facts, measured when the result is saved)::
 
     r = measure([sys.executable, "-c", "print(1)"])
     r["wall_s"], r["peak_tree_rss_mb"], r["stdout"]
@@ -11,10 +12,13 @@ result to ``bench/results/<name>.json``::
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import platform
 import subprocess
+import sys
+import tempfile
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -80,13 +84,32 @@ def last_json(stdout: str) -> dict[str, Any]:
     raise ValueError(f"no JSON line in output: {stdout[-500:]!r}")
 
 
+def provenance(mib: int | None = None) -> dict[str, Any]:
+    """``{"commit", "finished", "machine"}`` for a result file: the checkout's commit (``+dirty`` when a
+    tracked file differs), the UTC time, and the harness's machine facts (cores, memory, load, memcpy
+    and disk speeds over ``mib`` MiB written in a temporary directory under ``bench/out``, package
+    versions; ``bench/_harness/machine.py``) plus the platform and the load average now. ``mib``
+    defaults to ``$CB_BENCH_PROBE_MIB`` or 256 (tests' smoke runs probe less)."""
+    mib = mib or int(os.environ.get("CB_BENCH_PROBE_MIB", "256"))
+    if HERE not in sys.path:
+        sys.path.insert(0, HERE)
+    from _harness.machine import facts, git_commit, versions
+
+    scratch = os.path.join(HERE, "out")
+    os.makedirs(scratch, exist_ok=True)
+    load = os.getloadavg()  # before the probe's own work
+    with tempfile.TemporaryDirectory(dir=scratch, prefix="machine-") as work:
+        machine = {**facts(work, mib), "versions": versions()}
+    return {"commit": git_commit(), "finished": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "machine": {"platform": platform.platform(), "load_avg_at_end": load, **machine}}
+
+
 def save_result(name: str, data: Mapping[str, Any]) -> str:
-    """Write ``data`` (plus the machine) to ``bench/results/<name>.json`` (``$CB_BENCH_RESULTS/`` when
-    set); return the path."""
+    """Write ``data`` and its :func:`provenance` to ``bench/results/<name>.json`` (``$CB_BENCH_RESULTS/``
+    when set); return the path."""
     os.makedirs(RESULTS, exist_ok=True)
     path = os.path.join(RESULTS, f"{name}.json")
-    full = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
-                        "load_avg_at_end": os.getloadavg()}, **data}
+    full = {**provenance(), **data}
     with open(path, "w") as fh:
         json.dump(full, fh, indent=1, default=str)
     return path

@@ -603,6 +603,9 @@ def main() -> None:
                     runs.setdefault((regime, fw, tool), []).append(r)
                     print(rep, regime, fw, tool, json.dumps({k: v for k, v in r.items() if k != "stalls"}), flush=True)
     res["facts"] = _aggregate_facts(facts)
+    from _proc import provenance
+
+    res.update(provenance())
     for (regime, fw, tool), rs in runs.items():
         res["regimes"].setdefault(regime, {}).setdefault(fw, {})[tool] = _aggregate(rs)
     text = _table(res, args)

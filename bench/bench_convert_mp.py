@@ -130,6 +130,9 @@ def main() -> None:
         "net_of_launch_s": net,
         "net_speedup_over_n1": {m: round(net["n1"] / t, 3) for m, t in net.items()},
     }
+    from _proc import provenance
+
+    result = {**provenance(), **result}
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as fh:
         json.dump(result, fh, indent=1)

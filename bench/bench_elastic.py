@@ -217,21 +217,14 @@ def main() -> None:
     for label, hidden in (("tiny (the tests' model, gloo-latency bound)", 30), ("compute-bound", args.hidden)):
         o = results[label] = overhead(args.overhead_rounds, args.overhead_steps, hidden)
         report(label, o)
-    doc = {"recovery": rows, "overhead": results, "time": time.time(), "machine": _machine(args.out)}
+    from _proc import provenance
+
+    doc = {"recovery": rows, "overhead": results, "time": time.time(), **provenance()}
     os.makedirs(args.results, exist_ok=True)
     with open(os.path.join(args.results, "bench_elastic.json"), "w") as fh:
         json.dump(doc, fh, indent=1)
     with open(os.path.join(args.results, "bench_elastic.md"), "w") as fh:
         fh.write(markdown(doc))
-
-
-def _machine(work: str) -> dict:
-    """Cores, memory, load, memcpy and disk speeds (the harness's own measure) and the commit."""
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from _harness.machine import facts
-
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
-    return {**facts(work, 64), "commit": commit or None}
 
 
 def markdown(doc: dict) -> str:

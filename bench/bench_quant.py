@@ -408,7 +408,8 @@ def main() -> None:
     shutil.rmtree(work, ignore_errors=True)
     if args.only == "open":
         results = json.loads(Path(RESULTS, "bench_quant.json").read_text())
-        results.pop("machine", None)
+        for key in ("commit", "finished", "machine"):  # this run's provenance replaces the file's
+            results.pop(key, None)
         results["open_671b"] = {**make_sparse(work / "v3"), **run_open(args, work / "v3", out / "open"),
                                 "run": "--only open"}
         finish(results, work)

@@ -256,6 +256,9 @@ def main(argv: list[str] | None = None) -> int:
             "maxtext host only / load": med["maxtext"] / med["load"]} if "maxtext" in med else {}),
         "goals": {"open <= 0.1 s": med["open"] <= 0.1, "load <= 1.2x plain": med["load"] <= 1.2 * med["plain"]},
     }
+    from _proc import provenance
+
+    result = {**provenance(), **result}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")

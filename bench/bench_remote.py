@@ -196,6 +196,9 @@ def main() -> None:
                           round(med["s3fs-cat"] / med["ckptbridge-threads"], 3)},
         "checksum_ckptbridge": sums["ckptbridge"], "checksum_source": sums["source"],
     }
+    from _proc import provenance
+
+    result = {**provenance(), **result}
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as fh:
         json.dump(result, fh, indent=1)

@@ -86,13 +86,25 @@ def headline_table(doc: Any) -> str:
     return "\n".join(out) + "\n"
 
 
+def provenance_line(doc: Any) -> str:
+    """Where and when a standalone result was measured (``_proc.provenance``), or that its file
+    does not say."""
+    m = doc.get("machine") if isinstance(doc, dict) else None
+    if not (isinstance(doc, dict) and doc.get("commit") and isinstance(m, dict) and "memcpy_gbps" in m):
+        return "*This file records no commit or machine facts: not a figure to quote until measured again.*\n"
+    return (f"*Measured at commit {doc['commit']}, finished {doc.get('finished', '?')}: {m['cores']} cores "
+            f"({m['cpu']}), load average {m.get('load_avg_at_end', m['loadavg'])[0]:.1f} when it finished, memcpy {m['memcpy_gbps']:.1f} GB/s, "
+            f"disk write {m['disk_write_gbps']:.2f} / read {m['disk_read_gbps']:.2f} GB/s.*\n")
+
+
 def standalone_block(key: str, md: str | None, doc: Any = None) -> str:
-    """A standalone benchmark's own Markdown, verbatim, under a line naming its files."""
+    """A standalone benchmark's own Markdown, verbatim, under a line naming its files and one
+    saying where it was measured."""
     src = f"*From `bench/results/{key}.json`"
     if md is None:
-        return src + " (the script's own format; its headline figures below, read from the JSON).*\n\n" + \
-            headline_table(doc)
-    return src + f" and `{key}.md`, as the script wrote them.*\n\n" + md.strip() + "\n"
+        return src + " (the script's own format; its headline figures below, read from the JSON).*\n" + \
+            provenance_line(doc) + "\n" + headline_table(doc)
+    return src + f" and `{key}.md`, as the script wrote them.*\n" + provenance_line(doc) + "\n" + md.strip() + "\n"
 
 
 def load_results(folder: str) -> dict[str, dict]:

@@ -97,7 +97,10 @@ def test_readme_standalone_results(quick_result: dict, tmp_path) -> None:
     import readme
 
     (tmp_path / "core-quick.json").write_text(json.dumps(quick_result))
-    (tmp_path / "bench_async.json").write_text(json.dumps({"cases": {"torch": {"loop_s": 12.5}}}))
+    machine = {"cores": 2, "cpu": "AMD EPYC", "loadavg": [0.4, 0.5, 0.6], "load_avg_at_end": [0.3, 0.5, 0.6],
+               "memcpy_gbps": 13.6, "disk_write_gbps": 1.37, "disk_read_gbps": 2.5}
+    (tmp_path / "bench_async.json").write_text(json.dumps({"cases": {"torch": {"loop_s": 12.5}}, "commit": "abc1234",
+                                                           "finished": "2026-11-27T08:00:00+00:00", "machine": machine}))
     (tmp_path / "bench_async.md").write_text("| loop | s |\n|---|---|\n| torch | 12.5 |\n")
     (tmp_path / "ds_resume.json").write_text(json.dumps({"median": {"native": 3.25}, "speedup_ttfs": 1.953}))
     results = readme.load_results(str(tmp_path))
@@ -106,6 +109,10 @@ def test_readme_standalone_results(quick_result: dict, tmp_path) -> None:
     new, missing, unplaced = readme.render(text, results)
     assert missing == ["bench_x"] and unplaced == ["core-quick"]
     assert "| torch | 12.5 |" in new and "bench/results/bench_async.json" in new
+    # where each was measured: the file's commit and machine, or that the file does not say
+    assert "*Measured at commit abc1234, finished 2026-11-27T08:00:00+00:00: 2 cores (AMD EPYC), load average " \
+           "0.3 when it finished, memcpy 13.6 GB/s, disk write 1.37 / read 2.50 GB/s.*" in new
+    assert new.count("records no commit or machine facts") == 1  # ds_resume's file
     assert "bench/results/ds_resume.json" in new and "3.25" not in new  # only its headline figures
     assert "| `speedup_ttfs` | 1.95 |" in new
     assert "old" not in new and "No result file `bench/results/bench_x.json`" in new
@@ -116,14 +123,17 @@ def test_readme_standalone_results(quick_result: dict, tmp_path) -> None:
 
 def test_bench_async_runs_and_reports_its_baselines(tmp_path) -> None:
     """bench_async at a tiny size (no timing asserted): each case measures its own loop without
-    checkpoints in the same process, and the report's ratios are computed against it."""
+    checkpoints in the same process, and the report's ratios are computed against it; the result
+    carries the commit and the machine facts (``_proc.provenance``)."""
     out = tmp_path / "out"
     cmd = [sys.executable, os.path.join(BENCH, "bench_async.py"), "--gib", "0.02", "--steps", "4",
            "--regimes", "disk", "--frameworks", "jax", "--cases", "ckptbridge", "--reps", "1",
            "--scratch", str(tmp_path / "scratch"), "--out", str(out), "--name", "t"]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,
+                         env={**os.environ, "CB_BENCH_PROBE_MIB": "16"})
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     doc = json.loads((out / "t.json").read_text())
+    assert doc["commit"] and doc["machine"]["disk_write_gbps"] > 0 and doc["machine"]["probe_bytes"] == 16 << 20
     cases = doc["regimes"]["disk"]["jax"]
     assert set(cases) == {"none", "ckptbridge"}
     ours = cases["ckptbridge"]

@@ -72,8 +72,10 @@ def test_generator_makes_all_layouts(tmp_path):
     results = tmp_path / "results"
     subprocess.run([sys.executable, os.path.join(BENCH, "bench_ds_resume.py"), "--big", out, "--dst-ws", "1",
                     "--reps", "1", "--workdir", str(tmp_path / "resume")], check=True, timeout=1800,
-                   env={**os.environ, "OMP_NUM_THREADS": "1", "CB_BENCH_RESULTS": str(results)})
+                   env={**os.environ, "OMP_NUM_THREADS": "1", "CB_BENCH_RESULTS": str(results),
+                        "CB_BENCH_PROBE_MIB": "16"})
     with open(results / "ds_resume_big.json") as fh:
         res = json.load(fh)
+    assert res["commit"] and res["machine"]["memcpy_gbps"] > 0  # every result file says where it ran
     assert res["first_losses_equal"] and res["src"] == {"ws": 2, "stage": 2} and res["dst"]["ws"] == 1
     assert 0 < res["median"]["native"]["ready_s"] <= res["median"]["native"]["ttfs_s"]

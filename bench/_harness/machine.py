@@ -25,6 +25,7 @@ import json
 import mmap
 import os
 import platform
+import subprocess
 import sys
 import threading
 import time
@@ -73,6 +74,19 @@ def _streams(fd: int, nbytes: int, buf: mmap.mmap, streams: int, write: bool) ->
         t.start()
     for t in ths:
         t.join()
+
+
+def git_commit() -> str | None:
+    """The checkout's short commit, ``+dirty`` when a tracked file differs from it (``None`` outside git)."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    try:
+        out = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                             timeout=10)
+        dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return out.stdout.strip() + ("+dirty" if dirty else "") if out.returncode == 0 else None
+    except OSError:
+        return None
 
 
 def facts(work: str, mib: int) -> dict:

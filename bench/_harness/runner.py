@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from .machine import git_commit
 from .measure import measure
 from .spec import Case, Suite
 
@@ -38,17 +39,6 @@ def mem_available() -> int:
             if line.startswith("MemAvailable:"):
                 return int(line.split()[1]) * 1024
     return 0
-
-
-def git_commit() -> str | None:
-    try:
-        out = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                             timeout=10)
-        dirty = subprocess.run(["git", "-C", ROOT, "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-        return out.stdout.strip() + ("+dirty" if dirty else "") if out.returncode == 0 else None
-    except OSError:
-        return None
 
 
 def machine_facts(work: str, mib: int) -> dict[str, Any]:
