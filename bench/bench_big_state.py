@@ -3,7 +3,12 @@
 
 Given ``BIG`` (made by ``make_big_state.py``: ``BIG/ds2/ckpt``, ``BIG/ds3/ckpt``, ``BIG/dcp``,
 ``BIG/info.json``), every command a fresh process tree, measured with wall time and the peak
-RSS of the whole tree (psutil, 20 ms samples):
+RSS of the whole tree (psutil, 20 ms samples). Every tool meets the same page-cache state: each
+command starts with its inputs evicted (``posix_fadvise(DONTNEED)``, as the harness's cold run),
+so none finds the bytes another tool's run left in the cache; a convert's time includes the
+``fsync`` of everything it wrote (the same durability for every tool: ``ds_to_universal`` writes
+through the page cache, ckptbridge with direct I/O); reps are interleaved, the order of the tools
+reversed every other rep, and the medians reported (``--reps``, default 2):
 
 * ``convert`` (per DeepSpeed layout): ``python -m deepspeed.checkpoint.ds_to_universal``
   (its defaults) vs ``ckptbridge convert SRC DST``; and ``ckptbridge convert`` of the DCP
@@ -40,6 +45,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 
+from _harness.child import fsync_tree  # noqa: E402
+from _harness.runner import evict  # noqa: E402
 from _proc import last_json, measure, save_result  # noqa: E402
 
 PARTS = ("convert", "jax", "torch")
@@ -61,12 +68,19 @@ def _tag_dir(root: str) -> str:
         return os.path.join(root, fh.read().strip())
 
 
-def _run(label: str, cmd: list[str], scratch: str, results: dict, extra: dict | None = None) -> dict:
+def _run(label: str, cmd: list[str], scratch: str, results: dict, inputs: str) -> dict:
+    """``cmd`` in a fresh process tree with ``inputs`` evicted from the page cache first; its wall
+    time includes the fsync of what it wrote under ``scratch`` (``fsync_s`` of it)."""
     shutil.rmtree(scratch, ignore_errors=True)
     os.makedirs(scratch)
+    evicted = evict(inputs)
     r = measure(cmd, env=_env(), timeout=6 * 3600)
+    t0 = time.perf_counter()
+    fsync_tree(scratch)
+    fsync_s = time.perf_counter() - t0
     shutil.rmtree(scratch, ignore_errors=True)
-    row = {"wall_s": r["wall_s"], "peak_tree_rss_mb": r["peak_tree_rss_mb"], **(extra or {})}
+    row = {"wall_s": r["wall_s"] + fsync_s, "fsync_s": fsync_s, "peak_tree_rss_mb": r["peak_tree_rss_mb"],
+           "evicted_mib": evicted / 2**20}
     try:
         row.update(last_json(r["stdout"]))
     except ValueError:
@@ -182,7 +196,7 @@ def torch_child(tool: str, path: str, shapes_file: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("big", nargs="?")
-    ap.add_argument("--reps", type=int, default=1)
+    ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--only", default=",".join(PARTS))
     ap.add_argument("--scratch", default=None)
     ap.add_argument("--jax-child", nargs=3, help=argparse.SUPPRESS)
@@ -218,29 +232,33 @@ def main() -> None:
                        check=True, env=_env())
         print(f"# wrote the Orbax copy of the weights in {time.time() - t0:.0f}s", flush=True)
 
+    def in_order(cases: list, rep: int) -> list:  # the tools' order reversed every other rep
+        return cases[::-1] if rep % 2 else cases
+
     for rep in range(a.reps):
         print(f"# rep {rep}", flush=True)
         if "convert" in parts:
             for fmt in ("ds2", "ds3"):
                 if fmt not in fmts:
                     continue
-                tag = _tag_dir(fmts[fmt]["path"])
-                _run(f"convert/{fmt}/ds_to_universal", [py, "-m", "deepspeed.checkpoint.ds_to_universal",
-                     "--input_folder", tag, "--output_folder", os.path.join(scratch, "u"), "--inject_missing_state"],
-                     scratch, results)
-                _run(f"convert/{fmt}/ckptbridge", [*_cli(), "convert", fmts[fmt]["path"], os.path.join(scratch, "u")],
-                     scratch, results)
+                src, u = fmts[fmt]["path"], os.path.join(scratch, "u")
+                cases = [(f"convert/{fmt}/ds_to_universal", [py, "-m", "deepspeed.checkpoint.ds_to_universal",
+                          "--input_folder", _tag_dir(src), "--output_folder", u, "--inject_missing_state"]),
+                         (f"convert/{fmt}/ckptbridge", [*_cli(), "convert", src, u])]
+                for label, cmd in in_order(cases, rep):
+                    _run(label, cmd, scratch, results, src)
             if "dcp" in fmts:
                 _run("convert/dcp/ckptbridge", [*_cli(), "convert", fmts["dcp"]["path"], os.path.join(scratch, "u")],
-                     scratch, results)
+                     scratch, results, fmts["dcp"]["path"])
         if "jax" in parts and "ds2" in fmts:
-            for tool, path in (("orbax", orbax_dir), ("cb-native", fmts["ds2"]["path"]), ("cb-orbax", orbax_dir)):
-                _run(f"jax/{tool}", [py, __file__, "--jax-child", tool, path, shapes_file], scratch, results)
+            cases = [("orbax", orbax_dir), ("cb-native", fmts["ds2"]["path"]), ("cb-orbax", orbax_dir)]
+            for tool, path in in_order(cases, rep):
+                _run(f"jax/{tool}", [py, __file__, "--jax-child", tool, path, shapes_file], scratch, results, path)
         if "torch" in parts and "dcp" in fmts:
-            for tool in ("dcp", "ckptbridge"):
+            for tool in in_order(["dcp", "ckptbridge"], rep):
                 cmd = [py, "-m", "torch.distributed.run", f"--nproc_per_node={info['ws']}", "--master_addr=127.0.0.1",
                        f"--master_port={29700 + rep}", __file__, "--torch-child", tool, fmts["dcp"]["path"], shapes_file]
-                _run(f"torch/{tool}", cmd, scratch, results)
+                _run(f"torch/{tool}", cmd, scratch, results, fmts["dcp"]["path"])
 
     med = {k: {m: statistics.median(r[m] for r in rs) for m in rs[0] if isinstance(rs[0][m], (int, float))}
            for k, rs in results.items()}

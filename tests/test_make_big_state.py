@@ -5,8 +5,9 @@ It makes a tiny state (2 layers of width 64) in the three layouts with the real 
 checks that ckptbridge opens each with every parameter, shape and state the generator
 promises, that the values are what the libraries made (bf16 weights = fp32 master in a
 fresh DeepSpeed engine; random Adam moments; DCP's AdamW state after one step), and that
-``convert`` writes a checkpoint that verifies; and that ``bench_ds_resume.py --big`` resumes the
-ZeRO-2 state on one rank both ways with equal first losses.
+``convert`` writes a checkpoint that verifies; that ``bench_ds_resume.py --big`` resumes the
+ZeRO-2 state on one rank both ways with equal first losses; and that ``bench_big_state.py`` runs
+every case on it with its inputs evicted first and its outputs fsync'd (no timing asserted).
 """
 
 from __future__ import annotations
@@ -79,3 +80,18 @@ def test_generator_makes_all_layouts(tmp_path):
     assert res["commit"] and res["machine"]["memcpy_gbps"] > 0  # every result file says where it ran
     assert res["first_losses_equal"] and res["src"] == {"ws": 2, "stage": 2} and res["dst"]["ws"] == 1
     assert 0 < res["median"]["native"]["ready_s"] <= res["median"]["native"]["ttfs_s"]
+
+    # bench_big_state.py on this state, one rep: every command starts with its inputs evicted and a
+    # convert's time includes the fsync of its output; both torch loads give the same weights
+    subprocess.run([sys.executable, os.path.join(BENCH, "bench_big_state.py"), out, "--reps", "1"], check=True,
+                   timeout=1800, env={**os.environ, "OMP_NUM_THREADS": "1", "CB_BENCH_RESULTS": str(results),
+                                      "CB_BENCH_PROBE_MIB": "16"})
+    with open(results / "big_state.json") as fh:
+        big = json.load(fh)
+    assert big["commit"] and big["machine"]["memcpy_gbps"] > 0
+    assert set(big["runs"]) == {*(f"convert/{f}/{t}" for f in ("ds2", "ds3") for t in ("ds_to_universal", "ckptbridge")),
+                                "convert/dcp/ckptbridge", "jax/orbax", "jax/cb-native", "jax/cb-orbax",
+                                "torch/dcp", "torch/ckptbridge"}
+    for label, (row,) in big["runs"].items():
+        assert row["evicted_mib"] > 0 and 0 <= row["fsync_s"] <= row["wall_s"], (label, row)
+    assert big["summary"]["torch"]["same_checksum"] and big["summary"]["convert/ds2"]["flat_ok"]
