@@ -71,10 +71,12 @@ test-megatron-lm: venv
 fuzz: venv
 	FUZZ_CASES=$${FUZZ_CASES:-20000} $(PY) -m pytest -q tests/test_fuzz.py tests/test_fuzz_adapters.py
 
-# Every harness suite (bench/README.md), then the standalone benchmarks that need only the venv:
-# results -> bench/results/, then the README's tables regenerated from them. The Megatron rows
-# need Megatron-LM's source: bench/megatron_source.sh.
-bench: venv
+# Every harness suite (bench/README.md), then every standalone benchmark: results -> bench/results/,
+# then the README's tables regenerated from them. The Megatron rows need Megatron-LM's source
+# (bench/megatron_source.sh: a git clone of tag core_v0.16.1, or from a local mirror given to it);
+# bench_recipes runs in MaxText's venv. About 4 hours on a 2-core VM, ~60 GB of disk.
+bench: venv maxtext-venv
+	bash bench/megatron_source.sh
 	$(PY) bench/run.py
 	$(PY) bench/run.py --standalone
 	$(PY) bench/readme.py

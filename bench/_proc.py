@@ -107,9 +107,19 @@ def provenance(mib: int | None = None) -> dict[str, Any]:
 def save_result(name: str, data: Mapping[str, Any]) -> str:
     """Write ``data`` and its :func:`provenance` to ``bench/results/<name>.json`` (``$CB_BENCH_RESULTS/``
     when set); return the path."""
-    os.makedirs(RESULTS, exist_ok=True)
     path = os.path.join(RESULTS, f"{name}.json")
+    save_result_at(path, data)
+    return path
+
+
+def save_result_at(path: str, data: Mapping[str, Any]) -> dict[str, Any]:
+    """Write ``data`` and its :func:`provenance` to ``path`` (a script's own ``--out``); return what
+    was written::
+
+        doc = save_result_at("bench/results/remote.json", {"median": med})
+    """
     full = {**provenance(), **data}
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as fh:
         json.dump(full, fh, indent=1, default=str)
-    return path
+    return full

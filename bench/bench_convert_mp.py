@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import shutil
 import statistics
@@ -130,12 +129,9 @@ def main() -> None:
         "net_of_launch_s": net,
         "net_speedup_over_n1": {m: round(net["n1"] / t, 3) for m, t in net.items()},
     }
-    from _proc import provenance
+    from _proc import save_result_at
 
-    result = {**provenance(), **result}
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as fh:
-        json.dump(result, fh, indent=1)
+    save_result_at(args.out, result)
     print(f"{size / 2**20:.0f} MiB, {args.tensors} tensors, {os.cpu_count()} cores")
     for m, t in med.items():
         extra = "" if m not in conv else \

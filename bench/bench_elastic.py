@@ -217,12 +217,10 @@ def main() -> None:
     for label, hidden in (("tiny (the tests' model, gloo-latency bound)", 30), ("compute-bound", args.hidden)):
         o = results[label] = overhead(args.overhead_rounds, args.overhead_steps, hidden)
         report(label, o)
-    from _proc import provenance
+    from _proc import save_result_at
 
-    doc = {"recovery": rows, "overhead": results, "time": time.time(), **provenance()}
-    os.makedirs(args.results, exist_ok=True)
-    with open(os.path.join(args.results, "bench_elastic.json"), "w") as fh:
-        json.dump(doc, fh, indent=1)
+    doc = save_result_at(os.path.join(args.results, "bench_elastic.json"),
+                         {"recovery": rows, "overhead": results, "time": time.time()})
     with open(os.path.join(args.results, "bench_elastic.md"), "w") as fh:
         fh.write(markdown(doc))
 

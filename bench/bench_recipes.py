@@ -256,12 +256,9 @@ def main(argv: list[str] | None = None) -> int:
             "maxtext host only / load": med["maxtext"] / med["load"]} if "maxtext" in med else {}),
         "goals": {"open <= 0.1 s": med["open"] <= 0.1, "load <= 1.2x plain": med["load"] <= 1.2 * med["plain"]},
     }
-    from _proc import provenance
+    from _proc import save_result_at
 
-    result = {**provenance(), **result}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
+    save_result_at(args.out, result)
     gb = size / 1e9
     print(f"HF Llama-3-8B shapes, {L} layers, bf16, {gb:.2f} GB -> MaxText scanned tree on fsdp 2 x tensor 2 "
           f"(medians of {args.reps}; open: of {20 * args.reps})")
@@ -274,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
               f"its host arrays alone {med['maxtext']:.2f} s)")
     for k, v in result["ratios"].items():
         print(f"  {k:32s}{v:8.2f}x")
-    print(f"  goals: {result['goals']}\n  -> {out}")
+    print(f"  goals: {result['goals']}\n  -> {args.out}")
     return 0
 
 

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import socket
 import statistics
@@ -196,12 +195,9 @@ def main() -> None:
                           round(med["s3fs-cat"] / med["ckptbridge-threads"], 3)},
         "checksum_ckptbridge": sums["ckptbridge"], "checksum_source": sums["source"],
     }
-    from _proc import provenance
+    from _proc import save_result_at
 
-    result = {**provenance(), **result}
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as fh:
-        json.dump(result, fh, indent=1)
+    save_result_at(args.out, result)
     print(f"1/8 column slice: fetched {slice_fetched} B for {needed} B needed "
           f"({slice_fetched / needed:.3f}x, {slice_requests} requests)")
     print(f"full read of {total / 2**20:.0f} MiB: ckptbridge state_dict {med['ckptbridge']:.3f} s, s3fs cat "
