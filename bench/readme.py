@@ -14,8 +14,9 @@ typed or re-derived here. A result file without markers, or markers without a re
 is reported (the README then says the file is missing). The harness results' comparisons are
 derived again from their runs (``summarize``), and each one's ``<suite>-<size>.md`` is rewritten
 from it. ``--check`` (in ``make lint``) changes nothing and exits 1 if the README or a harness
-``.md`` differs from what the result files give, or a result file and the README's markers do
-not match.
+``.md`` differs from what the result files give, a result file and the README's markers do
+not match, or a result file records no commit or machine facts. The block between
+``<!-- bench:commits -->`` markers lists the commits the result files were measured at.
 """
 
 from __future__ import annotations
@@ -46,7 +47,9 @@ def render(text: str, results: dict[str, dict]) -> tuple[str, list[str], list[st
         key = m.group("key")
         seen.add(key)
         doc = results.get(key)
-        if doc is None:
+        if key == COMMITS:
+            body = commits_block(results)
+        elif doc is None:
             missing.append(key)
             body = f"*No result file `bench/results/{key}.json` yet (bench/README.md: the command that writes it).*\n"
         elif STANDALONE in doc:
@@ -57,6 +60,9 @@ def render(text: str, results: dict[str, dict]) -> tuple[str, list[str], list[st
 
     out = MARK.sub(sub, text)
     return out, missing, sorted(set(results) - seen)
+
+
+COMMITS = "commits"  # the marker whose block says which commits the result files were measured at
 
 
 STANDALONE = "_standalone_md"  # key of a standalone result: the text of its .md (or None)
@@ -86,15 +92,60 @@ def headline_table(doc: Any) -> str:
     return "\n".join(out) + "\n"
 
 
+def provenance(doc: Any) -> tuple[str, str, str] | None:
+    """(commit, when, where) a result file says it was measured at, or ``None`` when it does not say:
+    a harness result (``commit``, ``started``, its machine facts), a standalone one
+    (``_proc.provenance``: ``commit``, ``finished``, the harness's machine facts) or
+    ``tools/gpu_check.py``'s record (its ``machine``: ``commit``, ``time``, the GPU)."""
+    if not isinstance(doc, dict):
+        return None
+    m = doc.get("machine")
+    if not isinstance(m, dict):
+        return None
+    if doc.get("commit") and isinstance(m.get("memcpy_gbps"), (int, float)):
+        return str(doc["commit"]), str(doc.get("finished") or doc.get("started") or "?"), f"{m.get('cores')} cores"
+    if m.get("commit") and m.get("time") and "gpu" in m:
+        return str(m["commit"])[:10], str(m["time"]), str(m["gpu"] or f"no GPU, {m.get('cpus')} CPUs")
+    return None
+
+
 def provenance_line(doc: Any) -> str:
-    """Where and when a standalone result was measured (``_proc.provenance``), or that its file
+    """Where and when a standalone result was measured (:func:`provenance`), or that its file
     does not say."""
-    m = doc.get("machine") if isinstance(doc, dict) else None
-    if not (isinstance(doc, dict) and doc.get("commit") and isinstance(m, dict) and "memcpy_gbps" in m):
+    p = provenance(doc)
+    if p is None:
         return "*This file records no commit or machine facts: not a figure to quote until measured again.*\n"
-    return (f"*Measured at commit {doc['commit']}, finished {doc.get('finished', '?')}: {m['cores']} cores "
-            f"({m['cpu']}), load average {m.get('load_avg_at_end', m['loadavg'])[0]:.1f} when it finished, memcpy {m['memcpy_gbps']:.1f} GB/s, "
+    m = doc["machine"]
+    if "memcpy_gbps" not in m:  # tools/gpu_check.py: its own line below names the GPU and the versions
+        return f"*Measured at commit {p[0]}, {p[1]}, on {p[2]}.*\n"
+    return (f"*Measured at commit {p[0]}, finished {p[1]}: {m['cores']} cores ({m['cpu']}), load average "
+            f"{m.get('load_avg_at_end', m['loadavg'])[0]:.1f} when it finished, memcpy {m['memcpy_gbps']:.1f} GB/s, "
             f"disk write {m['disk_write_gbps']:.2f} / read {m['disk_read_gbps']:.2f} GB/s.*\n")
+
+
+def commits_block(results: dict[str, dict]) -> str:
+    """One line per commit the result files were measured at: how many files, which, and the span
+    of their times (files that record none are listed too: ``--check`` refuses them)."""
+    by: dict[str, list[tuple[str, str, str]]] = {}
+    for key, doc in sorted(results.items()):
+        p = provenance(doc.get(RAW) if STANDALONE in doc else doc)
+        commit, when, where = p or ("(none recorded)", "", "")
+        by.setdefault(commit, []).append((key, when, where))
+    lines = []
+    for commit, rows in sorted(by.items(), key=lambda kv: (-len(kv[1]), kv[0])):
+        times = sorted(w for _, w, _ in rows if w)
+        span = f", {times[0]} to {times[-1]}" if len(times) > 1 else (f", {times[0]}" if times else "")
+        machines = ", ".join(sorted({w for _, _, w in rows if w}))
+        files = f"{len(rows)} result file{'s' if len(rows) > 1 else ''}"
+        lines.append(f"* commit **{commit}**: {files}{span}"
+                     f"{f' ({machines})' if machines else ''}: {', '.join(f'`{k}`' for k, _, _ in rows)}")
+    return "\n".join(lines) + "\n"
+
+
+def unrecorded(results: dict[str, dict]) -> list[str]:
+    """The result files that record no commit or no machine facts (``--check`` fails on them)."""
+    return [key for key, doc in sorted(results.items())
+            if provenance(doc.get(RAW) if STANDALONE in doc else doc) is None]
 
 
 def standalone_block(key: str, md: str | None, doc: Any = None) -> str:
@@ -165,7 +216,10 @@ def main(argv: list[str] | None = None) -> int:
     if a.check:
         for path in stale:
             print(f"stale: {path} (run python bench/readme.py)")
-        ok = not stale and not missing and not unplaced
+        bare = unrecorded(results)
+        for key in bare:
+            print(f"result {key} records no commit or machine facts (measure it again: bench/README.md)")
+        ok = not stale and not missing and not unplaced and not bare
         print("README benchmark tables are " + ("up to date" if ok else "NOT up to date"))
         return 0 if ok else 1
     for path in stale:

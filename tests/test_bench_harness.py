@@ -116,6 +116,27 @@ def test_readme_standalone_results(quick_result: dict, tmp_path) -> None:
     assert "bench/results/ds_resume.json" in new and "3.25" not in new  # only its headline figures
     assert "| `speedup_ttfs` | 1.95 |" in new
     assert "old" not in new and "No result file `bench/results/bench_x.json`" in new
+    # the commits block: every file under the commit it names, the files that name none apart
+    gpu = {"gpu": "NVIDIA H200", "commit": "2343c44587aa", "time": "2026-11-26T11:28:11+0000", "cpus": 16}
+    (tmp_path / "gpu_check.json").write_text(json.dumps({"checks": [], "machine": gpu}))
+    results = readme.load_results(str(tmp_path))
+    assert readme.provenance_line(results["gpu_check"][readme.RAW]) == \
+        "*Measured at commit 2343c44587, 2026-11-26T11:28:11+0000, on NVIDIA H200.*\n"
+    block = readme.commits_block(results)
+    assert "* commit **abc1234**: 1 result file, 2026-11-27T08:00:00+00:00 (2 cores): `bench_async`" in block
+    assert "* commit **(none recorded)**: 1 result file: `ds_resume`" in block
+    assert "* commit **2343c44587**: 1 result file, 2026-11-26T11:28:11+0000 (NVIDIA H200): `gpu_check`" in block
+    assert readme.unrecorded(results) == ["ds_resume"]
+    marked = "".join(f"<!-- bench:{k} -->\n<!-- /bench:{k} -->\n" for k in (*results, "commits"))
+    readme_copy = tmp_path / "README.md"
+    readme_copy.write_text(marked)
+    assert readme.main(["--results", str(tmp_path), "--readme", str(readme_copy)]) == 0
+    assert block in readme_copy.read_text()
+    assert readme.main(["--check", "--results", str(tmp_path), "--readme", str(readme_copy)]) == 1  # ds_resume
+    (tmp_path / "ds_resume.json").unlink()
+    readme_copy.write_text(marked.replace("<!-- bench:ds_resume -->\n<!-- /bench:ds_resume -->\n", ""))
+    assert readme.main(["--results", str(tmp_path), "--readme", str(readme_copy)]) == 0
+    assert readme.main(["--check", "--results", str(tmp_path), "--readme", str(readme_copy)]) == 0
     (tmp_path / "bad-quick.json").write_text(json.dumps({"schema": "ckptbridge-bench/1"}))
     with pytest.raises(SystemExit, match="not a valid result file"):  # a broken harness file is refused
         readme.load_results(str(tmp_path))
