@@ -44,7 +44,7 @@ def _result(path: Path) -> dict[str, Any]:
 def test_bench_convert_mp(tmp_path: Path) -> None:
     out = tmp_path / "results" / "convert_mp.json"
     _run(tmp_path, "bench_convert_mp.py", "--size-mib", "4", "--tensors", "2", "--procs", "2", "--reps", "1",
-         "--dir", str(tmp_path / "work"), "--out", str(out))
+         "--out", str(out))
     doc = _result(out)
     assert {"n1", "floor"} <= set(doc["median_s"]) and doc["net_speedup_over_n1"]["n1"] == 1.0
 
